@@ -1,0 +1,45 @@
+"""The compiled call convention shared by every ops wrapper (docs/plugins.md, section 4).
+
+Plugin binaries never see a torch tensor: wrappers pass device pointers, shapes,
+strides (in elements), the dtype codes below and the CUDA stream as plain ints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Mirrors astrai/dtype.h in packages/cuda-common; the numbers are part of ABI 1.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+    torch.int32: 5,
+    torch.int64: 6,
+    torch.bool: 7,
+}
+
+# The ABI version of each op's call convention this core speaks.
+SUPPORTED_OP_ABI: dict[str, frozenset[int]] = {
+    "attn_decode": frozenset({1}),
+    "attn_prefill": frozenset({1}),
+    "attn_paged_decode": frozenset({1}),
+    "attn_paged_prefill": frozenset({1}),
+    "rotary_emb": frozenset({1}),
+    "fp8_quantize": frozenset({1}),
+    "fp8_gemm": frozenset({1}),
+}
+
+
+def dtype_code(tensor: torch.Tensor) -> int:
+    try:
+        return DTYPE_CODES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"dtype {tensor.dtype} has no ABI code; supported: "
+                        f"{', '.join(str(d) for d in DTYPE_CODES)}") from None
+
+
+def stream_handle(device: torch.device) -> int:
+    """The raw cudaStream_t of the current stream on ``device``."""
+    return torch.cuda.current_stream(device).cuda_stream
