@@ -1,0 +1,133 @@
+"""``astrai doctor``: what is installed, what runs here, why, and how to get the rest."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .. import __version__
+from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
+from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, pip_command
+from ..extension.ops._plugin import PLUGIN_OF_OP
+from ..extension.registry import Registry
+from ..extension.runtime import current_runtime
+
+FALLBACKS = {
+    "attn_decode": "torch SDPA",
+    "attn_prefill": "torch SDPA",
+    "attn_paged_decode": "torch SDPA over gathered pages",
+    "attn_paged_prefill": "torch SDPA over gathered pages",
+    "rotary_emb": "torch complex multiply",
+    "fp8_quantize": "torch saturating cast",
+    "fp8_gemm": "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
+}
+
+
+def _plugin_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
+    rows = []
+    for record in registry.plugins():
+        m = record.manifest
+        reason = record.rejected or (registry.device_rejection(m, device) if m else None)
+        rows.append({
+            "name": record.name,
+            "entry_point": record.entry_point,
+            "version": str(m.version) if m else None,
+            "cuda": m.cuda_text if m else None,
+            "sass_archs": [str(a) for a in m.sass_archs] if m else [],
+            "ptx_archs": [str(a) for a in m.ptx_archs] if m else [],
+            "ops": sorted(m.ops) if m else [],
+            "usable": reason is None,
+            "reason": reason or "usable on this device",
+        })
+    return rows
+
+
+def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
+    rows = []
+    for op in PLUGIN_OF_OP:
+        status = registry.op_status(op, device)
+        if status.usable and status.native is False:
+            backend = f"{FALLBACKS[op]} (the {status.plugin.name} kernel is emulated on sm_{device.sm})"
+        elif status.usable:
+            backend = f"CUDA kernel from {status.reason}"
+        else:
+            backend = FALLBACKS[op]
+        rows.append({"op": op, "backend": backend, "plugin_status": status.reason})
+    return rows
+
+
+def _install_commands(device: DeviceInfo) -> dict:
+    tag = cuda_index_tag(device.driver_cuda)
+    if device.type != "cuda" or tag is None:
+        why = "no CUDA device" if device.type != "cuda" else "the driver is too old for any published build"
+        return {"note": f"{why}: the torch fallbacks serve every op; plugins need an NVIDIA GPU "
+                        "with a CUDA 12.4+ driver", "pip": 'pip install astrai'}
+    cuda_major = tag[2:-1]
+    return {
+        "pip": pip_command("all", device.driver_cuda),
+        "conda": f'conda install -c conda-forge -c astrai "astrai-kernels" "cuda-version={cuda_major}"',
+        "pixi": f'pixi add astrai-kernels "cuda-version={cuda_major}.*"',
+    }
+
+
+def collect(runtime=None) -> dict:
+    """Everything the doctor knows, as plain data (``--json`` prints exactly this)."""
+    runtime = runtime or current_runtime()
+    device = probe_device()
+    return {
+        "astrai": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "driver_cuda": None if driver_cuda_version() is None else "%d.%d" % driver_cuda_version(),
+        "device": device.describe(),
+        "plugins": _plugin_rows(runtime.registry, device),
+        "ops": _op_rows(runtime.registry, device),
+        "install": _install_commands(device),
+    }
+
+
+def render(report: dict, console: Console) -> None:
+    console.print(f"[bold]astrai {report['astrai']}[/bold]  python {report['python']}  "
+                  f"torch {report['torch']} (CUDA {report['torch_cuda'] or 'none'})")
+    console.print(f"driver CUDA: {report['driver_cuda'] or 'none'}   device: {report['device']}")
+
+    plugins = Table(title="plugins (entry-point group astrai.kernels)")
+    for column in ("plugin", "version", "CUDA", "archs", "ops", "status"):
+        plugins.add_column(column)
+    for row in report["plugins"]:
+        archs = " ".join(row["sass_archs"] + row["ptx_archs"])
+        status = "[green]usable[/green]" if row["usable"] else f"[red]unusable[/red]: {row['reason']}"
+        plugins.add_row(row["name"], row["version"] or "-", row["cuda"] or "-", archs, " ".join(row["ops"]), status)
+    if not report["plugins"]:
+        plugins.add_row("(none installed)", "", "", "", "", "")
+    console.print(plugins)
+
+    ops = Table(title="what each op runs here")
+    ops.add_column("op")
+    ops.add_column("backend")
+    for row in report["ops"]:
+        ops.add_row(row["op"], row["backend"])
+    console.print(ops)
+
+    install = report["install"]
+    if "note" in install:
+        console.print(f"[yellow]{install['note']}[/yellow]")
+    for kind in ("pip", "conda", "pixi"):
+        if kind in install:
+            console.print(f"install ({kind}): {install[kind]}", soft_wrap=True)
+
+
+def main(args) -> int:
+    report = collect()
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(report, Console(width=160))
+    return 0

@@ -1,0 +1,44 @@
+"""`astrai doctor` end to end, and its report over fake plugins."""
+
+import json
+import subprocess
+import sys
+
+from fakes import FakeEntryPoint, entry_points, manifest
+
+from astrai.cli import doctor
+from astrai.extension.registry import Registry
+from astrai.extension.runtime import Runtime
+
+
+def test_doctor_runs_as_console_script():
+    out = subprocess.run([sys.executable, "-m", "astrai.cli.main", "doctor"], capture_output=True, text=True, check=True)
+    assert "astrai 0.1.0" in out.stdout
+    assert "what each op runs here" in out.stdout
+    assert "rotary_emb" in out.stdout
+
+
+def test_doctor_json_is_complete():
+    out = subprocess.run([sys.executable, "-m", "astrai.cli.main", "doctor", "--json"],
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert {"astrai", "torch", "torch_cuda", "driver_cuda", "device", "plugins", "ops", "install"} <= set(report)
+    assert {row["op"] for row in report["ops"]} >= {"attn_paged_decode", "rotary_emb", "fp8_gemm"}
+    assert "pip" in report["install"]
+
+
+def test_doctor_lists_rejected_plugins_with_reasons():
+    eps = entry_points(FakeEntryPoint("rotary", manifest),
+                       FakeEntryPoint("fp8", manifest(name="astrai-fp8", api_version=9)),
+                       FakeEntryPoint("attention", ImportError("libcudart.so.12: cannot open")))
+    report = doctor.collect(Runtime(Registry(eps)))
+    rows = {row["name"]: row for row in report["plugins"]}
+    assert rows["astrai-rotary"]["version"] == "0.1.0+cu130"
+    assert rows["astrai-rotary"]["sass_archs"][-1] == "sm_120"
+    if report["device"] == "no CUDA device":
+        assert not rows["astrai-rotary"]["usable"]
+        assert "no CUDA device" in rows["astrai-rotary"]["reason"]
+        rotary = next(r for r in report["ops"] if r["op"] == "rotary_emb")
+        assert rotary["backend"] == "torch complex multiply"
+    assert "plugin API version 9" in rows["astrai-fp8"]["reason"]
+    assert "libcudart.so.12: cannot open" in rows["astrai-attention"]["reason"]
