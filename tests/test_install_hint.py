@@ -1,0 +1,65 @@
+"""The install commands doctor prints: right index / build per driver, every installer."""
+
+import shlex
+
+import pytest
+
+from astrai.cli.install_hint import EXTRAS, INSTALLERS, conda_package, install_command
+
+CU130 = "https://astrai-kernels.github.io/whl/cu130"
+CU124 = "https://astrai-kernels.github.io/whl/cu124"
+
+
+@pytest.mark.parametrize("driver, index", [((13, 0), CU130), ((13, 2), CU130), ((14, 1), CU130),
+                                           ((12, 4), CU124), ((12, 9), CU124)])
+def test_pip_picks_the_index_of_the_newest_build_the_driver_runs(driver, index):
+    assert install_command(driver, "pip") == f'pip install "astrai[all]" --extra-index-url {index}'
+    assert install_command(driver, "pip", "fp8") == f'pip install "astrai[fp8]" --extra-index-url {index}'
+
+
+@pytest.mark.parametrize("driver, major", [((13, 0), 13), ((14, 0), 13), ((12, 4), 12), ((12, 8), 12)])
+def test_conda_and_pixi_pin_the_cuda_major_of_that_build(driver, major):
+    conda = install_command(driver, "conda", "rotary")
+    assert conda.startswith("conda install -c https://astrai-kernels.github.io/conda -c conda-forge ")
+    assert shlex.split(conda)[-2:] == ["astrai-rotary", f"cuda-version={major}"]
+    pixi = install_command(driver, "pixi")
+    steps = [shlex.split(step) for step in pixi.split(" && ")]
+    assert steps[0] == ["pixi", "workspace", "channel", "add", "https://astrai-kernels.github.io/conda"]
+    assert steps[1] == ["pixi", "workspace", "system-requirements", "add", "cuda", "%d.%d" % driver]
+    assert steps[2] == ["pixi", "add", "astrai-kernels", f"cuda-version={major}.*"]
+
+
+@pytest.mark.parametrize("driver", [None, (12, 2), (11, 8)])
+def test_without_a_usable_driver_every_installer_gets_the_core_only(driver):
+    assert install_command(driver, "pip") == "pip install astrai"
+    assert shlex.split(install_command(driver, "conda"))[-1] == "astrai"
+    assert install_command(driver, "pixi").endswith("&& pixi add astrai")
+
+
+def test_channel_and_index_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("ASTRAI_CONDA_CHANNEL", "http://127.0.0.1:8000/conda/")
+    monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
+    assert "-c http://127.0.0.1:8000/conda -c conda-forge" in install_command((13, 0), "conda")
+    assert install_command((12, 4), "pip").endswith("--extra-index-url http://127.0.0.1:8000/whl/cu124")
+
+
+def test_every_extra_names_a_package_for_every_installer():
+    for extra in EXTRAS:
+        for installer in INSTALLERS:
+            assert install_command((13, 0), installer, extra)
+    assert [conda_package(e) for e in EXTRAS] == ["astrai-kernels", "astrai-attention", "astrai-rotary", "astrai-fp8"]
+
+
+@pytest.mark.parametrize("args, word", [(((13, 0), "uv"), "installer"), (((13, 0), "pip", "flash"), "extra"),
+                                        (((13,), "pip"), "driver_cuda"), ((("13", "0"), "conda"), "driver_cuda")])
+def test_bad_arguments_name_the_argument(args, word):
+    with pytest.raises(ValueError, match=word):
+        install_command(*args)
+
+
+def test_the_module_examples_hold():
+    import doctest
+
+    import astrai.cli.install_hint as module
+
+    assert doctest.testmod(module).failed == 0
