@@ -1,0 +1,126 @@
+// pybind11 glue shared by the plugins' compiled modules (torch-free, ABI 1).
+//
+//   tensor_arg(name, obj)   a Python tuple (ptr, shape, strides, dtype_code) -> TensorArg
+//   stream_arg(handle)      a Python int (torch's `cuda_stream`) -> cudaStream_t
+//   init_module(m)          error translation (ValueError / RuntimeError) + build_info()
+//
+// build_info() reports what CMake compiled in (the ASTRAI_BUILD_* macros of the
+// generated astrai_build_config.h) and the toolkit's CUDART_VERSION.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "astrai/check.h"
+#include "astrai/dtype.h"
+#include "astrai/tensor_arg.h"
+
+// AstraiPlugin.cmake generates this header per module: ASTRAI_BUILD_SASS / _PTX
+// (comma-separated "sm_90a" / "compute_90") and ASTRAI_BUILD_NVCC ("13.0.88").
+#if __has_include("astrai_build_config.h")
+#include "astrai_build_config.h"
+#endif
+#ifndef ASTRAI_BUILD_SASS
+#define ASTRAI_BUILD_SASS ""
+#define ASTRAI_BUILD_PTX ""
+#define ASTRAI_BUILD_NVCC ""
+#endif
+
+namespace astrai::bind {
+
+namespace py = pybind11;
+
+inline std::vector<std::string> split_list(const std::string& text) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start <= text.size()) {
+        size_t end = text.find(',', start);
+        if (end == std::string::npos) end = text.size();
+        if (end > start) out.push_back(text.substr(start, end - start));
+        start = end + 1;
+    }
+    return out;
+}
+
+inline std::vector<int64_t> int_list(const char* name, const char* field, py::handle obj) {
+    ASTRAI_CHECK(py::isinstance<py::sequence>(obj) && !py::isinstance<py::str>(obj), name, ": ",
+                 field, " must be a sequence of ints, got ", std::string(py::str(py::type::of(obj).attr("__name__"))));
+    std::vector<int64_t> out;
+    for (py::handle item : py::reinterpret_borrow<py::sequence>(obj)) {
+        ASTRAI_CHECK(py::isinstance<py::int_>(item), name, ": ", field, " must hold ints");
+        out.push_back(item.cast<int64_t>());
+    }
+    return out;
+}
+
+// (ptr, shape, strides, dtype_code) -> TensorArg, checked for consistent shape/strides.
+inline TensorArg tensor_arg(const char* name, py::handle obj) {
+    ASTRAI_CHECK(py::isinstance<py::tuple>(obj) && py::len(obj) == 4, name,
+                 ": expected a tuple (data_ptr, shape, strides, dtype_code)");
+    auto tup = py::reinterpret_borrow<py::tuple>(obj);
+    TensorArg t;
+    t.name = name;
+    ASTRAI_CHECK(py::isinstance<py::int_>(tup[0]), name, ": data_ptr must be an int");
+    ASTRAI_CHECK(tup[0].cast<py::int_>() >= py::int_(0), name, ": data_ptr must be >= 0");
+    t.ptr = tup[0].cast<std::uintptr_t>();
+    t.shape = int_list(name, "shape", tup[1]);
+    t.strides = int_list(name, "strides", tup[2]);
+    ASTRAI_CHECK(py::isinstance<py::int_>(tup[3]), name, ": dtype_code must be an int");
+    t.dtype = dtype_from_code(tup[3].cast<int64_t>(), name);
+    check_layout(t);
+    return t;
+}
+
+inline cudaStream_t stream_arg(py::handle obj) {
+    ASTRAI_CHECK(py::isinstance<py::int_>(obj) && obj.cast<py::int_>() >= py::int_(0),
+                 "stream: expected the stream handle as a non-negative int");
+    return reinterpret_cast<cudaStream_t>(obj.cast<std::uintptr_t>());
+}
+
+inline py::list to_list(const std::vector<std::string>& items) {
+    py::list out;
+    for (const auto& item : items) out.append(item);
+    return out;
+}
+
+inline py::dict build_info() {
+    py::dict info;
+    const int runtime = CUDART_VERSION;
+    info["cuda_version"] = std::to_string(runtime / 1000) + "." + std::to_string(runtime % 1000 / 10);
+    info["nvcc_version"] = std::string(ASTRAI_BUILD_NVCC);
+    const auto sass = split_list(ASTRAI_BUILD_SASS);
+    const auto ptx = split_list(ASTRAI_BUILD_PTX);
+    info["sass_archs"] = to_list(sass);
+    info["ptx_archs"] = to_list(ptx);
+    std::vector<std::string> archs;  // CMake-style list: 90a-real, 90-virtual
+    for (const auto& a : sass) archs.push_back(a.substr(3) + "-real");
+    for (const auto& a : ptx) archs.push_back(a.substr(8) + "-virtual");
+    info["archs"] = to_list(archs);
+#ifdef ASTRAI_NO_MMA
+    info["no_mma"] = true;
+#else
+    info["no_mma"] = false;
+#endif
+    return info;
+}
+
+// Call first in every PYBIND11_MODULE of a plugin.
+inline void init_module(py::module_& m) {
+    py::register_local_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const InvalidArgument& e) {
+            PyErr_SetString(PyExc_ValueError, e.what());
+        } catch (const CudaError& e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+        }
+    });
+    m.def("build_info", &build_info,
+          "What this module was built with: cuda_version, nvcc_version, sass_archs, "
+          "ptx_archs, archs, no_mma.");
+}
+
+}  // namespace astrai::bind
