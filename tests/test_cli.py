@@ -42,3 +42,14 @@ def test_doctor_lists_rejected_plugins_with_reasons():
         assert rotary["backend"] == "torch complex multiply"
     assert "plugin API version 9" in rows["astrai-fp8"]["reason"]
     assert "libcudart.so.12: cannot open" in rows["astrai-attention"]["reason"]
+
+
+def test_bench_runs_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "astrai.cli.main", "bench", "--quick",
+                          "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")],
+                         capture_output=True, text=True, check=True)
+    assert "astrai bench on" in out.stdout
+    results = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert {r["name"] for r in results} >= {"paged decode", "prefill causal", "rotary"}
+    assert all(r["ms"] > 0 and r["speedup"] > 0 for r in results)
+    assert (tmp_path / "b.png").stat().st_size > 1000

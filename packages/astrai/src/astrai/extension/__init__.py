@@ -1,0 +1,32 @@
+"""AstrAI's stable public API (re-exports only).
+
+Model code imports from here::
+
+    from astrai.extension import ATTN_BACKEND, attention, attn_backend, apply_rotary_emb
+
+Direct kernel wrappers that never fall back live in :mod:`astrai.extension.ops`.
+"""
+
+from .backend.attention import ATTN_BACKEND, attention, attn_backend
+from .backend.rotary import apply_rotary_emb
+from .kv_cache import BatchPlan, PagedKVCache
+from .resolver import BackendUnavailableError, Decision
+from .runtime import current_runtime
+
+
+def explain(op: str | None = None) -> list[Decision]:
+    """Every backend decision made so far in this process (of ``op``: "attention",
+    "rotary_emb", "fp8_gemm", ...), each with its accept/reject trace; ``print`` them."""
+    return current_runtime().explain(op)
+
+
+__all__ = [
+    "ATTN_BACKEND",
+    "BackendUnavailableError",
+    "BatchPlan",
+    "PagedKVCache",
+    "apply_rotary_emb",
+    "attention",
+    "attn_backend",
+    "explain",
+]
