@@ -12,10 +12,11 @@ from rich.table import Table
 
 from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
-from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, pip_command
+from ..extension.install import cuda_index_tag
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import Registry
 from ..extension.runtime import current_runtime
+from .install_hint import INSTALLERS, install_command
 
 FALLBACKS = {
     "attn_decode": "torch SDPA",
@@ -62,17 +63,12 @@ def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
 
 
 def _install_commands(device: DeviceInfo) -> dict:
-    tag = cuda_index_tag(device.driver_cuda)
-    if device.type != "cuda" or tag is None:
+    commands = {kind: install_command(device.driver_cuda, kind) for kind in INSTALLERS}
+    if device.type != "cuda" or cuda_index_tag(device.driver_cuda) is None:
         why = "no CUDA device" if device.type != "cuda" else "the driver is too old for any published build"
-        return {"note": f"{why}: the torch fallbacks serve every op; plugins need an NVIDIA GPU "
-                        "with a CUDA 12.4+ driver", "pip": 'pip install astrai'}
-    cuda_major = tag[2:-1]
-    return {
-        "pip": pip_command("all", device.driver_cuda),
-        "conda": f'conda install -c conda-forge -c astrai "astrai-kernels" "cuda-version={cuda_major}"',
-        "pixi": f'pixi add astrai-kernels "cuda-version={cuda_major}.*"',
-    }
+        commands["note"] = (f"{why}: the torch fallbacks serve every op; the plugins need an NVIDIA GPU "
+                            "with a CUDA 12.4+ driver")
+    return commands
 
 
 def collect(runtime=None) -> dict:
