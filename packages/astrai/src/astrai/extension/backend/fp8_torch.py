@@ -1,0 +1,108 @@
+"""Torch implementations of the FP8 primitives: the fallbacks behind ``backend.fp8``.
+
+Both functions compute the same function as the plugin kernels (``ops.fp8``):
+
+* :func:`quantize` — ``q = saturate(float32(x) * multiplier)`` rounded to nearest even,
+  ``amax = max|x|`` in the *input* domain (before the multiplier is applied).
+  Saturation is explicit (clamp to the format's largest finite value), so ``±inf`` and
+  overflowing values become ``±max`` in both formats; NaN stays NaN.
+* :func:`emulated_gemm` — ``bf16(scale * (float32(op(a)) @ float32(op(b))) + bias)``.
+  Products of two FP8 values are exact in float32, so the only difference from the
+  tensor-core kernel is the order of the float32 accumulation.
+* :func:`scaled_mm_gemm` — the same contract through cuBLASLt (``torch._scaled_mm``), with
+  the layout and alignment it needs arranged here (copies of one byte per element).
+
+No policy lives here; ``backend.fp8`` decides which implementation runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_FORMATS = {dtype: name for name, dtype in FP8_DTYPES.items()}
+FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
+QUANTIZE_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# cuBLASLt FP8 GEMMs need every dimension it reads contiguously a multiple of 16 bytes.
+_SCALED_MM_ALIGN = 16
+
+
+def quantize(x: torch.Tensor, multiplier: torch.Tensor, fmt: str = "e4m3",
+             out_layout: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Saturating FP8 cast of ``x * multiplier``; returns ``(q, q_t, amax)``.
+
+    ``out_layout`` 0: ``q`` only, 1: ``q_t`` (``[K, M]`` contiguous) only, 2: both; the
+    output not asked for is an empty tensor (the ``fp8_quantize`` op contract).
+    Arguments are assumed validated (``backend.fp8.check_quantize_args``).
+    """
+    dtype = FP8_DTYPES[fmt]
+    limit = FP8_MAX[fmt]
+    amax = x.detach().abs().amax().to(torch.float32) if x.numel() else x.new_zeros((), dtype=torch.float32)
+    scaled = x.detach().to(torch.float32) * multiplier.to(device=x.device, dtype=torch.float32)
+    q = scaled.clamp(-limit, limit).to(dtype)
+    empty = torch.empty(0, dtype=dtype, device=x.device)
+    q_rows = q if out_layout in (0, 2) else empty
+    q_cols = q.t().contiguous() if out_layout in (1, 2) else empty
+    return q_rows, q_cols, amax
+
+
+def emulated_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``scale * (a @ b) + bias`` with FP8 operands dequantized to float32; any strides."""
+    acc = a.to(torch.float32) @ b.to(torch.float32)
+    acc = acc * scale.to(device=acc.device, dtype=torch.float32)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad an FP8 matrix to ``[rows, cols]`` (the byte 0 is +0.0 in both formats)."""
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=torch.uint8, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
+    return out.view(t.dtype)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.t().is_contiguous() else t.t().contiguous().t()
+
+
+def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``scale * (a @ b) + bias`` through ``torch._scaled_mm`` (CUDA sm_89+).
+
+    cuBLASLt wants ``a`` row-major and ``b`` column-major with K and N multiples of 16:
+    other layouts are copied into that form, K is zero-padded (exact: the padded
+    products are zero) and N is padded and sliced off the result.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    k_pad, n_pad = _round_up(k, _SCALED_MM_ALIGN), _round_up(n, _SCALED_MM_ALIGN)
+    a2 = _row_major(a)
+    b2 = _col_major(b)
+    if k_pad != k:
+        a2 = _pad_to(a2, m, k_pad)
+    if k_pad != k or n_pad != n:
+        b2 = _pad_to(b2.t(), n_pad, k_pad).t()
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    scale_a = scale.to(device=a.device, dtype=torch.float32).reshape(())
+    bias2 = None
+    if bias is not None:
+        bias2 = bias.to(out_dtype)
+        if n_pad != n:
+            bias2 = torch.cat([bias2, bias2.new_zeros(n_pad - n)])
+    out = torch._scaled_mm(a2, b2, scale_a=scale_a, scale_b=one, bias=bias2, out_dtype=out_dtype)
+    return out[:, :n] if n_pad != n else out
