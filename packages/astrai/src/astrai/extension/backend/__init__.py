@@ -1,0 +1,10 @@
+"""Execution policy: which implementation runs each call, the torch fallbacks, KV cache I/O.
+
+- :mod:`.attention` — ``attention(...)``, ``attn_backend``, ``ATTN_BACKEND`` and the
+  attention backends (CUDA plugin, flash-attn, torch SDPA);
+- :mod:`.rotary` — ``apply_rotary_emb``: plugin kernel in inference, complex multiply otherwise;
+- :mod:`.fp8` — FP8 quantize / GEMM policy.
+
+Policy code calls down into :mod:`astrai.extension.ops` and the resolver; nothing below
+imports from here.
+"""

@@ -1,0 +1,177 @@
+"""The attention policy: validate a call, pick a backend, run it.
+
+Precedence per call (docs/architecture.md, "Resolver"):
+
+1. an explicit ``with attn_backend(ATTN_BACKEND.X):`` block is strict: that backend runs
+   the call or ``BackendUnavailableError`` says why it can't;
+2. else the ``ASTR_BACKEND`` environment variable (``cuda``, ``flash`` or ``torch_native``)
+   is tried first, falling back to the first capable backend;
+3. else the default priority: CUDA plugin > flash-attn > torch SDPA.
+
+Decisions are cached by the resolver per :class:`AttentionCall` (device, dtype, head
+dims, mode, mask kind, ...), so a repeated call costs one dict lookup after validation.
+Training calls (``fwd=None``, no cache) resolve by capability like any other call: the
+CUDA cache kernels decline them, flash-attn takes them when mask-free, SDPA otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ...kv_cache import PagedKVCache
+from ...runtime import current_runtime
+from .base import AttentionBackend, AttentionCall
+from .flash import FlashAttnBackend
+from .torch_native import TorchNativeBackend
+from .validation import describe_call
+
+__all__ = [
+    "ATTN_BACKEND",
+    "AttentionBackend",
+    "AttentionCall",
+    "AttentionPolicy",
+    "FlashAttnBackend",
+    "TorchNativeBackend",
+    "attention",
+    "attn_backend",
+    "default_policy",
+]
+
+ENV_VAR = "ASTR_BACKEND"
+
+
+class ATTN_BACKEND(str, enum.Enum):
+    """The attention backends, by the names ``ASTR_BACKEND`` and ``attn_backend`` accept."""
+
+    CUDA = "cuda"
+    FLASH = "flash"
+    TORCH_NATIVE = "torch_native"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_VALID = ", ".join(b.value for b in ATTN_BACKEND)
+
+
+def _parse_backend(value: object, source: str) -> ATTN_BACKEND:
+    if isinstance(value, ATTN_BACKEND):
+        return value
+    if isinstance(value, str):
+        try:
+            return ATTN_BACKEND(value.strip().lower())
+        except ValueError:
+            pass
+    raise ValueError(f"{source}={value!r} is not an attention backend: valid values are {_VALID}")
+
+
+_explicit: contextvars.ContextVar[ATTN_BACKEND | None] = contextvars.ContextVar("astrai_attn_backend", default=None)
+
+
+@contextlib.contextmanager
+def attn_backend(backend: ATTN_BACKEND | str | None) -> Iterator[ATTN_BACKEND | None]:
+    """Run the attention calls of this block on ``backend``, strictly (no silent fallback).
+
+    Accepts an :class:`ATTN_BACKEND` or its value (``"cuda"``, ``"flash"``,
+    ``"torch_native"``); ``None`` restores the default resolution inside the block. The
+    selection is a context variable: it is per thread and per asyncio task.
+    """
+    selected = None if backend is None else _parse_backend(backend, "backend")
+    token = _explicit.set(selected)
+    try:
+        yield selected
+    finally:
+        _explicit.reset(token)
+
+
+def _env_backend() -> str | None:
+    raw = os.environ.get(ENV_VAR)
+    if raw is None or not raw.strip():
+        return None
+    return _parse_backend(raw, ENV_VAR).value
+
+
+class AttentionPolicy:
+    """Validation + resolution + execution over an ordered list of backends (the default
+    priority). :data:`default_policy` serves :func:`attention`; tests build their own."""
+
+    def __init__(self, backends: Sequence[AttentionBackend], op: str = "attention") -> None:
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backends must have distinct names, got {names}")
+        self.backends = tuple(backends)
+        self.op = op
+
+    def select(self, call: AttentionCall) -> AttentionBackend:
+        """The backend that runs ``call`` under the current precedence (no computation)."""
+        explicit = _explicit.get()
+        return current_runtime().resolver.resolve(
+            self.op,
+            self.backends,
+            call,
+            call,
+            explicit=None if explicit is None else explicit.value,
+            preferred=_env_backend(),
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: PagedKVCache | None = None,
+        layer_id: int | None = None,
+        fwd: str | None = None,
+        mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        backend = self.select(call)
+        return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+
+
+# Default priority, first capable wins. The CUDA plugin backend (``.cuda.CudaBackend``) goes
+# first in this tuple once it lands.
+default_policy = AttentionPolicy((FlashAttnBackend(), TorchNativeBackend()))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: PagedKVCache | None = None,
+    layer_id: int | None = None,
+    fwd: str | None = None,
+    mask: torch.Tensor | None = None,
+    is_causal: bool | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention (scale ``1/sqrt(head_dim)``) on the best available backend.
+
+    Args:
+        q: ``[batch, q_len, q_heads, head_dim]``.
+        k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``q_heads`` a multiple of ``kv_heads`` (GQA).
+            With ``kv_cache``: this step's new keys/values, laid out like ``q``; they are
+            appended to the cache and attention runs over each request's cached tokens.
+        kv_cache: a :class:`~astrai.extension.kv_cache.PagedKVCache` whose
+            ``active_plan`` describes this batch (``kv_cache.plan(...)``, once per batch).
+            ``q`` is then ``[B, L, q_heads, head_dim]`` (every request adds ``L`` tokens) or
+            packed ``[1, total_q, q_heads, head_dim]`` (ragged).
+        layer_id: the cache layer; required with ``kv_cache``, not allowed without.
+        fwd: ``None`` (decide by q length), ``"decode"`` (one query token per request) or
+            ``"prefill"``.
+        mask: bool, True = keep: ``[batch, kv_len]`` or ``[batch, q_len, kv_len]``; not with
+            ``kv_cache``.
+        is_causal: causal attention, bottom-right aligned when ``q_len != kv_len`` (row ``i``
+            sees keys ``j <= i + kv_len - q_len``). ``None`` (default): causal with a
+            ``kv_cache``, non-causal without.
+
+    Returns ``q``'s shape and dtype. A query row that keeps no key yields zeros.
+    Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument before any work.
+    """
+    return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)

@@ -1,0 +1,132 @@
+"""Attention through ``torch.nn.functional.scaled_dot_product_attention``: always available.
+
+- GQA: without a mask, SDPA's ``enable_gqa`` (torch >= 2.5; older torch repeats K/V).
+  With a mask, the ``G`` query heads of one kv head are stacked along the query axis
+  (``[B, Hkv, G * Lq, D]``), so K/V are never copied per query head.
+- Masks are bool, True = keep; a causal call with ``Lq != Lkv`` is bottom-right aligned
+  (row ``i`` sees ``j <= i + Lkv - Lq``), expressed as an explicit mask.
+- A query row that keeps no key (an all-False mask row, or a causal row with
+  ``i + Lkv - Lq < 0``) returns **zeros**, not NaN, and passes no gradient.
+- Paged calls gather each request's K/V from the cache into ``[B, max_kv, Hkv, D]`` and
+  mask the padding; ragged queries are padded to ``[B, max_q, Hq, D]`` the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...kv_cache import PagedKVCache
+from .base import AttentionBackend, AttentionCall
+
+__all__ = ["TorchNativeBackend", "sdpa"]
+
+_HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[Lq, Lkv]``: row ``i`` keeps ``j <= i + Lkv - Lq``."""
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lkv, device=device)[None, :]
+    return cols <= rows + (lkv - lq)
+
+
+def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """``[B, H, L, D]`` layout; ``is_causal`` only when Lq == Lkv (top-left == bottom-right)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, D]`` layout with a bool ``keep`` of shape ``[B, Lq, Lkv]``."""
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    has_key = keep.any(dim=-1)  # [B, Lq]
+    # Rows without any key would be NaN: let them attend to everything, zero them after.
+    keep = keep | ~has_key[..., None]
+    # Stack the G query heads of each kv head along the query axis: [B, Hkv, G*Lq, D].
+    qg = q.reshape(b, hkv, group * lq, d)
+    mask = keep[:, None, None].expand(b, 1, group, lq, keep.shape[-1]).reshape(b, 1, group * lq, keep.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(b, hq, lq, d)
+    return out * has_key[:, None, :, None].to(out.dtype)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Dense attention in the public layout: ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``.
+
+    ``mask``: None or bool ``[B, Lkv]`` / ``[B, Lq, Lkv]`` (True = keep). Returns
+    ``[B, Lq, Hq, D]``. Arguments are assumed validated.
+    """
+    b, lq, _, _ = q.shape
+    lkv = k.shape[1]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    causal = is_causal and lq > 1
+    if mask is None and (not causal or lq == lkv):
+        out = _sdpa_no_mask(qt, kt, vt, causal)
+    else:
+        keep = torch.ones(b, lq, lkv, dtype=torch.bool, device=q.device)
+        if mask is not None:
+            keep = keep & (mask[:, None, :] if mask.dim() == 2 else mask)
+        if causal:
+            keep = keep & _causal_mask(lq, lkv, q.device)
+        out = _sdpa_masked(qt, kt, vt, keep)
+    return out.transpose(1, 2)
+
+
+def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal: bool) -> torch.Tensor:
+    """Attention of the plan's new tokens over the cache (after this step's append).
+
+    ``q`` as the backend contract allows (``[B, L, Hq, D]`` or packed); returns ``q``'s shape.
+    """
+    plan = kv_cache.active_plan
+    qp = plan.packed(q, "q")  # [total_q, Hq, D]
+    k, v, kv_valid = kv_cache.gather_padded(layer_id, plan)  # [B, max_kv, Hkv, D], [B, max_kv]
+    b, max_q = plan.batch_size, plan.max_q_len
+    device = q.device
+    uniform = plan.uniform_q_len is not None
+    if uniform:
+        q_pad = qp.reshape(b, max_q, *qp.shape[1:])
+    else:
+        rows = torch.arange(max_q, device=device)[None, :]
+        q_lens = torch.tensor(plan.q_lens_host, device=device)[:, None]
+        q_valid = rows < q_lens  # [B, max_q]
+        q_pad = qp[torch.where(q_valid, plan.qo_indptr.long()[:-1, None] + rows, 0)]
+    keep = kv_valid[:, None, :].expand(b, max_q, kv_valid.shape[-1])
+    if is_causal and max_q > 1:
+        # Request b's new tokens are its last q_len cache positions: row i sees j <= i + kv_len - q_len.
+        offset = plan.kv_lens.long() - torch.tensor(plan.q_lens_host, device=device)
+        rows = torch.arange(max_q, device=device)[None, :, None]
+        cols = torch.arange(kv_valid.shape[-1], device=device)[None, None, :]
+        keep = keep & (cols <= rows + offset[:, None, None])
+    out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep).transpose(1, 2)
+    out = out.reshape(plan.total_q, *out.shape[2:]) if uniform else out[q_valid]
+    return out.reshape(q.shape)
+
+
+class TorchNativeBackend(AttentionBackend):
+    """SDPA over dense or gathered K/V; runs every call the policy layer accepts."""
+
+    name = "torch_native"
+
+    def check(self, call: AttentionCall) -> str | None:
+        return None
+
+    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
+        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
+
+    def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
+        if kv_cache is not None:
+            return paged_sdpa(q, kv_cache, layer_id, is_causal)
+        return sdpa(q, k, v, mask, is_causal)

@@ -1,0 +1,444 @@
+"""Paged KV cache and the per-batch plan every layer reuses.
+
+The cache stores, for every layer, keys and values as pages
+``[num_pages, page_size, kv_heads, head_dim]``. Each sequence owns a list of pages
+(its page table); page ``i`` of a sequence holds its tokens
+``i * page_size .. (i + 1) * page_size - 1``.
+
+A step of inference runs in two stages:
+
+1. :meth:`PagedKVCache.plan` once per batch: reserves pages for the new tokens of every
+   sequence, advances the sequence lengths and returns a :class:`BatchPlan` holding the
+   ragged metadata the kernels read (``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+   ``kv_lens``, ``q_tile_to_batch``, ``q_tile_to_index``). The plan becomes the cache's
+   :attr:`~PagedKVCache.active_plan`.
+2. every layer calls ``attention(q, k, v, kv_cache=cache, layer_id=i)``, which writes the
+   layer's new keys/values (:meth:`PagedKVCache.append`) and attends over the cache
+   using the same plan. No layer rebuilds metadata.
+
+Example (plan once, run many)::
+
+    >>> import torch
+    >>> from astrai.extension.kv_cache import PagedKVCache
+    >>> cache = PagedKVCache(num_layers=2, num_pages=16, page_size=16,
+    ...                      kv_heads=2, head_dim=64, dtype=torch.float32)
+    >>> for seq in ("a", "b"):
+    ...     cache.add_sequence(seq)
+    >>> plan = cache.plan(["a", "b"], q_lens=[70, 10])      # prefill: ragged q lengths
+    >>> plan.qo_indptr.tolist(), plan.q_tile_to_batch.tolist()
+    ([0, 70, 80], [0, 0, 1])
+    >>> for layer in range(2):                              # every layer reuses the plan
+    ...     k = torch.randn(plan.total_q, 2, 64)
+    ...     cache.append(layer, k, torch.randn_like(k))
+    >>> plan = cache.plan(["a", "b"], q_lens=[1, 1])        # one decode step
+    >>> plan.kv_lens.tolist(), plan.is_decode
+    ([71, 11], True)
+
+Writes are detached: the cache is inference state, gradients never flow into it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
+
+Q_TILE_ROWS = 64
+"""Rows of a Q tile in the ragged prefill schedule (``q_tile_to_batch`` / ``q_tile_to_index``)."""
+
+
+class CacheFullError(RuntimeError):
+    """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """Ragged metadata for one batch, built once by :meth:`PagedKVCache.plan`.
+
+    Device tensors (int32, on the cache's device):
+
+    - ``qo_indptr [B+1]``: request ``b``'s new tokens are rows
+      ``qo_indptr[b]:qo_indptr[b+1]`` of the packed ``[total_q, heads, head_dim]`` query;
+    - ``kv_indptr [B+1]``: request ``b``'s page ids are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``;
+    - ``kv_indices [nnz_pages]``: page ids, in token order per request;
+    - ``kv_lens [B]``: tokens in the cache per request, after this step's append;
+    - ``q_tile_to_batch [T]`` / ``q_tile_to_index [T]``: for each 64-row Q tile, its
+      request and its tile index inside that request.
+
+    Host copies for the fallbacks: ``q_lens_host`` and ``kv_lens_host`` (tuples of int).
+    The new tokens of request ``b`` are its last ``q_lens_host[b]`` cache positions.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    page_size: int
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    q_tile_to_batch: torch.Tensor
+    q_tile_to_index: torch.Tensor
+    q_lens_host: tuple[int, ...]
+    kv_lens_host: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens_host)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens_host)
+
+    @property
+    def total_kv(self) -> int:
+        return sum(self.kv_lens_host)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens_host)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens_host)
+
+    @property
+    def num_q_tiles(self) -> int:
+        return int(self.q_tile_to_batch.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request adds exactly one token (a decode step)."""
+        return all(n == 1 for n in self.q_lens_host)
+
+    @property
+    def uniform_q_len(self) -> int | None:
+        """The common q length when all requests add the same number of tokens, else None."""
+        first = self.q_lens_host[0]
+        return first if all(n == first for n in self.q_lens_host) else None
+
+    # -- token addressing (int64 slots into a layer's pages viewed as [num_pages * page_size, ...])
+
+    def _slots(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat slots of token positions ``pos`` of requests ``seq`` (both int64, same shape)."""
+        page_slot = self.kv_indptr.long()[seq] + torch.div(pos, self.page_size, rounding_mode="floor")
+        return self.kv_indices.long()[page_slot] * self.page_size + pos % self.page_size
+
+    @functools.cached_property
+    def write_index(self) -> torch.Tensor:
+        """int64 ``[total_q]``: slot of each new token, in packed query order."""
+        device = self.qo_indptr.device
+        q_lens = torch.tensor(self.q_lens_host, dtype=torch.int64, device=device)
+        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
+        row = torch.arange(self.total_q, device=device) - self.qo_indptr.long()[seq]
+        pos = self.kv_lens.long()[seq] - q_lens[seq] + row
+        return self._slots(seq, pos)
+
+    @functools.cached_property
+    def flat_index(self) -> torch.Tensor:
+        """int64 ``[total_kv]``: slots of every cached token, requests concatenated."""
+        device = self.kv_lens.device
+        kv_lens = self.kv_lens.long()
+        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), kv_lens, output_size=self.total_kv)
+        starts = torch.cumsum(kv_lens, 0) - kv_lens
+        pos = torch.arange(self.total_kv, device=device) - starts[seq]
+        return self._slots(seq, pos)
+
+    @functools.cached_property
+    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 ``[B, max_kv]`` slots, bool ``[B, max_kv]`` valid); padding points at slot of token 0."""
+        device = self.kv_lens.device
+        pos = torch.arange(self.max_kv_len, device=device).expand(self.batch_size, -1)
+        valid = pos < self.kv_lens.long()[:, None]
+        seq = torch.arange(self.batch_size, device=device)[:, None].expand_as(pos)
+        return self._slots(seq, torch.where(valid, pos, 0)), valid
+
+    @functools.cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        """int32 ``[B+1]`` prefix sums of q lengths (same values as ``qo_indptr``)."""
+        return self.qo_indptr
+
+    @functools.cached_property
+    def cu_seqlens_kv(self) -> torch.Tensor:
+        """int32 ``[B+1]`` prefix sums of kv lengths (the varlen layout of :attr:`flat_index`)."""
+        return torch.nn.functional.pad(torch.cumsum(self.kv_lens, 0, dtype=torch.int32), (1, 0))
+
+    # -- packing of per-token tensors
+
+    def packed(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """View ``t`` of one row per new token as ``[total_q, heads, head_dim]``.
+
+        Accepted: ``[total_q, H, D]``; ``[1, total_q, H, D]`` (packed); ``[B, L, H, D]`` when
+        every request adds ``L`` tokens. Anything else is a ``ValueError`` naming ``name``.
+        """
+        if t.dim() == 3 and t.shape[0] == self.total_q:
+            return t
+        if t.dim() == 4:
+            if t.shape[0] == 1 and t.shape[1] == self.total_q:
+                return t[0]
+            if t.shape[0] == self.batch_size and t.shape[1] == self.uniform_q_len:
+                return t.reshape(self.total_q, t.shape[2], t.shape[3])
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} but the cache's plan adds q_lens={list(self.q_lens_host)} "
+            f"(total {self.total_q}) tokens: expected [1, {self.total_q}, heads, head_dim] (packed)"
+            + (
+                f" or [{self.batch_size}, {self.uniform_q_len}, heads, head_dim]"
+                if self.uniform_q_len is not None
+                else ""
+            )
+        )
+
+
+class PagedKVCache:
+    """Paged key/value storage for ``num_layers`` layers, with a page allocator per sequence.
+
+    Args:
+        num_layers: layers stored (``layer_id`` runs over ``0 .. num_layers - 1``).
+        num_pages: pages per layer (shared by all sequences).
+        page_size: tokens per page, >= 1.
+        kv_heads, head_dim: shape of one token's keys (and values).
+        dtype, device: of the storage; ``attention`` requires q/k/v of the same dtype and device.
+        page_order: the order free pages are handed out (a permutation of ``range(num_pages)``);
+            default ascending. A shuffled order gives non-contiguous page tables.
+
+    Storage: :attr:`k_pages` / :attr:`v_pages` are ``[num_layers, num_pages, page_size,
+    kv_heads, head_dim]``; :meth:`k_cache` / :meth:`v_cache` give one layer's
+    ``[num_pages, page_size, kv_heads, head_dim]`` view (what the paged kernels take).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        page_order: Sequence[int] | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if page_order is None:
+            order = list(range(num_pages))
+        else:
+            order = [int(p) for p in page_order]
+            if sorted(order) != list(range(num_pages)):
+                raise ValueError(f"page_order must be a permutation of range({num_pages})")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+        self.k_pages = torch.empty(shape, dtype=dtype, device=device)
+        self.v_pages = torch.empty(shape, dtype=dtype, device=device)
+        self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+        self._active: BatchPlan | None = None
+
+    # -- properties
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_pages.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> tuple[Hashable, ...]:
+        return tuple(self._pages)
+
+    @property
+    def active_plan(self) -> BatchPlan:
+        """The plan of the current batch (set by :meth:`plan`)."""
+        if self._active is None:
+            raise RuntimeError("kv_cache has no active plan: call kv_cache.plan(seq_ids, q_lens) once per batch")
+        return self._active
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        self._require_seq(seq_id)
+        return self._lens[seq_id]
+
+    def page_table(self, seq_id: Hashable) -> tuple[int, ...]:
+        self._require_seq(seq_id)
+        return tuple(self._pages[seq_id])
+
+    # -- layers
+
+    def check_layer(self, layer_id: object) -> int:
+        """Return ``layer_id`` if it names a stored layer, else raise naming ``layer_id``."""
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id {layer_id} is out of range: the cache holds {self.num_layers} layers")
+        return layer_id
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        return self.k_pages[self.check_layer(layer_id)]
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self.v_pages[self.check_layer(layer_id)]
+
+    # -- sequences and pages
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Register an empty sequence (it owns no page until a plan adds tokens)."""
+        if seq_id in self._pages:
+            raise ValueError(f"seq_id {seq_id!r} is already in the cache")
+        self._pages[seq_id] = []
+        self._lens[seq_id] = 0
+
+    def release(self, seq_id: Hashable) -> None:
+        """Drop a sequence and return its pages to the free list."""
+        self._require_seq(seq_id)
+        self._free.extend(reversed(self._pages.pop(seq_id)))
+        del self._lens[seq_id]
+        if self._active is not None and seq_id in self._active.seq_ids:
+            self._active = None
+
+    def _require_seq(self, seq_id: Hashable) -> None:
+        if seq_id not in self._pages:
+            raise KeyError(f"seq_id {seq_id!r} is not in the cache (add it with add_sequence)")
+
+    def plan(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> BatchPlan:
+        """Reserve pages for ``q_lens[b]`` new tokens of ``seq_ids[b]`` and build the batch plan.
+
+        Sequence lengths advance now; every layer then appends the same new tokens. Raises
+        :class:`CacheFullError` (reserving nothing) when the free pages do not suffice.
+        """
+        seq_ids = tuple(seq_ids)
+        q_lens = tuple(q_lens)
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        if len(q_lens) != len(seq_ids):
+            raise ValueError(f"q_lens has {len(q_lens)} entries but seq_ids has {len(seq_ids)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids has duplicates: {list(seq_ids)}")
+        for n in q_lens:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"q_lens must be ints >= 1, got {list(q_lens)}")
+        for s in seq_ids:
+            self._require_seq(s)
+        new_lens = [self._lens[s] + n for s, n in zip(seq_ids, q_lens)]
+        extra = [math.ceil(n / self.page_size) - len(self._pages[s]) for s, n in zip(seq_ids, new_lens)]
+        if sum(extra) > len(self._free):
+            raise CacheFullError(
+                f"kv_cache is out of pages: the batch needs {sum(extra)} more pages of {self.page_size} tokens, "
+                f"{len(self._free)} of {self.num_pages} are free (release finished sequences or build a larger cache)"
+            )
+        for s, n_new, n_pages in zip(seq_ids, new_lens, extra):
+            self._pages[s].extend(self._free.pop() for _ in range(n_pages))
+            self._lens[s] = n_new
+        self._active = self._build_plan(seq_ids, q_lens, tuple(new_lens))
+        return self._active
+
+    def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
+        qo_indptr = [0]
+        kv_indptr = [0]
+        kv_indices: list[int] = []
+        tile_batch: list[int] = []
+        tile_index: list[int] = []
+        for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
+            qo_indptr.append(qo_indptr[-1] + n)
+            kv_indices.extend(self._pages[s])
+            kv_indptr.append(len(kv_indices))
+            tiles = math.ceil(n / Q_TILE_ROWS)
+            tile_batch.extend([b] * tiles)
+            tile_index.extend(range(tiles))
+        parts = [qo_indptr, kv_indptr, kv_indices, list(kv_lens), tile_batch, tile_index]
+        # one host->device copy for all six arrays
+        flat = torch.tensor([v for p in parts for v in p], dtype=torch.int32).to(self.device)
+        views = torch.split(flat, [len(p) for p in parts])
+        return BatchPlan(
+            seq_ids=seq_ids,
+            page_size=self.page_size,
+            qo_indptr=views[0],
+            kv_indptr=views[1],
+            kv_indices=views[2],
+            kv_lens=views[3],
+            q_tile_to_batch=views[4],
+            q_tile_to_index=views[5],
+            q_lens_host=q_lens,
+            kv_lens_host=kv_lens,
+        )
+
+    # -- writes and reads
+
+    def _check_tokens(self, name: str, t: object, plan: BatchPlan) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but the kv_cache stores {self.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device} but the kv_cache is on {self.device}")
+        if t.dim() not in (3, 4) or tuple(t.shape[-2:]) != (self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}: expected [..., kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}] as the kv_cache stores"
+            )
+        return plan.packed(t, name)
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None) -> None:
+        """Write layer ``layer_id``'s keys/values of the plan's new tokens into their pages.
+
+        ``k`` / ``v``: ``[total_q, kv_heads, head_dim]``, ``[1, total_q, ...]`` or
+        ``[B, L, ...]`` with uniform q lengths (see :meth:`BatchPlan.packed`).
+        """
+        plan = self.active_plan if plan is None else plan
+        layer_id = self.check_layer(layer_id)
+        k = self._check_tokens("k", k, plan)
+        v = self._check_tokens("v", v, plan)
+        index = plan.write_index
+        flat_shape = (self.num_pages * self.page_size, self.kv_heads, self.head_dim)
+        self.k_pages[layer_id].view(flat_shape).index_copy_(0, index, k.detach())
+        self.v_pages[layer_id].view(flat_shape).index_copy_(0, index, v.detach())
+
+    def gather_flat(self, layer_id: int, plan: BatchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of every request, concatenated: ``[total_kv, kv_heads, head_dim]`` each."""
+        plan = self.active_plan if plan is None else plan
+        index = plan.flat_index
+        return self._flat(self.k_cache(layer_id))[index], self._flat(self.v_cache(layer_id))[index]
+
+    def gather_padded(
+        self, layer_id: int, plan: BatchPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k, v, valid)``: ``[B, max_kv, kv_heads, head_dim]`` keys/values and bool ``[B, max_kv]``.
+
+        Positions past a request's length are filler (valid False) and must be masked.
+        """
+        plan = self.active_plan if plan is None else plan
+        index, valid = plan.padded_index
+        return self._flat(self.k_cache(layer_id))[index], self._flat(self.v_cache(layer_id))[index], valid
+
+    def _flat(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages.view(self.num_pages * self.page_size, self.kv_heads, self.head_dim)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"sequences={len(self._pages)}, free_pages={self.free_pages})"
+        )

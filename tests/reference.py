@@ -1,0 +1,72 @@
+"""Float64 references for attention and rotary, written for clarity, not speed.
+
+Shared by the CPU tests and the GPU tests (``tests/gpu``): both import ``reference``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Attention in float64. ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``;
+    query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``mask`` bool (True = keep)
+    ``[B, Lkv]`` or ``[B, Lq, Lkv]``; causal is bottom-right aligned (row ``i`` keeps
+    ``j <= i + Lkv - Lq``). Rows that keep no key are zeros. Returns float64 ``[B, Lq, Hq, D]``."""
+    q, k, v = (t.detach().to(torch.float64).cpu() for t in (q, k, v))
+    b, lq, hq, d = q.shape
+    lkv, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    keep = torch.ones(b, lq, lkv, dtype=torch.bool)
+    if mask is not None:
+        mask = mask.cpu()
+        keep &= mask[:, None, :] if mask.dim() == 2 else mask
+    if is_causal:
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lkv)[None, :]
+        keep &= j <= i + (lkv - lq)
+    out = torch.zeros(b, lq, hq, d, dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k[:, :, h // group], v[:, :, h // group]  # [B, Lkv, D]
+        scores = torch.einsum("bid,bjd->bij", q[:, :, h], kh) / math.sqrt(d)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> NaN -> 0
+        out[:, :, h] = torch.einsum("bij,bjd->bid", probs, vh)
+    return out
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on interleaved pairs, in float64: ``x [B, L, H, D]``, ``cos``/``sin`` ``[L, D/2]``."""
+    x = x.detach().to(torch.float64).cpu()
+    c = cos.detach().to(torch.float64).cpu()[None, :, None, :]
+    s = sin.detach().to(torch.float64).cpu()[None, :, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = even * s + odd * c
+    return out
+
+
+def rotary_tables(seq: int, head_dim: int, base: float = 10000.0, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard RoPE tables (float32 ``[seq, head_dim // 2]``) for positions ``offset..offset+seq-1``."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(offset, offset + seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """``torch.testing.assert_close`` tolerances for results computed in ``dtype``."""
+    return {
+        torch.float64: dict(atol=1e-10, rtol=1e-10),
+        torch.float32: dict(atol=2e-5, rtol=2e-5),
+        torch.float16: dict(atol=2e-3, rtol=2e-3),
+        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+    }[dtype]
