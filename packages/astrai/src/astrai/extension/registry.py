@@ -246,18 +246,26 @@ class Registry:
             raise RuntimeError(f"{op}: {status.reason}")
         module = self._modules.get(status.spec.module)
         if module is None:
-            try:
-                module = self._import(status.spec.module)
-            except Exception as exc:
-                reason = f"importing {status.spec.module} failed: {type(exc).__name__}: {exc}"
-                self.mark_unusable(op, device, reason)
-                raise RuntimeError(f"{op}: {status.plugin.name}: {reason}") from exc
-            self._modules[status.spec.module] = module
+            with self._lock:  # one import per module, even when many threads arrive at once
+                module = self._modules.get(status.spec.module)
+                broken = self._broken.get((op, device.key))
+                if broken is not None:  # another thread's import just failed
+                    raise RuntimeError(f"{op}: {status.plugin.name}: {broken}")
+                if module is None:
+                    try:
+                        module = self._import(status.spec.module)
+                    except Exception as exc:
+                        reason = f"importing {status.spec.module} failed: {type(exc).__name__}: {exc}"
+                        self.mark_unusable(op, device, reason)
+                        raise RuntimeError(f"{op}: {status.plugin.name}: {reason}") from exc
+                    self._modules[status.spec.module] = module
         return module
 
     def mark_unusable(self, op: str, device: DeviceInfo, reason: str) -> None:
         """Record that ``op`` failed on ``device`` (import error, no kernel image...)."""
         with self._lock:
+            if (op, device.key) in self._broken:
+                return  # already marked (another thread got there first): one warning
             self._broken[(op, device.key)] = reason
             self._status.pop((op, device.key), None)
         warnings.warn(f"astrai: {op} disabled on {device.key}: {reason}; falling back",

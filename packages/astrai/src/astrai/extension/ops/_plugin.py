@@ -6,8 +6,9 @@ from types import ModuleType
 
 import torch
 
-from ..device import probe_device
+from ..device import DeviceInfo, probe_device
 from ..install import PLUGIN_EXTRAS, pip_command
+from ..registry import Registry
 from ..runtime import current_runtime
 
 # Which of the project's plugins provides each op (for the error message only:
@@ -23,14 +24,60 @@ PLUGIN_OF_OP = {
 }
 
 
-def require(op: str, device: torch.device | str | None = None) -> ModuleType:
-    """The compiled module serving ``op`` on ``device``; ``RuntimeError`` naming the
-    plugin, the reason and the install command when there is none."""
+# CUDA errors that mean "this binary cannot run on this device or driver": no SASS/PTX for
+# the arch (a manifest claiming an arch its binary lacks), PTX newer than the driver's JIT,
+# a statically linked runtime newer than the driver. They are per-device and not sticky,
+# so the op is marked unusable there and the policy layer falls back. Any other error
+# (an illegal address, a bad argument) propagates unchanged.
+IMAGE_ERRORS = (
+    "cudaErrorNoKernelImageForDevice", "no kernel image is available",
+    "cudaErrorInvalidDeviceFunction", "invalid device function",
+    "cudaErrorInvalidKernelImage", "device kernel image is invalid",
+    "cudaErrorUnsupportedPtxVersion", "cudaErrorInsufficientDriver",
+    "cudaErrorCallRequiresNewerDriver",
+)
+
+
+def is_image_error(exc: BaseException) -> bool:
+    """True for a ``RuntimeError`` saying the compiled code cannot run on this device."""
+    return isinstance(exc, RuntimeError) and any(key in str(exc) for key in IMAGE_ERRORS)
+
+
+class GuardedModule:
+    """A compiled module as the ops wrappers call it: a call failing with an image error
+    (``is_image_error``) marks ``op`` unusable on the device (one warning) and re-raises,
+    so the caller's fallback re-resolves to another backend."""
+
+    __slots__ = ("_module", "_op", "_device", "_registry")
+
+    def __init__(self, module: ModuleType, op: str, device: DeviceInfo, registry: Registry) -> None:
+        self._module, self._op, self._device, self._registry = module, op, device, registry
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._module, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except RuntimeError as exc:
+                if is_image_error(exc):
+                    self._registry.mark_unusable(
+                        self._op, self._device, f"{self._module.__name__}.{name} cannot run here: {exc}")
+                raise
+
+        return call
+
+
+def require(op: str, device: torch.device | str | None = None) -> GuardedModule:
+    """The compiled module serving ``op`` on ``device`` (wrapped in ``GuardedModule``);
+    ``RuntimeError`` naming the plugin, the reason and the install command when there is none."""
     info = probe_device(device)
     registry = current_runtime().registry
     status = registry.op_status(op, info)
     if status.usable:
-        return registry.load(op, info)
+        return GuardedModule(registry.load(op, info), op, info, registry)
     plugin = PLUGIN_OF_OP.get(op, "a plugin providing it")
     hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) if plugin in PLUGIN_EXTRAS else ""
     raise RuntimeError(f"astrai.extension.ops.{op} needs the {plugin} plugin, which is not usable "
