@@ -1,6 +1,5 @@
 """Attention backend selection: precedence, strictness, caching, and the flash-attn wiring."""
 
-import dataclasses
 import importlib
 import math
 import random
@@ -204,10 +203,10 @@ def test_decisions_are_cached_per_call_class(runtime):
 def test_call_summary():
     q, k, v = qkv(lq=1, lkv=9)
     call, causal = attn.describe_call(q, k, v, None, None, None, None, None)
-    assert call == AttentionCall(device="cpu", dtype=torch.float32, head_dim=32, q_heads=8, kv_heads=2, mode="decode",
+    assert call == AttentionCall(device=torch.device("cpu"), dtype=torch.float32, head_dim=32, q_heads=8, kv_heads=2, mode="decode",
                                  fwd=None, causal=False, mask_ndim=0, paged=False, page_size=None, needs_grad=False)
     assert not causal and call.group == 4 and call.training and call.device_type == "cpu"
-    assert hash(call) == hash(dataclasses.replace(call))
+    assert hash(call) == hash(call._replace())
     q.requires_grad_()
     call, _ = attn.describe_call(q, k, v, None, None, "prefill", None, True)
     assert call.mode == "prefill" and call.needs_grad and call.causal and not call.training
@@ -256,7 +255,7 @@ def stand_in(monkeypatch):
     assert flash._flash_attn is None or flash._flash_attn.__name__ == "flash_attn"
 
 
-CUDA_BF16 = AttentionCall(device="cuda:0", dtype=torch.bfloat16, head_dim=128, q_heads=32, kv_heads=8, mode="prefill",
+CUDA_BF16 = AttentionCall(device=torch.device("cuda:0"), dtype=torch.bfloat16, head_dim=128, q_heads=32, kv_heads=8, mode="prefill",
                           fwd=None, causal=True, mask_ndim=0, paged=False, page_size=None, needs_grad=True)
 
 
@@ -264,15 +263,15 @@ def test_flash_capability_with_the_module(stand_in):
     backend = flash.FlashAttnBackend()
     assert backend.module is sys.modules["flash_attn"]
     assert backend.check(CUDA_BF16) is None
-    assert backend.check(dataclasses.replace(CUDA_BF16, paged=True, page_size=16, mode="decode")) is None
+    assert backend.check(CUDA_BF16._replace(paged=True, page_size=16, mode="decode")) is None
     for change, reason in [
-        (dict(device="cpu"), "CUDA tensors only"),
+        (dict(device=torch.device("cpu")), "CUDA tensors only"),
         (dict(dtype=torch.float32), "float16 or bfloat16"),
         (dict(mask_ndim=2), "no explicit mask"),
         (dict(head_dim=264), "multiple of 8 up to 256"),
         (dict(head_dim=36), "multiple of 8"),
     ]:
-        assert reason in backend.check(dataclasses.replace(CUDA_BF16, **change))
+        assert reason in backend.check(CUDA_BF16._replace(**change))
 
 
 def test_flash_without_the_module():
@@ -285,7 +284,7 @@ def cpu_flash():
 
     class CpuFlash(flash.FlashAttnBackend):
         def check(self, call):
-            return super().check(dataclasses.replace(call, device="cuda:0"))
+            return super().check(call._replace(device=torch.device("cuda:0")))
 
     return CpuFlash()
 

@@ -17,7 +17,7 @@ runs. The choice goes through the runtime's resolver (op ``"rotary_emb"``), so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +31,7 @@ OP = "rotary_emb"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
-class RotaryCall:
+class RotaryCall(NamedTuple):
     """The facts the rotary dispatch decides on (and its resolver key)."""
 
     device: DeviceInfo

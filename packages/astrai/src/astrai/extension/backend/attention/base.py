@@ -30,7 +30,7 @@ The result has ``q``'s shape and dtype. Scale is ``1 / sqrt(head_dim)``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,12 +39,12 @@ from ...kv_cache import PagedKVCache
 __all__ = ["AttentionBackend", "AttentionCall"]
 
 
-@dataclass(frozen=True)
-class AttentionCall:
+class AttentionCall(NamedTuple):
     """The shape class of one ``attention`` call: what backends decide on, and the
-    resolver's cache key. Only small, slowly varying facts: never sequence lengths."""
+    resolver's cache key. Only small, slowly varying facts: never sequence lengths.
+    Immutable and hashable (a named tuple: cheap to build on every call)."""
 
-    device: str  # "cpu", "cuda:0", ...
+    device: torch.device
     dtype: torch.dtype
     head_dim: int
     q_heads: int
@@ -60,7 +60,7 @@ class AttentionCall:
 
     @property
     def device_type(self) -> str:
-        return self.device.split(":", 1)[0]
+        return self.device.type
 
     @property
     def group(self) -> int:

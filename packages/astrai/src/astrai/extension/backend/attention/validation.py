@@ -18,39 +18,42 @@ FWD_MODES = (None, "decode", "prefill")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Size, torch.Size]:
+    """Check q/k/v; return the shapes of q and k."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
-        if 0 in t.shape:
-            raise ValueError(f"{name} has an empty dimension: shape {tuple(t.shape)}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k and v must share one dtype")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: q, k and v must share one device")
-    if v.shape != k.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}: they must match")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {q.shape[3]}: they must match")
-    if q.shape[2] % k.shape[2]:
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if 0 in qs or 0 in ks:
+        name, shape = ("q", qs) if 0 in qs else ("k", ks)
+        raise ValueError(f"{name} has an empty dimension: shape {tuple(shape)}")
+    dtype = q.dtype
+    if dtype not in _DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {dtype}")
+    if k.dtype != dtype or v.dtype != dtype:
+        name, t = ("k", k) if k.dtype != dtype else ("v", v)
+        raise TypeError(f"{name} has dtype {t.dtype} but q has {dtype}: q, k and v must share one dtype")
+    device = q.device
+    if k.device != device or v.device != device:
+        name, t = ("k", k) if k.device != device else ("v", v)
+        raise ValueError(f"{name} is on {t.device} but q is on {device}: q, k and v must share one device")
+    if vs != ks:
+        raise ValueError(f"v has shape {tuple(vs)} but k has {tuple(ks)}: they must match")
+    if ks[3] != qs[3]:
+        raise ValueError(f"k has head_dim {ks[3]} but q has head_dim {qs[3]}: they must match")
+    if qs[2] % ks[2]:
         raise ValueError(
-            f"q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} kv heads of k/v "
+            f"q has {qs[2]} heads, not a multiple of the {ks[2]} kv heads of k/v "
             "(GQA needs q_heads = group * kv_heads)"
         )
+    return qs, ks
 
 
 def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-    _check_tensor("mask", mask)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = keep), got dtype {mask.dtype}")
     if mask.device != q.device:
@@ -103,22 +106,22 @@ def describe_call(
     is_causal: bool | None,
 ) -> tuple[AttentionCall, bool]:
     """Validate the arguments of ``attention``; return ``(call, effective is_causal)``."""
-    _check_qkv(q, k, v)
-    if fwd not in FWD_MODES:
+    qs, ks = _check_qkv(q, k, v)
+    if fwd is not None and fwd not in FWD_MODES:
         raise ValueError(f"fwd must be None, 'decode' or 'prefill', got {fwd!r}")
     if is_causal is not None and not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool or None, got {type(is_causal).__name__}")
     if kv_cache is None:
         if layer_id is not None:
             raise ValueError("layer_id was given without kv_cache: it selects a cache layer")
-        if k.shape[0] != q.shape[0]:
-            raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}: they must match")
+        if ks[0] != qs[0]:
+            raise ValueError(f"k has batch {ks[0]} but q has batch {qs[0]}: they must match")
         if mask is not None:
             _check_mask(mask, q, k)
-        if fwd == "decode" and q.shape[1] != 1:
-            raise ValueError(f"fwd='decode' needs q with one token per request, got q shape {tuple(q.shape)}")
-        causal = bool(is_causal)
-        decode = fwd == "decode" or (fwd is None and q.shape[1] == 1)
+        if fwd == "decode" and qs[1] != 1:
+            raise ValueError(f"fwd='decode' needs q with one token per request, got q shape {tuple(qs)}")
+        causal = is_causal is True
+        decode = fwd == "decode" or (fwd is None and qs[1] == 1)
         page_size = None
     else:
         if mask is not None:
@@ -127,21 +130,21 @@ def describe_call(
                 "(use is_causal to select causal attention)"
             )
         plan = _check_cache(q, k, kv_cache, layer_id, fwd)
-        causal = True if is_causal is None else is_causal
+        causal = is_causal is not False
         decode = fwd == "decode" or (fwd is None and plan.is_decode)
         page_size = kv_cache.page_size
     call = AttentionCall(
-        device=str(q.device),
-        dtype=q.dtype,
-        head_dim=q.shape[3],
-        q_heads=q.shape[2],
-        kv_heads=k.shape[2],
-        mode="decode" if decode else "prefill",
-        fwd=fwd,
-        causal=causal,
-        mask_ndim=0 if mask is None else mask.dim(),
-        paged=kv_cache is not None,
-        page_size=page_size,
-        needs_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        q.device,
+        q.dtype,
+        qs[3],
+        qs[2],
+        ks[2],
+        "decode" if decode else "prefill",
+        fwd,
+        causal,
+        0 if mask is None else mask.dim(),
+        kv_cache is not None,
+        page_size,
+        (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled(),
     )
     return call, causal
