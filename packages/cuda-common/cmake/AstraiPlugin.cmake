@@ -22,6 +22,7 @@
 # MIN_SM drops archs below a module's minimum (FP8: 89).
 # ASTRAI_NO_MMA=ON (CMake or environment) defines ASTRAI_NO_MMA: scalar kernels only.
 include_guard(GLOBAL)
+cmake_policy(VERSION 3.24...3.31)  # recorded by the functions below, whoever includes this
 
 get_filename_component(ASTRAI_COMMON_DIR "${CMAKE_CURRENT_LIST_DIR}/.." REALPATH)
 
@@ -87,10 +88,10 @@ function(astrai_resolve_cuda_archs min_sm sass_out ptx_out)
   string(STRIP "${spec}" spec)
   string(TOLOWER "${spec}" spec_lower)
   if(spec_lower STREQUAL "auto" OR spec_lower STREQUAL "native")
-    astrai_native_cuda_arch(native)
-    if(native)
-      set(spec "${native}")
-      message(STATUS "AstrAI: building for the visible GPU, sm_${native} (set ASTRAI_CUDA_ARCHS=all for the release list)")
+    astrai_native_cuda_arch(visible_arch)
+    if(visible_arch)
+      set(spec "${visible_arch}")
+      message(STATUS "AstrAI: building for the visible GPU, sm_${visible_arch} (set ASTRAI_CUDA_ARCHS=all for the release list)")
     elseif(spec_lower STREQUAL "native")
       message(FATAL_ERROR "ASTRAI_CUDA_ARCHS=native, but nvidia-smi reports no GPU")
     else()
