@@ -1,5 +1,6 @@
 """PagedKVCache and BatchPlan: metadata, writes/reads, paged attention vs contiguous."""
 
+import doctest
 import random
 
 import pytest
@@ -8,6 +9,7 @@ from reference import attention_ref, tolerance
 
 from astrai.extension.backend.attention import ATTN_BACKEND, attention, attn_backend
 from astrai.extension.backend.attention.torch_native import sdpa
+from astrai.extension import kv_cache as kv_cache_module
 from astrai.extension.kv_cache import Q_TILE_ROWS, BatchPlan, CacheFullError, PagedKVCache
 
 HQ, HKV, D = 8, 2, 64
@@ -232,3 +234,23 @@ def test_plan_is_frozen():
     assert isinstance(plan, BatchPlan)
     with pytest.raises(AttributeError):
         plan.kv_lens = None
+
+
+def test_docstring_example_runs():
+    result = doctest.testmod(kv_cache_module)
+    assert result.attempted >= 5 and result.failed == 0
+
+
+def test_keep_mask_is_built_once_per_plan():
+    cache = PagedKVCache(1, 8, 2, HKV, D, dtype=torch.float32)
+    for s in (0, 1):
+        cache.add_sequence(s)
+    cache.plan([0, 1], [2, 1])
+    plan = cache.plan([0, 1], [3, 1])  # kv_lens 5 and 2
+    keep = plan.keep_mask(causal=True)
+    assert keep is plan.keep_mask(causal=True)
+    assert keep[0].tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+    assert keep[1, 0].tolist() == [True, True, False, False, False]  # rows 1, 2 of request 1 are padding
+    assert plan.keep_mask(causal=False)[0].all() and plan.keep_mask(causal=False)[1, 0].tolist() == [True, True] + [False] * 3
+    index, valid = plan.q_padded_index
+    assert index.tolist() == [[0, 1, 2], [3, 0, 0]] and valid.tolist() == [[True] * 3, [True, False, False]]

@@ -157,6 +157,35 @@ class BatchPlan:
         return self._slots(seq, torch.where(valid, pos, 0)), valid
 
     @functools.cached_property
+    def q_padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 ``[B, max_q]`` rows of the packed query, bool ``[B, max_q]`` valid); padding -> row 0."""
+        device = self.qo_indptr.device
+        rows = torch.arange(self.max_q_len, device=device).expand(self.batch_size, -1)
+        valid = rows < torch.tensor(self.q_lens_host, device=device)[:, None]
+        return torch.where(valid, self.qo_indptr.long()[:-1, None] + rows, 0), valid
+
+    def keep_mask(self, causal: bool) -> torch.Tensor:
+        """Bool ``[B, max_q, max_kv]``: which cached tokens each (padded) query row attends to.
+
+        Request ``b``'s new tokens are its last ``q_len`` positions, so with ``causal`` row
+        ``i`` keeps ``j <= i + kv_len - q_len``; padding keys are never kept. Built once per
+        plan and causal flag, then shared by every layer.
+        """
+        name = "_keep_causal" if causal else "_keep_full"
+        cached = self.__dict__.get(name)
+        if cached is None:
+            _, kv_valid = self.padded_index
+            device = kv_valid.device
+            cached = kv_valid[:, None, :].expand(self.batch_size, self.max_q_len, self.max_kv_len)
+            if causal and self.max_q_len > 1:
+                offset = self.kv_lens.long() - torch.tensor(self.q_lens_host, device=device)
+                rows = torch.arange(self.max_q_len, device=device)[None, :, None]
+                cols = torch.arange(self.max_kv_len, device=device)[None, None, :]
+                cached = cached & (cols <= rows + offset[:, None, None])
+            self.__dict__[name] = cached  # frozen dataclass: memoised like the cached properties
+        return cached
+
+    @functools.cached_property
     def cu_seqlens_q(self) -> torch.Tensor:
         """int32 ``[B+1]`` prefix sums of q lengths (same values as ``qo_indptr``)."""
         return self.qo_indptr

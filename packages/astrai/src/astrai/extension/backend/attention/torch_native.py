@@ -92,24 +92,14 @@ def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal
     """
     plan = kv_cache.active_plan
     qp = plan.packed(q, "q")  # [total_q, Hq, D]
-    k, v, kv_valid = kv_cache.gather_padded(layer_id, plan)  # [B, max_kv, Hkv, D], [B, max_kv]
-    b, max_q = plan.batch_size, plan.max_q_len
-    device = q.device
+    k, v, _ = kv_cache.gather_padded(layer_id, plan)  # [B, max_kv, Hkv, D]
     uniform = plan.uniform_q_len is not None
     if uniform:
-        q_pad = qp.reshape(b, max_q, *qp.shape[1:])
+        q_pad = qp.reshape(plan.batch_size, plan.max_q_len, *qp.shape[1:])
     else:
-        rows = torch.arange(max_q, device=device)[None, :]
-        q_lens = torch.tensor(plan.q_lens_host, device=device)[:, None]
-        q_valid = rows < q_lens  # [B, max_q]
-        q_pad = qp[torch.where(q_valid, plan.qo_indptr.long()[:-1, None] + rows, 0)]
-    keep = kv_valid[:, None, :].expand(b, max_q, kv_valid.shape[-1])
-    if is_causal and max_q > 1:
-        # Request b's new tokens are its last q_len cache positions: row i sees j <= i + kv_len - q_len.
-        offset = plan.kv_lens.long() - torch.tensor(plan.q_lens_host, device=device)
-        rows = torch.arange(max_q, device=device)[None, :, None]
-        cols = torch.arange(kv_valid.shape[-1], device=device)[None, None, :]
-        keep = keep & (cols <= rows + offset[:, None, None])
+        index, q_valid = plan.q_padded_index
+        q_pad = qp[index]  # [B, max_q, Hq, D]
+    keep = plan.keep_mask(is_causal)
     out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep).transpose(1, 2)
     out = out.reshape(plan.total_q, *out.shape[2:]) if uniform else out[q_valid]
     return out.reshape(q.shape)
