@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import os
 import platform
 import re
 import shutil
@@ -33,8 +34,10 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipe" / "recipe.yaml"
-VARIANTS = ROOT / "recipe" / "variants.yaml"
+# ASTRAI_RECIPE_DIR points at another recipe folder (tests use it to show a broken one failing)
+RECIPE_DIR = Path(os.environ.get("ASTRAI_RECIPE_DIR", ROOT / "recipe"))
+RECIPE = RECIPE_DIR / "recipe.yaml"
+VARIANTS = RECIPE_DIR / "variants.yaml"
 # conda package name -> the host distribution whose version a stand-in carries
 HOST_DISTRIBUTIONS = {"pytorch": "torch"}
 
