@@ -186,6 +186,38 @@ def test_real_backends_on_cpu(runtime, monkeypatch):
         attention(q, k, v)
 
 
+class BreaksOnFirstUse(Recording):
+    """Capable until its first run fails the way a plugin whose module can't load does."""
+
+    def fwd_prefill(self, q, k, v, **kw):
+        self.reason = "importing the compiled module failed"
+        raise RuntimeError("attn_paged_prefill: importing the compiled module failed")
+
+
+def test_backend_that_breaks_on_first_use_falls_back(runtime):
+    broken = BreaksOnFirstUse("cuda")
+    pol = AttentionPolicy((broken, Recording("torch_native")))
+    q, k, v = qkv(seed=3)
+    out = pol(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v, is_causal=True), **tolerance(torch.float32))
+    assert pol.backends[1].runs == ["prefill"]
+    (decision,) = runtime.explain("attention")
+    assert decision.chosen == "torch_native" and "failed" in decision.trace[0].reason
+    with attn_backend("cuda"), pytest.raises(BackendUnavailableError, match="importing the compiled module failed"):
+        pol(q, k, v)
+
+
+def test_errors_of_a_working_backend_propagate(runtime):
+    class Raises(Recording):
+        def fwd_prefill(self, q, k, v, **kw):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    pol = AttentionPolicy((Raises("cuda"), Recording("torch_native")))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pol(*qkv())
+    assert not pol.backends[1].runs
+
+
 # -- the call summary and the decision cache ----------------------------------------------
 
 

@@ -133,11 +133,22 @@ class AttentionPolicy:
     ) -> torch.Tensor:
         call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         backend = self.select(call)
-        return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+        try:
+            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+        except RuntimeError:
+            # A plugin whose compiled module fails to load is marked unusable by the registry
+            # (with a warning) on its first call: its check now says why. Decide again without
+            # it, unless it was requested explicitly; any other error propagates. Repeating
+            # forward rewrites the same cache slots with the same values.
+            if _explicit.get() is not None or backend.check(call) is None:
+                raise
+            current_runtime().resolver.clear()
+            backend = self.select(call)
+            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
 
 
-# Default priority, first capable wins. The CUDA plugin backend (``.cuda.CudaBackend``) goes
-# first in this tuple once it lands.
+# The default priority, first capable wins. The CUDA plugin backend (``.cuda.CudaBackend``)
+# goes first in this tuple once it lands.
 default_policy = AttentionPolicy((FlashAttnBackend(), TorchNativeBackend()))
 
 
