@@ -1,0 +1,225 @@
+// astrai_fp8._fp8_ops: the binding. Validation, parameter packing, dispatch; no kernels.
+//
+//   quantize(x, scale, q, q_t, amax, out_layout, stream)
+//   gemm(a, b, scale, bias, out, trans_a, trans_b, stream)
+//   plan(m, n, k, trans_a, trans_b, sms, smem_per_sm, smem_per_block) -> dict   (no GPU)
+//   build_info() -> dict
+// Tensors are tuples (data_ptr, shape, strides_in_elements, dtype_code) (ABI 1); bias may
+// be None. Every argument is checked before the first CUDA call (ValueError naming it);
+// the device must be sm_89+ (fp8 conversions and mma.sync m16n8k32).
+#define ASTRAI_FP8_SPLIT_INSTANCES 1  // GEMM kernels live in instances/*.cu
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "astrai/bind.h"
+#include "astrai/check.h"
+#include "astrai/device.cuh"
+#include "astrai/tensor_arg.h"
+#include "gemm.cuh"
+#include "quantize.cuh"
+
+namespace astrai::fp8 {
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
+FP8Format format_of(DType t) { return t == DType::Float8E4M3 ? FP8Format::E4M3 : FP8Format::E5M2; }
+
+void expect_scalar_f32(const TensorArg& t) {
+  expect_dtype(t, DType::Float32);
+  ASTRAI_CHECK(t.numel() == 1, t.name, ": expected one element, got shape ", shape_str(t.shape));
+  expect_data(t, 4);
+}
+
+// A 2-D operand stored row-major with unit column stride: returns its row stride.
+int64_t expect_matrix(const TensorArg& t) {
+  expect_ndim(t, 2);
+  ASTRAI_CHECK(t.size(0) > 0 && t.size(1) > 0, t.name, ": zero-size dimension in shape ",
+               shape_str(t.shape));
+  ASTRAI_CHECK(t.size(0) <= kIntMax && t.size(1) <= kIntMax, t.name, ": dimensions must fit int32, got ",
+               shape_str(t.shape));
+  expect_last_dim_contiguous(t);
+  const int64_t ld = t.size(0) == 1 ? t.size(1) : t.stride(0);
+  ASTRAI_CHECK(ld >= t.size(1), t.name, ": rows overlap (row stride ", ld, " < ", t.size(1),
+               " columns); pass a contiguous tensor");
+  expect_data(t, 1);
+  return ld;
+}
+
+void check_device() {
+  const int sm = device_sm(current_device());
+  ASTRAI_CHECK(sm >= kMinSmForFp8, "fp8 ops need an sm_", kMinSmForFp8,
+               "+ GPU (e4m3/e5m2 conversions and mma.sync m16n8k32); this device is sm_", sm);
+}
+
+// --------------------------------------------------------------------- quantize
+void quantize(py::handle x_arg, py::handle scale_arg, py::handle q_arg, py::handle qt_arg,
+              py::handle amax_arg, int out_layout, py::handle stream_arg) {
+  const TensorArg x = bind::tensor_arg("x", x_arg);
+  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
+  const TensorArg q = bind::tensor_arg("q", q_arg);
+  const TensorArg q_t = bind::tensor_arg("q_t", qt_arg);
+  const TensorArg amax = bind::tensor_arg("amax", amax_arg);
+  const cudaStream_t stream = bind::stream_arg(stream_arg);
+
+  ASTRAI_CHECK(out_layout >= 0 && out_layout <= 2, "out_layout: expected 0 (q), 1 (q_t) or 2 (both), got ",
+               out_layout);
+  ASTRAI_CHECK(x.dtype == DType::Float32 || x.dtype == DType::Float16 || x.dtype == DType::BFloat16,
+               "x: expected float32, float16 or bfloat16, got ", dtype_name(x.dtype));
+  const int64_t ldx = expect_matrix(x);
+  ASTRAI_CHECK(x.ptr % dtype_size(x.dtype) == 0, "x: data pointer not aligned to its element size");
+  expect_scalar_f32(scale);
+  expect_scalar_f32(amax);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const bool want_q = out_layout != 1, want_qt = out_layout != 0;
+  ASTRAI_CHECK(is_fp8(q.dtype) && is_fp8(q_t.dtype), "q, q_t: expected float8_e4m3fn or float8_e5m2, got ",
+               dtype_name(q.dtype), " and ", dtype_name(q_t.dtype));
+  if (want_q) {
+    expect_shape(q, {rows, cols}, "[M, K] like x");
+    ASTRAI_CHECK(q.stride(1) == 1 && (rows == 1 || q.stride(0) == cols), "q: must be contiguous");
+    expect_data(q, 1);
+  } else {
+    ASTRAI_CHECK(q.numel() == 0, "q: must be empty when out_layout is 1");
+  }
+  if (want_qt) {
+    expect_shape(q_t, {cols, rows}, "[K, M] (x transposed)");
+    ASTRAI_CHECK(q_t.stride(1) == 1 && (cols == 1 || q_t.stride(0) == rows), "q_t: must be contiguous");
+    expect_data(q_t, 1);
+    ASTRAI_CHECK(rows <= int64_t{65535} * kTransTile, "x: at most ", int64_t{65535} * kTransTile,
+                 " rows for out_layout 1/2, got ", rows);
+  }
+  ASTRAI_CHECK(!(want_q && want_qt) || q.dtype == q_t.dtype, "q_t: dtype ", dtype_name(q_t.dtype),
+               " differs from q's ", dtype_name(q.dtype));
+  const DType out_dtype = want_q ? q.dtype : q_t.dtype;
+
+  check_device();
+  const int sms = multiprocessor_count(current_device());
+  FP8QuantizeParams p{reinterpret_cast<const void*>(x.ptr),
+                      want_q ? q.data<uint8_t>() : nullptr,
+                      want_qt ? q_t.data<uint8_t>() : nullptr,
+                      amax.data<float>(),
+                      scale.data<const float>(),
+                      static_cast<int>(rows),
+                      static_cast<int>(cols),
+                      ldx};
+  const bool e4 = out_dtype == DType::Float8E4M3;
+  switch (x.dtype) {
+    case DType::Float32:
+      return e4 ? quantize_launch<float, FP8Format::E4M3>(p, out_layout, sms, stream)
+                : quantize_launch<float, FP8Format::E5M2>(p, out_layout, sms, stream);
+    case DType::Float16:
+      return e4 ? quantize_launch<__half, FP8Format::E4M3>(p, out_layout, sms, stream)
+                : quantize_launch<__half, FP8Format::E5M2>(p, out_layout, sms, stream);
+    default:
+      return e4 ? quantize_launch<__nv_bfloat16, FP8Format::E4M3>(p, out_layout, sms, stream)
+                : quantize_launch<__nv_bfloat16, FP8Format::E5M2>(p, out_layout, sms, stream);
+  }
+}
+
+// --------------------------------------------------------------------- gemm
+void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handle bias_arg,
+             py::handle out_arg, bool trans_a, bool trans_b, py::handle stream_arg) {
+  const TensorArg a = bind::tensor_arg("a", a_arg);
+  const TensorArg b = bind::tensor_arg("b", b_arg);
+  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
+  const TensorArg out = bind::tensor_arg("out", out_arg);
+  const bool has_bias = !bias_arg.is_none();
+  TensorArg bias;
+  if (has_bias) bias = bind::tensor_arg("bias", bias_arg);
+  const cudaStream_t stream = bind::stream_arg(stream_arg);
+
+  ASTRAI_CHECK(is_fp8(a.dtype), "a: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(a.dtype));
+  ASTRAI_CHECK(is_fp8(b.dtype), "b: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(b.dtype));
+  const int64_t lda = expect_matrix(a), ldb = expect_matrix(b);
+  const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
+  const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
+  ASTRAI_CHECK(k == kb, "b: inner dimensions differ: op(a) is [", m, ", ", k, "], op(b) is [", kb,
+               ", ", n, "]");
+  expect_scalar_f32(scale);
+  expect_dtype(out, DType::BFloat16);
+  const int64_t ldc = expect_matrix(out);
+  expect_shape(out, {m, n}, "[M, N]");
+  expect_data(out, 2);
+  if (has_bias) {
+    expect_dtype(bias, DType::BFloat16);
+    expect_shape(bias, {n}, "[N]");
+    ASTRAI_CHECK(bias.stride(0) == 1 || n == 1, "bias: must be contiguous");
+    expect_data(bias, 2);
+  }
+
+  check_device();
+  const GemmArgs g{a.data<const uint8_t>(), b.data<const uint8_t>(), out.data<uint16_t>(),
+                   has_bias ? bias.data<const uint16_t>() : nullptr, scale.data<const float>(),
+                   static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), lda, ldb, ldc,
+                   trans_a, trans_b, format_of(a.dtype), format_of(b.dtype)};
+  gemm(g, device_limits(current_device()), stream);
+}
+
+// --------------------------------------------------------------------- planner (pure)
+const char* tile_name(TileConfig c) {
+  switch (c) {
+    case TileConfig::k64x64: return "64x64";
+    case TileConfig::k128x64: return "128x64";
+    case TileConfig::k128x128: return "128x128";
+  }
+  return "?";
+}
+
+py::dict plan(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, int sms,
+              int smem_per_sm, int smem_per_block) {
+  ASTRAI_CHECK(m > 0 && n > 0 && k > 0 && m <= kIntMax && n <= kIntMax && k <= kIntMax,
+               "m, n, k: expected positive int32 sizes, got ", m, ", ", n, ", ", k);
+  ASTRAI_CHECK(sms > 0 && smem_per_sm > 0 && smem_per_block > 0, "sms, smem_per_sm, smem_per_block: must be positive");
+  GemmArgs args{};
+  args.m = static_cast<int>(m), args.n = static_cast<int>(n), args.k = static_cast<int>(k);
+  args.trans_a = trans_a, args.trans_b = trans_b;
+  args.lda = args.ldb = args.ldc = 16;
+  const CanonicalGemm g = canonicalize_gemm(args);
+  const GemmPlan p = plan_gemm(g.problem, DeviceLimits{sms, smem_per_sm, smem_per_block});
+  const TileShape s = tile_shape(p.tile);
+  static const char* layout_names[] = {"CC", "CX", "XX"};
+  py::dict d;
+  d["tile"] = tile_name(p.tile);
+  d["block_m"] = s.bm;
+  d["block_n"] = s.bn;
+  d["swap_ab"] = g.params.swap_ab != 0;
+  d["layouts"] = layout_names[static_cast<int>(g.layouts)];
+  d["tiles_m"] = p.tiles_m;
+  d["tiles_n"] = p.tiles_n;
+  d["grid"] = p.grid;
+  d["threads"] = p.threads;
+  d["smem_bytes"] = p.smem_bytes;
+  d["group_m"] = p.group_m;
+  d["ctas_per_sm"] = p.ctas_per_sm;
+  return d;
+}
+
+}  // namespace
+}  // namespace astrai::fp8
+
+PYBIND11_MODULE(_fp8_ops, m) {
+  namespace py = pybind11;
+  astrai::bind::init_module(m);
+  m.doc() = "AstrAI FP8 quantize + GEMM (ABI 1): torch-free, pointers + shapes + strides, sm_89+.";
+  m.def("quantize", &astrai::fp8::quantize, py::arg("x"), py::arg("scale"), py::arg("q"),
+        py::arg("q_t"), py::arg("amax"), py::arg("out_layout"), py::arg("stream"),
+        "q = saturate(x * scale) (fp8, format = q's dtype), q_t = q^T, amax = max|x|.\n"
+        "x [M, K] f32/f16/bf16 with a contiguous last dim; scale, amax float32 scalars;\n"
+        "out_layout 0: q only, 1: q_t only, 2: both (the other output is an empty tensor).");
+  m.def("gemm", &astrai::fp8::gemm_op, py::arg("a"), py::arg("b"), py::arg("scale"), py::arg("bias"),
+        py::arg("out"), py::arg("trans_a"), py::arg("trans_b"), py::arg("stream"),
+        "out[M, N] (bf16) = scale * op(a) @ op(b) + bias. a is [M, K] ([K, M] if trans_a),\n"
+        "b is [K, N] ([N, K] if trans_b), fp8 (e4m3/e5m2, may differ), unit last stride;\n"
+        "scale a float32 scalar (the combined dequant scale); bias bf16 [N] or None.");
+  m.def("plan", &astrai::fp8::plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"),
+        py::arg("trans_b"), py::arg("sms"), py::arg("smem_per_sm"), py::arg("smem_per_block"),
+        "The launch plan fp8_gemm would use (pure host function, no GPU needed).");
+}

@@ -1,0 +1,130 @@
+"""astrai-fp8 (mma.sync mainloop) side by side with torch: GEMM vs cuBLASLt and bf16, quantize
+vs the torch cast.
+
+    python tests/gpu/bench_fp8.py [--json out.json] [--quick]
+
+GEMM rows (M x N x K; N x K the LLM weight shapes, x [M, K] @ w.t()): TFLOP/s of ours
+(``ops.mm_fp8``), of ``torch._scaled_mm`` (cuBLASLt FP8) and of a bf16 ``torch.mm``, and
+the ratios ours / cuBLASLt and ours / bf16. On sm_90 ours is the fp16 *emulation* of
+mma.sync (F2FP unpack + HMMA): it is expected to trail cuBLASLt there, and the core never
+routes Hopper GEMMs to it; the numbers are reported as measured. Quantize rows: GB/s of
+``ops.fp8_quantize`` (bytes read + written) vs ``(x.float() * s).clamp().to(fp8)``.
+Times: medians of CUDA-graph replays of back-to-back calls (launch gaps excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
+MS = [1, 16, 128, 1024, 4096, 8192]
+
+
+def graph_ms(fn, inner: int = 10, reps: int = 10) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def bench_gemm(ops, shapes):
+    rows = []
+    for m, n, k in shapes:
+        x = (torch.randn(m, k, device="cuda") * 2).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, device="cuda") * 2).to(torch.float8_e4m3fn)
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        one = torch.tensor(1.0, device="cuda")
+        flop = 2.0 * m * n * k
+        ours = graph_ms(lambda: ops.mm_fp8(x, w.t(), one))
+        cublas = graph_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16))
+        bf16 = graph_ms(lambda: torch.mm(xb, wb.t()))
+        row = {"m": m, "n": n, "k": k, "ours_ms": ours, "scaled_mm_ms": cublas, "bf16_ms": bf16,
+               "ours_tflops": flop / ours / 1e9, "scaled_mm_tflops": flop / cublas / 1e9,
+               "bf16_tflops": flop / bf16 / 1e9, "ours_over_scaled_mm": cublas / ours,
+               "ours_over_bf16": bf16 / ours}
+        rows.append(row)
+        print(f"gemm {m:>5} x {n:>5} x {k:>5}  ours {row['ours_tflops']:7.1f}  cuBLASLt "
+              f"{row['scaled_mm_tflops']:7.1f}  bf16 {row['bf16_tflops']:7.1f} TFLOP/s  "
+              f"ours/cuBLASLt {row['ours_over_scaled_mm']:.2f}  ours/bf16 {row['ours_over_bf16']:.2f}",
+              flush=True)
+        del x, w, xb, wb
+    return rows
+
+
+def bench_quantize(ops, shapes):
+    rows = []
+    for m, k, layout in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        s = torch.tensor(10.0, device="cuda")
+        ours = graph_ms(lambda: ops.fp8_quantize(x, s, "e4m3", layout))
+
+        def ref():
+            q = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            amax = x.abs().amax()
+            return (q if layout != 1 else q.t().contiguous()), amax
+
+        theirs = graph_ms(ref)
+        nbytes = m * k * (2 + (2 if layout == 2 else 1))
+        row = {"m": m, "k": k, "out_layout": layout, "ours_ms": ours, "torch_ms": theirs,
+               "ours_gbps": nbytes / ours / 1e6, "torch_gbps": nbytes / theirs / 1e6,
+               "speedup": theirs / ours}
+        rows.append(row)
+        print(f"quantize {m:>5} x {k:>5} layout {layout}: ours {row['ours_gbps']:7.0f} GB/s, "
+              f"torch {row['torch_gbps']:7.0f} GB/s, x{row['speedup']:.1f}", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        print("bench_fp8: needs an sm_89+ CUDA device; nothing to do")
+        return 0
+    from astrai.extension.ops import fp8 as ops
+
+    ms = [16, 1024, 8192] if args.quick else MS
+    nks = LLM_NK[:1] if args.quick else LLM_NK
+    shapes = [(m, n, k) for m in ms for n, k in nks if not (m == 8192 and n * k > 8192 * 8192)]
+    if not args.quick:
+        shapes.append((4096, 28672, 8192))
+    gemm_rows = bench_gemm(ops, shapes)
+    quant_rows = bench_quantize(ops, [(8192, 8192, 0), (8192, 8192, 1), (8192, 8192, 2),
+                                      (16384, 4096, 0)])
+    cap = torch.cuda.get_device_capability()
+    result = {"device": torch.cuda.get_device_name(), "sm": cap[0] * 10 + cap[1],
+              "torch": torch.__version__, "mainloop": "mma.sync m16n8k32",
+              "gemm": gemm_rows, "quantize": quant_rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
