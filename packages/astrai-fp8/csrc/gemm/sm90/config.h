@@ -1,0 +1,57 @@
+// Compile-time configuration of the Hopper FP8 GEMM: one struct per tile shape, every
+// derived size computed here and checked by static_assert (host and device).
+//
+//   CTA tile kBM x kBN x kBK = 128 x BN x 128 (128 fp8 = one 128-byte swizzle row of K)
+//   warpgroup 0: producer (one thread issues TMA), warpgroups 1..2: consumers, each owning
+//   64 rows x BN columns of the tile (one m64nBNk32 wgmma per 32 of K)
+//   shared memory: kStages x (A 128x128 + B BNx128) bytes, then full / empty mbarriers
+#pragma once
+
+#include "fp8_format.h"
+
+namespace astrai::fp8::sm90 {
+
+template <int BN, int Stages, bool Promote, bool SplitPromote, Fp8Kind KindA, Fp8Kind KindB>
+struct GemmConfig {
+    static constexpr int kBM = 128;
+    static constexpr int kBN = BN;
+    static constexpr int kBK = 128;
+    static constexpr int kStages = Stages;
+    static constexpr bool kPromote = Promote;  // fp32 register sum every kBK of K
+    static constexpr bool kSplitPromote = SplitPromote;  // two pipelined half-N chains
+    static constexpr Fp8Kind kKindA = KindA;
+    static constexpr Fp8Kind kKindB = KindB;
+
+    static constexpr int kWgmmaK = 32;
+    static constexpr int kKSteps = kBK / kWgmmaK;
+    static constexpr int kConsumerWGs = 2;
+    static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+    static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+    static constexpr int kRowsPerWG = kBM / kConsumerWGs;
+
+    static constexpr int kABytes = kBM * kBK;
+    static constexpr int kBBytes = kBN * kBK;
+    static constexpr int kStageBytes = kABytes + kBBytes;
+    static constexpr int kRingBytes = kStages * kStageBytes;
+    static constexpr int kBarrierBytes = 2 * kStages * 8;
+    static constexpr int kAlignSlack = 1024;  // dynamic smem base rounded up to 1024 B
+    static constexpr int kSmemBytes = kRingBytes + kBarrierBytes + kAlignSlack;
+
+    static constexpr int kAccRegs = kBN / 2;  // fp32 accumulators per consumer thread
+    static constexpr int kProducerRegs = 40;
+    static constexpr int kConsumerRegs = 232;
+
+    static_assert(kRowsPerWG == 64, "a consumer warpgroup owns one m64 wgmma row block");
+    static_assert(kBN % 64 == 0 && kBN >= 64 && kBN <= 256, "wgmma N: 64..256, 64-granular here");
+    static_assert(kBN <= 256, "TMA box rows <= 256");
+    static_assert(kBK == 128, "one 128-byte swizzle row of fp8 per k-block");
+    static_assert(!kSplitPromote || (kPromote && kBN % 16 == 0), "split halves: 8-column multiples");
+    static_assert(kStages >= 2 && kStages <= 8, "ring depth");
+    static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "1024-byte aligned stage tiles");
+    static_assert(kAccRegs * (kPromote ? 2 : 1) <= 200, "accumulators must fit the consumer cap");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
+                  "register file split between warpgroups");
+    static_assert(kSmemBytes <= 232448, "over the sm_90 shared-memory opt-in limit");
+};
+
+}  // namespace astrai::fp8::sm90

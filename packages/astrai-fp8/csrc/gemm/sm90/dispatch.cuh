@@ -1,0 +1,128 @@
+// Host entry of the Hopper FP8 GEMM: device limits -> plan -> tensor maps -> launch.
+//
+//   GemmArgs a{...};
+//   Result r = run_gemm(a, stream);   // r.error: "" on success, else why nothing ran
+//                                     // r.plan.trace: every candidate and its verdict
+// Instantiated configs: the rows of kTileConfigs (planning.h) x the four FP8 pairings.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "config.h"
+#include "kernel.cuh"
+#include "planning.h"
+#include "tensor_map.h"
+
+namespace astrai::fp8::sm90 {
+
+struct GemmArgs {
+    int64_t M = 0, N = 0, K = 0;
+    const void* a = nullptr;  // fp8 [M, lda], K-major
+    int64_t lda = 0;
+    const void* b = nullptr;  // fp8 [N, ldb], K-major (the "TN" / trans_b layout)
+    int64_t ldb = 0;
+    void* out = nullptr;      // bf16 (or fp32) [M, ldc]
+    int64_t ldc = 0;
+    bool out_f32 = false;
+    const void* bias = nullptr;    // bf16 [N] or nullptr
+    const float* scale = nullptr;  // device scalar or nullptr
+    Fp8Kind kind_a = Fp8Kind::E4M3, kind_b = Fp8Kind::E4M3;
+    Accum accum = Accum::Promote;
+    int force_config = -1;
+};
+
+struct Result {
+    std::string error;
+    Plan plan;
+};
+
+inline std::string device_limits(DeviceLimits& d) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return e == cudaSuccess ? "" : std::string("device query failed: ") + cudaGetErrorString(e);
+}
+
+template <class Cfg>
+std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
+    CUtensorMap map_a, map_b;
+    std::string err = encode_fp8_k_major(&map_a, a.a, a.M, a.K, a.lda, Cfg::kBM);
+    if (err.empty()) err = encode_fp8_k_major(&map_b, a.b, a.N, a.K, a.ldb, Cfg::kBN);
+    if (!err.empty()) return err;
+
+    GemmParams p{};
+    p.M = static_cast<int>(a.M);
+    p.N = static_cast<int>(a.N);
+    p.K = static_cast<int>(a.K);
+    p.tiles_m = plan.tiles_m;
+    p.tiles_n = plan.tiles_n;
+    p.num_tiles = plan.num_tiles;
+    p.k_blocks = plan.k_blocks;
+    p.group_m = plan.group_m;
+    p.out = a.out;
+    p.ldc = a.ldc;
+    p.out_f32 = a.out_f32 ? 1 : 0;
+    const uint64_t align = a.out_f32 ? 8 : 4;
+    p.vec_store = (a.ldc % 2 == 0 && reinterpret_cast<uint64_t>(a.out) % align == 0) ? 1 : 0;
+    p.bias = a.bias;
+    p.scale = a.scale;
+
+    auto kernel = fp8_gemm_sm90_kernel<Cfg>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Cfg::kSmemBytes);
+    if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    kernel<<<plan.grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, p);
+    e = cudaGetLastError();
+    return e == cudaSuccess ? "" : std::string("launch: ") + cudaGetErrorString(e);
+}
+
+template <Fp8Kind KA, Fp8Kind KB>
+std::string launch_config(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
+    switch (plan.config) {
+        case 0: return launch<GemmConfig<256, 4, false, false, KA, KB>>(a, plan, stream);
+        case 1: return launch<GemmConfig<192, 5, true, true, KA, KB>>(a, plan, stream);
+        case 2: return launch<GemmConfig<128, 6, true, true, KA, KB>>(a, plan, stream);
+        case 3: return launch<GemmConfig<128, 6, false, false, KA, KB>>(a, plan, stream);
+        case 4: return launch<GemmConfig<192, 5, true, false, KA, KB>>(a, plan, stream);
+        case 5: return launch<GemmConfig<128, 6, true, false, KA, KB>>(a, plan, stream);
+        default: return "unknown tile config " + std::to_string(plan.config);
+    }
+}
+
+inline Result run_gemm(const GemmArgs& a, cudaStream_t stream) {
+    Result r;
+    DeviceLimits d;
+    r.error = device_limits(d);
+    if (!r.error.empty()) return r;
+    ProblemShape s;
+    s.M = a.M;
+    s.N = a.N;
+    s.K = a.K;
+    s.lda = a.lda;
+    s.ldb = a.ldb;
+    s.a_addr = reinterpret_cast<uint64_t>(a.a);
+    s.b_addr = reinterpret_cast<uint64_t>(a.b);
+    r.plan = plan(s, d, a.accum, a.force_config);
+    if (!r.plan.ok) {
+        r.error = r.plan.trace;
+        return r;
+    }
+    using K = Fp8Kind;
+    if (a.kind_a == K::E4M3 && a.kind_b == K::E4M3)
+        r.error = launch_config<K::E4M3, K::E4M3>(a, r.plan, stream);
+    else if (a.kind_a == K::E5M2 && a.kind_b == K::E4M3)
+        r.error = launch_config<K::E5M2, K::E4M3>(a, r.plan, stream);
+    else if (a.kind_a == K::E4M3 && a.kind_b == K::E5M2)
+        r.error = launch_config<K::E4M3, K::E5M2>(a, r.plan, stream);
+    else
+        r.error = launch_config<K::E5M2, K::E5M2>(a, r.plan, stream);
+    return r;
+}
+
+}  // namespace astrai::fp8::sm90

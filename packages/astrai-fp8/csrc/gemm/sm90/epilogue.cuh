@@ -1,0 +1,68 @@
+// Consumer-warpgroup epilogue: out = scale * acc + bias, rounded to bf16 (or fp32 for the
+// accuracy tests), written straight from the wgmma accumulator layout with row / column
+// guards for ragged M and N. A quad of lanes covers 8 contiguous columns of one row.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "params.h"
+
+namespace astrai::fp8::sm90 {
+
+template <int BN>
+struct Epilogue {
+    static constexpr int kRegs = BN / 2;
+
+    __device__ __forceinline__ static void store_pair(const GemmParams& p, int row, int col,
+                                                      float v0, float v1) {
+        const bool two = col + 1 < p.N;
+        if (p.out_f32) {
+            float* o = static_cast<float*>(p.out) + static_cast<int64_t>(row) * p.ldc + col;
+            if (two && p.vec_store) {
+                *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+            } else {
+                o[0] = v0;
+                if (two) o[1] = v1;
+            }
+            return;
+        }
+        __nv_bfloat16* o =
+            static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(row) * p.ldc + col;
+        if (two && p.vec_store) {
+            *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+        } else {
+            o[0] = __float2bfloat16_rn(v0);
+            if (two) o[1] = __float2bfloat16_rn(v1);
+        }
+    }
+
+    // rows [row_base, row_base + 64) of the CTA tile belong to this warpgroup
+    __device__ __forceinline__ static void store(const GemmParams& p, const float (&acc)[kRegs],
+                                                 int row_base, int col_base, float scale) {
+        const int warp = (threadIdx.x / 32) % 4;
+        const int lane = threadIdx.x % 32;
+        const int row0 = row_base + warp * 16 + lane / 4;
+        const int col0 = col_base + 2 * (lane % 4);
+        const __nv_bfloat16* bias = static_cast<const __nv_bfloat16*>(p.bias);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = col0 + 8 * j;
+            if (col < p.N) {
+                float b0 = 0.f, b1 = 0.f;
+                if (bias != nullptr) {
+                    b0 = __bfloat162float(bias[col]);
+                    if (col + 1 < p.N) b1 = __bfloat162float(bias[col + 1]);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row0 + 8 * h;
+                    if (row < p.M)
+                        store_pair(p, row, col, acc[4 * j + 2 * h] * scale + b0,
+                                   acc[4 * j + 2 * h + 1] * scale + b1);
+                }
+            }
+        }
+    }
+};
+
+}  // namespace astrai::fp8::sm90

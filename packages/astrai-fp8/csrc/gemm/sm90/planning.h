@@ -1,0 +1,134 @@
+// Host planning for the Hopper FP8 GEMM: pure functions (no CUDA calls), mirrored line by
+// line in astrai_fp8/sm90_planning.py and tested on the CPU.
+//
+//   can_implement(shape, device) -> "" or the reason this path cannot take the problem
+//   plan(shape, device, accum)   -> the tile config with the smallest estimated time
+//                                   among those that fit, with a trace of every candidate
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace astrai::fp8::sm90 {
+
+struct DeviceLimits {
+    int cc_major = 0, cc_minor = 0;
+    int num_sms = 0;
+    int smem_optin = 0;  // bytes a block may opt in to
+};
+
+struct ProblemShape {
+    int64_t M = 0, N = 0, K = 0;
+    int64_t lda = 0, ldb = 0;       // elements between rows of A [M,K] and of B [N,K]
+    uint64_t a_addr = 0, b_addr = 0;  // for the 16-byte alignment TMA needs
+};
+
+enum class Accum : int { Promote = 0, Fast = 1 };
+
+struct TileConfig {
+    int id;
+    int bn;
+    int stages;
+    bool promote;
+    bool split;   // promoted sums with two pipelined half-N chains
+    double rate;  // relative per-SM throughput of a full tile (measured on an H200)
+};
+
+// Kept in step with the instantiations in dispatch.cuh and the Python mirror.
+inline constexpr TileConfig kTileConfigs[] = {
+    {0, 256, 4, false, false, 1.00},
+    {1, 192, 5, true, true, 0.93},
+    {2, 128, 6, true, true, 0.82},
+    {3, 128, 6, false, false, 0.90},
+    {4, 192, 5, true, false, 0.92},
+    {5, 128, 6, true, false, 0.80},
+};
+inline constexpr int kNumTileConfigs = 6;
+inline constexpr int kTileM = 128;
+inline constexpr int kTileK = 128;
+inline constexpr int kGroupM = 8;
+
+inline int64_t smem_bytes(const TileConfig& c) {
+    return static_cast<int64_t>(c.stages) * (kTileM + c.bn) * kTileK + 2 * c.stages * 8 + 1024;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline std::string can_implement(const ProblemShape& s, const DeviceLimits& d) {
+    if (!(d.cc_major == 9 && d.cc_minor == 0))
+        return "wgmma/TMA path needs sm_90 (device is sm_" + std::to_string(d.cc_major) +
+               std::to_string(d.cc_minor) + ")";
+    if (s.M <= 0 || s.N <= 0 || s.K <= 0) return "M, N and K must be positive";
+    if (s.M > INT32_MAX || s.N > INT32_MAX || s.K > INT32_MAX)
+        return "M, N and K must each fit in int32";
+    if (s.K % 16 != 0) return "K must be a multiple of 16 (TMA row pitch is 16-byte granular)";
+    if (s.lda < s.K || s.ldb < s.K) return "lda and ldb must be >= K";
+    if (s.lda % 16 != 0 || s.ldb % 16 != 0)
+        return "lda and ldb must be multiples of 16 bytes for TMA";
+    if (s.a_addr % 16 != 0 || s.b_addr % 16 != 0)
+        return "A and B must be 16-byte aligned for TMA";
+    return "";
+}
+
+struct Plan {
+    bool ok = false;
+    int config = -1;
+    int tiles_m = 0, tiles_n = 0, num_tiles = 0, grid = 0, k_blocks = 0, group_m = kGroupM;
+    double cost = 0.0;   // estimated, in units of one 128x256 tile at rate 1.0
+    std::string trace;   // one line per candidate: accepted (with its cost) or why not
+};
+
+// The plan for one tile config, or ok == false with the reason in `trace`.
+inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const TileConfig& c) {
+    Plan p;
+    p.trace = "sm90 128x" + std::to_string(c.bn) + "x128 s" + std::to_string(c.stages) +
+              (c.promote ? (c.split ? " promote split" : " promote") : " fast") + ": ";
+    if (smem_bytes(c) > d.smem_optin) {
+        p.trace += "needs " + std::to_string(smem_bytes(c)) + " B shared memory, device allows " +
+                   std::to_string(d.smem_optin) + "\n";
+        return p;
+    }
+    const int64_t tm = ceil_div(s.M, kTileM), tn = ceil_div(s.N, c.bn);
+    const int64_t tiles = tm * tn;
+    if (tiles > INT32_MAX) {
+        p.trace += "too many tiles\n";
+        return p;
+    }
+    const int64_t grid = tiles < d.num_sms ? tiles : d.num_sms;
+    const int64_t rounds = ceil_div(tiles, grid);
+    p.ok = true;
+    p.config = c.id;
+    p.tiles_m = static_cast<int>(tm);
+    p.tiles_n = static_cast<int>(tn);
+    p.num_tiles = static_cast<int>(tiles);
+    p.grid = static_cast<int>(grid);
+    p.k_blocks = static_cast<int>(ceil_div(s.K, kTileK));
+    p.cost = static_cast<double>(rounds) * c.bn / (256.0 * c.rate);
+    p.trace += std::to_string(tiles) + " tiles, " + std::to_string(rounds) + " rounds on " +
+               std::to_string(grid) + " CTAs, cost " + std::to_string(p.cost) + "\n";
+    return p;
+}
+
+// The cheapest fitting config for the accumulation mode (force_config >= 0: that one only).
+inline Plan plan(const ProblemShape& s, const DeviceLimits& d, Accum accum,
+                 int force_config = -1) {
+    Plan best;
+    const std::string why = can_implement(s, d);
+    if (!why.empty()) {
+        best.trace = "sm90: " + why + "\n";
+        return best;
+    }
+    std::string trace;
+    for (const TileConfig& c : kTileConfigs) {
+        if (force_config >= 0 && c.id != force_config) continue;
+        if (force_config < 0 && c.promote != (accum == Accum::Promote)) continue;
+        Plan p = plan_config(s, d, c);
+        trace += p.trace;
+        if (p.ok && (!best.ok || p.cost < best.cost)) best = p;
+    }
+    if (!best.ok) trace += "sm90: no tile config fits\n";
+    best.trace = trace;
+    return best;
+}
+
+}  // namespace astrai::fp8::sm90

@@ -1,0 +1,236 @@
+"""The Hopper (sm_90a) FP8 GEMM on a machine without a GPU.
+
+* Planning as pure functions (``astrai_fp8.sm90_planning``): which shapes the path takes,
+  the reasons it gives when it cannot, the tile choice by wave math, the shared-memory
+  fallback; the C++ planner (``csrc/gemm/sm90/planning.h``, built with the host compiler)
+  against the Python mirror on a grid of shapes.
+* The device code compiled for ``sm_90a``: the SASS holds ``QGMMA`` (FP8 wgmma) and
+  ``UTMALDG`` (TMA loads), ``setmaxnreg``, no ``F2FP...UNPACK_B`` (the fp16 emulation of the
+  mma.sync path); ptxas reports no spills, no stack frame, and no serialized wgmma.
+* The generated wgmma wrapper header matches its generator.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SM90 = REPO / "packages" / "astrai-fp8" / "csrc" / "gemm" / "sm90"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sp = _load("astrai_fp8_sm90_planning", REPO / "packages" / "astrai-fp8" / "src" / "astrai_fp8" / "sm90_planning.py")
+H200 = sp.H200
+
+
+def _plan(M, N, K, accum="promote", **kw):
+    return sp.plan(sp.ProblemShape(M, N, K, **kw), H200, accum)
+
+
+# ============================================================ planning (pure, fast)
+def test_takes_llm_shapes_with_the_wide_tiles():
+    for N, K in ((8192, 8192), (28672, 8192), (8192, 28672)):
+        assert _plan(8192, N, K, "fast").config == 0          # 128x256, fast accumulation
+        assert _plan(8192, N, K, "promote").config in (1, 4)  # 128x192, promoted sums
+    p = _plan(8192, 8192, 8192, "fast")
+    assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid, p.k_blocks) == (64, 32, 2048, 132, 64)
+
+
+def test_wave_math_prefers_narrow_tiles_when_wide_ones_quantise_badly():
+    # 1024 x 10240: 320 wide tiles = 2.4 waves (3 rounds) vs 640 narrow = 4.8 (5 rounds)
+    p = _plan(1024, 10240, 8192, "fast")
+    assert p.config == 3 and p.num_tiles == 640
+    assert any("320 tiles, 3 rounds" in line for line in p.trace)
+
+
+def test_small_problems_use_one_cta_per_tile():
+    p = _plan(16, 8192, 8192, "promote")
+    assert p.grid == p.num_tiles == 64 and p.tiles_m == 1
+    p = _plan(1, 1, 16, "fast")
+    assert (p.grid, p.k_blocks) == (1, 1)
+
+
+def test_k_tail_counts_a_partial_block():
+    assert _plan(128, 128, 4000).k_blocks == 32   # 31 full blocks + 32 (zero-filled by TMA)
+    assert _plan(128, 128, 16).k_blocks == 1
+
+
+@pytest.mark.parametrize("shape, reason", [
+    (dict(M=128, N=128, K=40), "K must be a multiple of 16"),
+    (dict(M=0, N=128, K=128), "must be positive"),
+    (dict(M=128, N=128, K=128, lda=136), "multiples of 16 bytes"),
+    (dict(M=128, N=128, K=128, ldb=64), ">= K"),
+    (dict(M=128, N=128, K=128, a_addr=8), "16-byte aligned"),
+    (dict(M=2**31, N=128, K=128), "int32"),
+])
+def test_rejections_name_the_reason(shape, reason):
+    s = sp.ProblemShape(**shape)
+    assert reason in sp.can_implement(s, H200)
+    p = sp.plan(s, H200)
+    assert not p.ok and reason in p.trace[0]
+
+
+def test_other_archs_are_refused():
+    for cc in ((8, 9), (10, 0), (12, 0)):
+        d = sp.DeviceLimits(cc[0], cc[1], 132, 232448)
+        assert "needs sm_90" in sp.can_implement(sp.ProblemShape(128, 128, 128), d)
+
+
+def test_shared_memory_limit_falls_back_then_refuses():
+    small = sp.DeviceLimits(9, 0, 132, 200000)  # the 4 x 48 KiB ring of 128x256 still fits
+    assert sp.plan(sp.ProblemShape(8192, 8192, 8192), small, "fast").config == 0
+    smaller = sp.DeviceLimits(9, 0, 132, 190000)
+    p = sp.plan(sp.ProblemShape(8192, 8192, 8192), smaller, "fast")
+    assert not p.ok and "no tile config fits" in p.trace[-1]
+    assert any("needs 197696 B shared memory" in line for line in p.trace)
+
+
+def test_every_config_fits_the_h200_and_forcing_picks_it():
+    for c in sp.TILE_CONFIGS:
+        assert sp.smem_bytes(c) <= H200.smem_optin
+        p = sp.plan(sp.ProblemShape(1000, 1000, 1024), H200, force_config=c.id)
+        assert p.ok and p.config == c.id
+    with pytest.raises(ValueError, match="accum"):
+        sp.plan(sp.ProblemShape(1, 1, 16), H200, accum="bf16")
+
+
+# ============================================================ C++ planner == Python mirror
+DRIVER = r"""
+#include <cstdio>
+#include "planning.h"
+using namespace astrai::fp8::sm90;
+int main() {
+    long long M, N, K, lda, ldb, a, b; int accum, sms, smem;
+    while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %d %d %d", &M, &N, &K, &lda, &ldb, &a, &b,
+                      &accum, &sms, &smem) == 10) {
+        ProblemShape s; s.M = M; s.N = N; s.K = K; s.lda = lda; s.ldb = ldb; s.a_addr = a; s.b_addr = b;
+        DeviceLimits d; d.cc_major = 9; d.cc_minor = 0; d.num_sms = sms; d.smem_optin = smem;
+        Plan p = plan(s, d, accum ? Accum::Fast : Accum::Promote);
+        std::printf("%d %d %d %d %d %d %d %.6f\n", p.ok, p.config, p.tiles_m, p.tiles_n,
+                    p.num_tiles, p.grid, p.k_blocks, p.cost);
+    }
+}
+"""
+
+
+def test_cpp_planner_matches_python(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src = tmp_path / "plan_driver.cpp"
+    src.write_text(DRIVER)
+    exe = tmp_path / "plan_driver"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(SM90), str(src), "-o", str(exe)], check=True)
+    cases = []
+    for M in (1, 16, 127, 128, 129, 1000, 1024, 4096, 8192):
+        for N, K in ((8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192), (257, 144), (1, 16), (300, 40)):
+            for accum in (0, 1):
+                for sms, smem in ((132, 232448), (114, 232448), (132, 200000), (132, 150000)):
+                    cases.append((M, N, K, K, K, 0, 0, accum, sms, smem))
+    cases.append((128, 128, 128, 136, 128, 0, 0, 0, 132, 232448))
+    cases.append((128, 128, 128, 128, 128, 0, 8, 1, 132, 232448))
+    out = subprocess.run([str(exe)], input="\n".join(" ".join(map(str, c)) for c in cases),
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(cases)
+    for c, line in zip(cases, out):
+        M, N, K, lda, ldb, a, b, accum, sms, smem = c
+        p = sp.plan(sp.ProblemShape(M, N, K, lda, ldb, a, b), sp.DeviceLimits(9, 0, sms, smem),
+                    "fast" if accum else "promote")
+        ok, cfg, tm, tn, tiles, grid, kb, cost = line.split()
+        assert (int(ok), int(cfg)) == (int(p.ok), p.config), (c, line)
+        if p.ok:
+            assert (int(tm), int(tn), int(tiles), int(grid), int(kb)) == (
+                p.tiles_m, p.tiles_n, p.num_tiles, p.grid, p.k_blocks), (c, line)
+            assert float(cost) == pytest.approx(p.cost, abs=2e-6)
+
+
+# ============================================================ generated header
+def test_wgmma_header_matches_its_generator():
+    gen = _load("astrai_sm90_gen_wgmma", SM90 / "gen_wgmma.py")
+    assert (SM90 / "wgmma_fp8.cuh").read_text() == gen.render(), "re-run gen_wgmma.py"
+
+
+# ============================================================ SASS (nvcc, sm_90a)
+PROBE = r"""
+#include "config.h"
+#include "kernel.cuh"
+namespace astrai::fp8::sm90 {
+using K4 = Fp8Kind;
+void* probes[] = {
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, false, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, true, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, true, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, false, false, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, false, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, false, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, false, K4::E5M2, K4::E4M3>>,
+};
+}
+"""
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name) or next(iter(glob.glob(str(
+        Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / name))), None)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    nvcc, cuobjdump = shutil.which("nvcc"), _tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    d = tmp_path_factory.mktemp("sm90")
+    (d / "probe.cu").write_text(PROBE)
+    obj = d / "probe.o"
+    r = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        "-I", str(SM90), "-c", str(d / "probe.cu"), "-o", str(obj)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    env_path = str(Path(cuobjdump).parent)
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True,
+                          env={"PATH": env_path + ":/usr/bin:/bin"}).stdout
+    return r.stderr, sass
+
+
+def _kernels(sass: str) -> dict[str, str]:
+    parts = re.split(r"\n\s*Function : (\S+)", sass)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_sass_is_native_hopper_fp8(built):
+    _, sass = built
+    kernels = _kernels(sass)
+    assert len(kernels) == 7
+    for name, body in kernels.items():
+        assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E4M3", body), name
+        assert "UTMALDG" in body, name
+        assert "USETMAXREG" in body, name
+        assert "SYNCS.PHASECHK" in body, name  # mbarrier waits
+        assert not re.search(r"F2FP\.[A-Z0-9]+\.E[45]M[23]\.UNPACK_B", body), name
+        assert "HMMA" not in body, name
+        assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
+    widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
+    assert widths == {"64", "96", "128", "192", "256"}
+
+
+def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
+    log, _ = built
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) == 7 and all(f == ("0", "0", "0") for f in frames), log
+    assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
+    assert "C7508" not in log, log  # setmaxnreg ignored
