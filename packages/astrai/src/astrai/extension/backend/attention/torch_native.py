@@ -54,7 +54,7 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.
     qg = q.reshape(b, hkv, group * lq, d)
     mask = keep[:, None, None].expand(b, 1, group, lq, keep.shape[-1]).reshape(b, 1, group * lq, keep.shape[-1])
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(b, hq, lq, d)
-    return out * has_key[:, None, :, None].to(out.dtype)
+    return torch.where(has_key[:, None, :, None], out, 0.0)  # not a product: NaN * 0 is NaN
 
 
 def sdpa(
