@@ -38,6 +38,7 @@ from reference import attention_ref, rotary_ref, tolerance
 from astrai.extension import apply_rotary_emb, attention
 from astrai.extension.backend import fp8 as fp8_policy
 from astrai.extension.fp8 import DynamicScaling, Format, fp8_autocast
+from astrai.extension.kv_cache import PagedKVCache
 from astrai.extension.registry import Registry
 from astrai.extension.runtime import Runtime, use_runtime
 
@@ -569,3 +570,37 @@ def test_fp8_autocast_linear_is_the_documented_function(fin, fout, lead, rows, d
     assert y.shape == (rows, *lead, fout) and y.dtype == dtype
     tol = 2**-7 * float(expected.abs().max()) + 1e-30
     torch.testing.assert_close(y.double(), expected, rtol=2**-7, atol=tol)
+
+
+# -- paged KV cache: pages start as garbage ----------------------------------------------
+
+
+@FEW
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from([1, 4, 16]),
+       st.sampled_from([torch.float32, torch.bfloat16]), seeds)
+def test_paged_attention_never_reads_unwritten_cache_slots(q_lens, page_size, dtype, seed):
+    # A fresh cache's pages hold whatever memory held before (torch.empty): NaN here. Only
+    # written slots may reach the result: prefill, then one decode step, vs the reference
+    # over each request's own tokens.
+    gen = torch.Generator().manual_seed(seed)
+    hkv, hq, d = 2, 4, 16
+    cache = PagedKVCache(1, 64, page_size, hkv, d, dtype=dtype)
+    cache.k_pages.fill_(math.nan)
+    cache.v_pages.fill_(math.nan)
+    seqs = list(range(len(q_lens)))
+    for s in seqs:
+        cache.add_sequence(s)
+    history = {s: ([], []) for s in seqs}
+    for step_lens in (q_lens, [1] * len(q_lens)):
+        cache.plan(seqs, step_lens)
+        total = sum(step_lens)
+        q, k, v = (randn(gen, 1, total, h, d, dtype=dtype) for h in (hq, hkv, hkv))
+        out = attention(q, k, v, kv_cache=cache, layer_id=0)
+        start = 0
+        for s, n in zip(seqs, step_lens):
+            history[s][0].append(k[0, start:start + n])
+            history[s][1].append(v[0, start:start + n])
+            ks, vs = (torch.cat(parts)[None] for parts in history[s])
+            ref = attention_ref_faithful(q[:, start:start + n], ks, vs, is_causal=True)
+            torch.testing.assert_close(out[:, start:start + n].double(), ref, **tolerance(dtype))
+            start += n
