@@ -42,7 +42,8 @@ def rotary_wheels() -> Path:
     cache = ROOT / "build" / "test-wheels" / f"rotary-cu130-90a-{_source_hash()}"
     wheels = cache / "cu130"
     if not list(wheels.glob(f"astrai_rotary-*-{PY}-*.whl")):
-        shutil.rmtree(cache, ignore_errors=True)
+        for stale in cache.parent.glob("rotary-cu130-90a-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         env = dict(os.environ, ASTRAI_CUDA_ARCHS="90a", CMAKE_BUILD_PARALLEL_LEVEL="2")
         build = subprocess.run([sys.executable, str(ROOT / "ci" / "build-wheels"), "--cuda", "13.0", "--plugins",
                                 "rotary", "--no-core", "--out", str(cache)], env=env, capture_output=True, text=True)
@@ -101,7 +102,7 @@ def test_each_driver_gets_the_newest_cuda_build_it_runs(tmp_path):
     wheels.mkdir()
     for cuda in ("12.4", "13.0"):
         _fake_plugin_wheel(wheels, cuda)
-    result = _check("--wheels", str(wheels), "--work", str(tmp_path / "work"))
+    result = _check("--wheels", str(wheels), "--work", str(tmp_path / "work"), "--solve-only")
     assert result.returncode == 0, result.stdout + result.stderr
     scenarios = {s.split("]")[0]: s for s in result.stdout.split("\n[")[1:]}
     assert "cu130_py" in scenarios["driver for CUDA 13.0"] and "cuda-version 13.0" in scenarios["driver for CUDA 13.0"]
@@ -119,7 +120,8 @@ def test_a_recipe_that_forgets_the_driver_constraint_fails_the_check(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _fake_plugin_wheel(wheels, "13.0")
-    result = _check("--wheels", str(wheels), "--work", str(tmp_path / "work"), env={"ASTRAI_RECIPE_DIR": str(recipe)})
+    result = _check("--wheels", str(wheels), "--work", str(tmp_path / "work"), "--solve-only",
+                    env={"ASTRAI_RECIPE_DIR": str(recipe)})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "check-conda: FAILED" in result.stdout
     assert "no NVIDIA driver: picked {'astrai-rotary': '13.0'}, expected {'astrai-rotary': None}" in result.stdout
