@@ -20,7 +20,8 @@ def attention_ref(
     """Attention in float64. ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``;
     query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``mask`` bool (True = keep)
     ``[B, Lkv]`` or ``[B, Lq, Lkv]``; causal is bottom-right aligned (row ``i`` keeps
-    ``j <= i + Lkv - Lq``). Rows that keep no key are zeros. Returns float64 ``[B, Lq, Hq, D]``."""
+    ``j <= i + Lkv - Lq``). Rows that keep no key are zeros; masked-out keys and values are
+    never read. Returns float64 ``[B, Lq, Hq, D]``."""
     q, k, v = (t.detach().to(torch.float64).cpu() for t in (q, k, v))
     b, lq, hq, d = q.shape
     lkv, hkv = k.shape[1], k.shape[2]
@@ -33,13 +34,17 @@ def attention_ref(
         i = torch.arange(lq)[:, None]
         j = torch.arange(lkv)[None, :]
         keep &= j <= i + (lkv - lq)
+    has_key = keep.any(dim=-1, keepdim=True)  # [B, Lq, 1]
     out = torch.zeros(b, lq, hq, d, dtype=torch.float64)
     for h in range(hq):
         kh, vh = k[:, :, h // group], v[:, :, h // group]  # [B, Lkv, D]
         scores = torch.einsum("bid,bjd->bij", q[:, :, h], kh) / math.sqrt(d)
         scores = scores.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> NaN -> 0
-        out[:, :, h] = torch.einsum("bij,bjd->bid", probs, vh)
+        # Masked-out keys/values are never read (not even as 0 * NaN); rows without a key
+        # are zeros; NaN/Inf at kept positions propagate.
+        probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        terms = torch.where(keep[..., None], probs[..., None] * vh[:, None, :, :], 0.0)  # [B, Lq, Lkv, D]
+        out[:, :, h] = terms.sum(dim=2)
     return out
 
 

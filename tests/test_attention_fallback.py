@@ -100,3 +100,19 @@ def test_strided_inputs_bhld_views():
 def test_default_resolution_on_cpu_is_torch_native():
     q, k, v = qkv(1, 4, 4, 4, 2, 32)
     check(attention(q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_garbage_in_padding_does_not_leak(poison):
+    """Keys/values that every query masks out (padding) are never part of the result."""
+    q, k, v = qkv(2, 4, 9, 8, 2, 64, seed=8)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    mask[1, :2] = False
+    k[0, 6:] = poison
+    v[0, 6:] = poison
+    v[1, :2] = poison
+    for m in (mask, mask[:, None, :].expand(2, 4, 9).clone()):
+        out = run(q, k, v, mask=m)
+        assert torch.isfinite(out).all()
+        check(out, q, k, v, m)

@@ -140,3 +140,11 @@ def test_kernel_that_fails_to_import_falls_back(monkeypatch):
         apply_rotary_emb(x, (cos, sin))
     (decision,) = runtime.explain("rotary_emb")
     assert decision.chosen == "torch" and "undefined symbol" in decision.trace[0].reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_view_at_an_odd_storage_offset(dtype):
+    x, cos, sin = inputs(1, 4, 2, 8, dtype, seed=6)
+    shifted = torch.cat([torch.zeros(1, dtype=dtype), x.flatten()])[1:].view(x.shape)
+    assert shifted.storage_offset() == 1 and shifted.is_contiguous()
+    torch.testing.assert_close(apply_rotary_emb(shifted, (cos, sin)).double(), rotary_ref(x, cos, sin), **tolerance(dtype))

@@ -104,7 +104,10 @@ def check_rotary_args(x: object, freqs: object) -> tuple[torch.Tensor, torch.Ten
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The torch path: complex multiply in float32 (float64 for float64 ``x``); autograd-capable."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    pairs = x.to(compute).contiguous().view(*x.shape[:-1], x.shape[-1] // 2, 2)
+    xc = x.to(compute)
+    if xc.storage_offset() % 2 or not xc.is_contiguous():  # view_as_complex needs aligned pairs
+        xc = xc.clone(memory_format=torch.contiguous_format)
+    pairs = xc.view(*x.shape[:-1], x.shape[-1] // 2, 2)
     rot = torch.complex(cos.to(compute), sin.to(compute))[None, :, None, :]
     return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
 

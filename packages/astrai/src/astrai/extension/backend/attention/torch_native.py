@@ -7,6 +7,9 @@
   (row ``i`` sees ``j <= i + Lkv - Lq``), expressed as an explicit mask.
 - A query row that keeps no key (an all-False mask row, or a causal row with
   ``i + Lkv - Lq < 0``) returns **zeros**, not NaN, and passes no gradient.
+- Keys that no query row keeps are zeroed before SDPA, so NaN/Inf garbage in padding
+  never reaches the result. (A NaN in a key/value that only *some* rows drop still
+  reaches the rows that drop it: ``0 * NaN`` in the probability-value product.)
 - Paged calls gather each request's K/V from the cache into ``[B, max_kv, Hkv, D]`` and
   mask the padding; ragged queries are padded to ``[B, max_q, Hq, D]`` the same way.
 """
@@ -79,6 +82,10 @@ def sdpa(
         keep = torch.ones(b, lq, lkv, dtype=torch.bool, device=q.device)
         if mask is not None:
             keep = keep & (mask[:, None, :] if mask.dim() == 2 else mask)
+            # Keys no query keeps (padding) never enter the result: zero them, so NaN/Inf
+            # garbage there can't leak through SDPA's additive mask (NaN + -inf = NaN).
+            dropped = ~keep.any(dim=1)[:, None, :, None]  # [B, 1, Lkv, 1] in the BHLD view
+            kt, vt = kt.masked_fill(dropped, 0), vt.masked_fill(dropped, 0)
         if causal:
             keep = keep & _causal_mask(lq, lkv, q.device)
         out = _sdpa_masked(qt, kt, vt, keep)
