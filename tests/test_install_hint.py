@@ -63,3 +63,16 @@ def test_the_module_examples_hold():
     import astrai.cli.install_hint as module
 
     assert doctest.testmod(module).failed == 0
+
+
+def test_the_install_guide_shows_the_commands_doctor_prints():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "install.md").read_text()
+    for driver in ((13, 0), (12, 4)):
+        assert install_command(driver, "pip") in guide
+        assert install_command(driver, "pip", "fp8").split(" --extra")[0] in guide
+    assert install_command((13, 0), "conda") in guide
+    assert install_command(None, "conda") in guide
+    for step in install_command((13, 0), "pixi").split(" && "):
+        assert step in guide
