@@ -331,9 +331,6 @@ def make_rotary(c):
     return x, cos, sin
 
 
-@pytest.mark.xfail(strict=True, reason="backend/rotary.py:109 (rotary_torch): float32/float64 x that is "
-                   "contiguous at an odd storage offset reaches torch.view_as_complex unchanged "
-                   "(.to/.contiguous are no-ops) and raises 'Tensor must have a storage_offset divisible by 2'")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rotary_float_view_at_an_odd_storage_offset(dtype):
     x, cos, sin = make_rotary(dict(b=1, seq=3, h=2, d=8, dtype=dtype, x_layout="offset",
