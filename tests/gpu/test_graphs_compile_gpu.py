@@ -12,6 +12,7 @@ decode step of ``attention(..., kv_cache=...)`` (append + paged decode, every la
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -22,7 +23,11 @@ from astrai.extension.ops import fp8 as fp8_ops
 from astrai.extension.ops import rotary as rotary_ops
 from reference import rotary_tables
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    # torch 2.11's compile stack calls a deprecated torch.jit API internally
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -144,8 +149,10 @@ def test_op_under_cuda_graph_capture(cases, name):
 @contextlib.contextmanager
 def no_host_sync():
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # "a prototype feature" notice on every call
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -92,13 +92,15 @@ def test_paged_attention_through_the_public_api_random(seed):
     hkv, group, d = rng.choice([1, 2, 8]), rng.choice([1, 4, 8]), rng.choice([64, 128, 256])
     page_size = rng.choice([1, 8, 16, 64])
     seqs = list(range(rng.randint(1, 5)))
-    cache = PagedKVCache(2, 512, page_size, hkv, d, dtype=dtype, device=DEV)
+    steps = [[rng.randint(1, 200) for _ in seqs], [1] * len(seqs), [rng.randint(1, 70) for _ in seqs], [1] * len(seqs)]
+    tokens = [sum(step[i] for step in steps) for i in range(len(seqs))]
+    pages = sum(-(-n // page_size) for n in tokens) + 4
+    cache = PagedKVCache(2, pages, page_size, hkv, d, dtype=dtype, device=DEV)
     cache.k_pages.fill_(math.nan)  # unwritten slots must never be read
     cache.v_pages.fill_(math.nan)
     for s in seqs:
         cache.add_sequence(s)
     history = {(layer, s): ([], []) for layer in range(2) for s in seqs}
-    steps = [[rng.randint(1, 200) for _ in seqs], [1] * len(seqs), [rng.randint(1, 70) for _ in seqs], [1] * len(seqs)]
     with torch.no_grad(), attn_backend(ATTN_BACKEND.CUDA):
         for q_lens in steps:
             cache.plan(seqs, q_lens)
