@@ -238,6 +238,18 @@ def test_cibuildwheel_config_matches_its_bundled_schema_and_the_plan():
     assert before_all.is_file() and os.access(before_all, os.X_OK)
 
 
+def test_cibuildwheel_environment_is_what_the_container_gets():
+    from cibuildwheel.environment import parse_environment
+
+    table = load_cibw()["tool"]["cibuildwheel"]["linux"]["environment"]
+    parsed = parse_environment(" ".join(f'{k}="{v}"' for k, v in table.items()))
+    env = parsed.as_dictionary(prev_environment={"PATH": "/usr/bin"}, executor=None)
+    assert env["CUDACXX"] == "/usr/local/cuda/bin/nvcc" and env["PATH"].startswith("/usr/local/cuda/bin:")
+    # install-cuda creates the host compiler link the environment names
+    assert "/usr/local/cuda/host-cxx/g++" in (ROOT / "ci" / "cibw" / "install-cuda").read_text()
+    assert env["CUDAHOSTCXX"] == "/usr/local/cuda/host-cxx/g++"
+
+
 @pytest.mark.parametrize("plugin", [p for p in PLUGINS if (ROOT / "packages" / f"astrai-{p}" / "pyproject.toml").exists()])
 def test_cibuildwheel_lists_the_intended_builds(plugin):
     ids = print_identifiers(ROOT / "ci" / "cibuildwheel.toml", ROOT / "packages" / f"astrai-{plugin}")
