@@ -1,0 +1,70 @@
+// Attention family: the parameter POD shared by every kernel, host and device. No torch.
+#pragma once
+
+#include <cstdint>
+
+namespace astrai::attn {
+
+// 64 query rows per host Q tile: the unit of qo_indptr / q_tile_to_* metadata.
+constexpr int kQTileRows = 64;
+// mma.sync prefill: 4 warps of 16 rows each cover one host Q tile.
+constexpr int kPrefillWarps = 4;
+// Largest split count a decode launch may use (bounds the split-K workspace).
+constexpr int kMaxDecodeSplits = 64;
+
+// Two physical layouts reach the kernels; both are described by strides alone.
+enum class TensorLayout : int { BLHD = 0, BHLD = 1 };
+
+// Everything a kernel reads. Strides are in elements; the last dim is contiguous.
+// Contiguous K/V: k[b, pos, h, :] = k + b*k_stride_b + pos*k_stride_l + h*k_stride_h.
+// Paged K/V:      k_cache[page, slot, h, :] with k_stride_b = page stride and
+//                 k_stride_l = slot stride.
+// Dense Q:  q[b, row, h, :]; packed Q: q[qo_indptr[b] + row, h, :] (q_stride_b unused).
+struct AttentionParams {
+    const void* q = nullptr;
+    const void* k = nullptr;
+    const void* v = nullptr;
+    void* o = nullptr;
+    int64_t q_stride_b = 0, q_stride_l = 0, q_stride_h = 0;
+    int64_t k_stride_b = 0, k_stride_l = 0, k_stride_h = 0;
+    int64_t v_stride_b = 0, v_stride_l = 0, v_stride_h = 0;
+    int64_t o_stride_b = 0, o_stride_l = 0, o_stride_h = 0;
+
+    // Optional bool mask (True = keep): mask[b*ms_b + row*ms_q + col*ms_k];
+    // a 2D [B, kv] mask has mask_stride_q = 0.
+    const uint8_t* mask = nullptr;
+    int64_t mask_stride_b = 0, mask_stride_q = 0, mask_stride_k = 0;
+
+    int batch = 0;
+    int q_len = 0;   // dense schedules (decode: 1)
+    int kv_len = 0;  // contiguous K/V
+    int q_heads = 0;
+    int kv_heads = 0;
+    int group = 1;        // q_heads / kv_heads
+    int head_block = 1;   // prefill: query heads packed per block (HB)
+    int blocks_per_tile = 1;  // prefill: blocks sharing one 64-row host Q tile (set by the launcher)
+    int head_groups = 1;  // ceil(group / rows-per-block heads): grid.y = kv_heads * head_groups
+    bool causal = false;  // bottom-right aligned: row i sees kv j <= i + kv_len - q_len
+    float scale_log2 = 0.f;  // softmax scale * log2(e)
+
+    // Paged K/V.
+    const int32_t* kv_indptr = nullptr;
+    const int32_t* kv_indices = nullptr;
+    const int32_t* kv_lens = nullptr;
+    int page_size = 1;
+    int page_shift = 0;  // log2(page_size) when a power of two, else -1
+
+    // Packed (ragged) Q.
+    const int32_t* qo_indptr = nullptr;
+    const int32_t* q_tile_to_batch = nullptr;
+    const int32_t* q_tile_to_index = nullptr;
+    int num_q_tiles = 0;
+
+    // Split-K decode: partial outputs [num_splits][batch*q_heads][head_dim] and their
+    // log2-sum-exp [num_splits][batch*q_heads]; unused when num_splits == 1.
+    int num_splits = 1;
+    float* ws_o = nullptr;
+    float* ws_lse = nullptr;
+};
+
+}  // namespace astrai::attn

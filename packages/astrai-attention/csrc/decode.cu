@@ -1,0 +1,71 @@
+// Module astrai_attention._attn_decode: decode over contiguous K/V (split-KV).
+//
+//   attn_decode(q, k, v, out, mask=None, num_splits=1, ws_o=None, ws_lse=None, stream=0)
+//     q, out [B, 1, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, S] or [B, 1, S]
+//     tensors are (data_ptr, shape, strides, dtype_code) tuples (ABI 1)
+//   decode_plan(batch, q_heads, kv_heads, head_dim, kv_len_hint, num_sms) -> num_splits
+#include <pybind11/pybind11.h>
+
+#include <optional>
+
+#include "astrai/bind.h"
+#include "dispatchers.cuh"
+#include "entry_utils.h"
+
+namespace astrai::attn {
+namespace py = pybind11;
+
+void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
+                 int64_t num_splits, py::handle ws_o_a, py::handle ws_lse_a, py::handle stream_a) {
+    const TensorArg q = bind::tensor_arg("q", q_a);
+    const TensorArg k = bind::tensor_arg("k", k_a);
+    const TensorArg v = bind::tensor_arg("v", v_a);
+    const TensorArg out = bind::tensor_arg("out", out_a);
+    const cudaStream_t stream = bind::stream_arg(stream_a);
+    check_operand(q, 4, q.dtype);
+    check_head_dim(q);
+    const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
+    ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
+                 shape_str(q.shape));
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    const int64_t S = k.size(1), Hkv = k.size(2);
+    expect_shape(k, {B, -1, -1, D}, "[B, S, Hkv, D] matching q");
+    ASTRAI_CHECK(v.shape == k.shape, "v: shape ", shape_str(v.shape), " differs from k's ", shape_str(k.shape));
+    ASTRAI_CHECK(S >= 1, "k: kv length must be >= 1, got ", S);
+    check_heads(Hq, Hkv);
+    check_operand(out, 4, q.dtype);
+    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    ASTRAI_CHECK(S < (int64_t(1) << 31), "k: kv length ", S, " exceeds int32");
+
+    AttentionParams p;
+    set_common(p, q, out, Hq, Hkv);
+    set_kv(p, k, v);
+    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
+    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, 1, S);
+    std::optional<TensorArg> ws_o, ws_lse;
+    if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
+    if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
+    set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
+    p.batch = int(B); p.q_len = 1; p.kv_len = int(S);
+    p.head_groups = decode_head_groups(p.group);
+    check_grid(B * Hkv * p.head_groups, num_splits, 1);
+    if (B == 0) return;
+    dispatch_decode<ContigKV>(p, q.dtype, int(D), stream);
+}
+
+}  // namespace astrai::attn
+
+PYBIND11_MODULE(_attn_decode, m) {
+    namespace py = pybind11;
+    astrai::bind::init_module(m);
+    m.def("attn_decode", &astrai::attn::attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("mask") = py::none(), py::arg("num_splits") = 1, py::arg("ws_o") = py::none(),
+          py::arg("ws_lse") = py::none(), py::arg("stream") = 0,
+          "Decode attention over contiguous K/V into out (split-KV; num_splits > 1 needs ws_o/ws_lse).");
+    m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
+          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
+          "Split count of a decode launch (pure function of shapes).");
+    m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
+}

@@ -1,0 +1,142 @@
+// Pure-CUDA launchers: pick the kernel instantiation for (dtype, head_dim), size the grid
+// and shared memory, launch on the caller's stream and check the launch. The scalar
+// kernels replace the mma ones in ASTRAI_NO_MMA builds. No torch, no pybind.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+
+#include "astrai/check.h"
+#include "astrai/dtype.h"
+#include "common.h"
+#include "heuristics.h"
+#include "decode_split_kv.cuh"
+#include "decode_split_kv_mma.cuh"
+#include "prefill_split_q.cuh"
+#include "prefill_split_q_mma.cuh"
+
+namespace astrai::attn {
+
+// Raises a kernel's dynamic shared-memory limit once per device.
+template <typename Kernel>
+void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
+    int dev = 0;
+    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    const uint64_t bit = uint64_t(1) << (dev & 63);
+    if (done.load(std::memory_order_acquire) & bit) return;
+    ASTRAI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    done.fetch_or(bit, std::memory_order_release);
+}
+
+// Programmatic dependent launch needs sm_90+.
+inline bool device_supports_pdl() {
+    int dev = 0, major = 0;
+    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 9;
+}
+
+template <typename T, int D, class KV>
+void launch_decode_d(const AttentionParams& p, cudaStream_t stream) {
+    const dim3 grid(unsigned(p.batch) * p.kv_heads * p.head_groups, p.num_splits);
+#ifdef ASTRAI_NO_MMA
+    decode_scalar_kernel<T, D, KV><<<grid, DecodeScalarConfig<D>::kThreads, 0, stream>>>(p);
+#else
+    using C = DecodeMmaConfig<D>;
+    static std::atomic<uint64_t> done{0};
+    set_smem_limit(decode_mma_kernel<T, D, KV>, C::kSmemBytes, done);
+    decode_mma_kernel<T, D, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+#endif
+    ASTRAI_CHECK_LAUNCH();
+    if (p.num_splits > 1) {
+        // On sm_90+ the combine grid is launched programmatically (PDL): it is scheduled
+        // while the split grid drains and waits in griddepcontrol.wait, hiding a launch gap.
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(unsigned(p.batch) * p.q_heads);
+        cfg.blockDim = dim3(D < 128 ? D : 128);
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = device_supports_pdl() ? 1 : 0;
+        ASTRAI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p));
+    }
+}
+
+template <typename T, int D, int WARPS, class QSched, class KV>
+void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
+    p.blocks_per_tile = prefill_blocks_per_tile(p.group, WARPS);
+    const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    using C = PrefillMmaConfig<D, WARPS>;
+    static std::atomic<uint64_t> done{0};
+    set_smem_limit(prefill_mma_kernel<T, D, WARPS, QSched, KV>, C::kSmemBytes, done);
+    prefill_mma_kernel<T, D, WARPS, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+    ASTRAI_CHECK_LAUNCH();
+}
+
+// warps = 0: the heuristic (prefill_warps); 4 or 8 forces a layout (benchmarks).
+template <typename T, int D, class QSched, class KV>
+void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int warps = 0) {
+#ifdef ASTRAI_NO_MMA
+    (void)warps;
+    p.blocks_per_tile = p.head_block;
+    const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    prefill_scalar_kernel<T, D, QSched, KV><<<grid, 32 * kPrefillWarps, 0, stream>>>(p);
+    ASTRAI_CHECK_LAUNCH();
+#else
+    if (warps == 0) warps = prefill_warps(p.group, D);
+    if constexpr (D <= 128) {
+        if (warps == 8 && p.head_block >= 2) return launch_prefill_w<T, D, 8, QSched, KV>(p, num_q_tiles, batch, stream);
+    }
+    launch_prefill_w<T, D, 4, QSched, KV>(p, num_q_tiles, batch, stream);
+#endif
+}
+
+[[noreturn]] inline void bad_dtype_dim(DType dtype, int head_dim) {
+    ASTRAI_CHECK(false, "unsupported dtype ", dtype_name(dtype), " / head_dim ", head_dim,
+                 " (bfloat16 or float16; 64, 128 or 256)");
+    throw;  // unreachable
+}
+
+template <typename T, class KV>
+void decode_by_dim(const AttentionParams& p, int head_dim, cudaStream_t stream) {
+    switch (head_dim) {
+        case 64: return launch_decode_d<T, 64, KV>(p, stream);
+        case 128: return launch_decode_d<T, 128, KV>(p, stream);
+        case 256: return launch_decode_d<T, 256, KV>(p, stream);
+    }
+    bad_dtype_dim(DType::BFloat16, head_dim);
+}
+
+// The binding validated dtype and head_dim; the fallthrough only guards a missed case.
+template <class KV>
+void dispatch_decode(const AttentionParams& p, DType dtype, int head_dim, cudaStream_t stream) {
+    if (dtype == DType::BFloat16) return decode_by_dim<__nv_bfloat16, KV>(p, head_dim, stream);
+    if (dtype == DType::Float16) return decode_by_dim<__half, KV>(p, head_dim, stream);
+    bad_dtype_dim(dtype, head_dim);
+}
+
+template <typename T, class QSched, class KV>
+void prefill_by_dim(const AttentionParams& p, int head_dim, unsigned num_q_tiles, unsigned batch,
+                    cudaStream_t stream) {
+    switch (head_dim) {
+        case 64: return launch_prefill_d<T, 64, QSched, KV>(p, num_q_tiles, batch, stream);
+        case 128: return launch_prefill_d<T, 128, QSched, KV>(p, num_q_tiles, batch, stream);
+        case 256: return launch_prefill_d<T, 256, QSched, KV>(p, num_q_tiles, batch, stream);
+    }
+    bad_dtype_dim(DType::BFloat16, head_dim);
+}
+
+template <class QSched, class KV>
+void dispatch_prefill(const AttentionParams& p, DType dtype, int head_dim, unsigned num_q_tiles,
+                      unsigned batch, cudaStream_t stream) {
+    if (dtype == DType::BFloat16)
+        return prefill_by_dim<__nv_bfloat16, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
+    if (dtype == DType::Float16)
+        return prefill_by_dim<__half, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
+    bad_dtype_dim(dtype, head_dim);
+}
+
+}  // namespace astrai::attn

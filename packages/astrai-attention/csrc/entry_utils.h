@@ -1,0 +1,121 @@
+// Host-side helpers shared by the four binding files: argument checks that name the
+// argument (ValueError before any launch) and AttentionParams packing. No torch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "astrai/check.h"
+#include "astrai/dtype.h"
+#include "astrai/tensor_arg.h"
+#include "common.h"
+#include "heuristics.h"
+
+namespace astrai::attn {
+
+inline bool is_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// q/k/v/o-like operands: 16-bit float, last dim contiguous, 16-byte aligned rows (cp.async).
+inline void check_operand(const TensorArg& t, int ndim, DType dtype) {
+    expect_ndim(t, ndim);
+    ASTRAI_CHECK(t.dtype == DType::BFloat16 || t.dtype == DType::Float16, t.name,
+                 ": dtype must be bfloat16 or float16, got ", dtype_name(t.dtype));
+    ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from q's ",
+                 dtype_name(dtype));
+    expect_last_dim_contiguous(t);
+    expect_data(t, 16);
+    for (int i = 0; i + 1 < t.ndim(); ++i)
+        ASTRAI_CHECK(t.stride(i) % 8 == 0 || t.size(i) <= 1, t.name, ": stride of dim ", i,
+                     " must be a multiple of 8 elements (16-byte rows), got strides ",
+                     shape_str(t.strides));
+}
+
+inline void check_index(const TensorArg& t, int64_t len, const char* what) {
+    expect_ndim(t, 1);
+    expect_dtype(t, DType::Int32);
+    if (len >= 0) ASTRAI_CHECK(t.size(0) == len, t.name, ": expected ", what, ", got shape ", shape_str(t.shape));
+    ASTRAI_CHECK(t.size(0) <= 1 || t.stride(0) == 1, t.name, ": must be contiguous");
+    expect_data(t, 4);
+}
+
+inline void check_head_dim(const TensorArg& q) {
+    ASTRAI_CHECK(is_head_dim(q.size(-1)), q.name, ": head_dim must be 64, 128 or 256, got ", q.size(-1));
+}
+
+inline void check_heads(int64_t q_heads, int64_t kv_heads) {
+    ASTRAI_CHECK(kv_heads >= 1, "k: kv_heads must be >= 1, got ", kv_heads);
+    ASTRAI_CHECK(q_heads >= 1 && q_heads % kv_heads == 0, "q: q_heads (", q_heads,
+                 ") must be a positive multiple of kv_heads (", kv_heads, ")");
+}
+
+inline void set_common(AttentionParams& p, const TensorArg& q, const TensorArg& o, int64_t q_heads,
+                       int64_t kv_heads) {
+    p.q = reinterpret_cast<const void*>(q.ptr);
+    p.o = reinterpret_cast<void*>(o.ptr);
+    p.q_heads = int(q_heads);
+    p.kv_heads = int(kv_heads);
+    p.group = int(q_heads / kv_heads);
+    const double d = double(q.size(-1));
+    p.scale_log2 = float(1.0 / std::sqrt(d) * 1.4426950408889634);
+}
+
+// [B, L, H, D] operand -> (b, l, h) strides.
+inline void set_kv(AttentionParams& p, const TensorArg& k, const TensorArg& v) {
+    p.k = reinterpret_cast<const void*>(k.ptr);
+    p.v = reinterpret_cast<const void*>(v.ptr);
+    p.k_stride_b = k.stride(0); p.k_stride_l = k.stride(1); p.k_stride_h = k.stride(2);
+    p.v_stride_b = v.stride(0); p.v_stride_l = v.stride(1); p.v_stride_h = v.stride(2);
+}
+
+// Optional bool mask over [B, kv] (2D) or [B, q_len, kv] (3D).
+inline void set_mask(AttentionParams& p, const TensorArg& m, int64_t batch, int64_t q_len, int64_t kv_len) {
+    expect_dtype(m, DType::Bool);
+    const bool shape_ok = (m.ndim() == 2 && m.size(0) == batch && m.size(1) == kv_len) ||
+                          (m.ndim() == 3 && m.size(0) == batch && m.size(1) == q_len && m.size(2) == kv_len);
+    ASTRAI_CHECK(shape_ok, m.name, ": expected shape [", batch, ", ", kv_len, "] or [", batch, ", ", q_len,
+                 ", ", kv_len, "], got ", shape_str(m.shape));
+    expect_data(m, 1);
+    p.mask = reinterpret_cast<const uint8_t*>(m.ptr);
+    p.mask_stride_b = m.stride(0);
+    p.mask_stride_q = m.ndim() == 3 ? m.stride(1) : 0;
+    p.mask_stride_k = m.stride(-1);
+}
+
+// Split-K workspace for num_splits > 1: ws_o float32 with >= splits*B*Hq*D elements and
+// ws_lse float32 with >= splits*B*Hq.
+inline void set_workspace(AttentionParams& p, int64_t num_splits, const TensorArg* ws_o, const TensorArg* ws_lse,
+                          int64_t batch, int64_t q_heads, int64_t head_dim) {
+    ASTRAI_CHECK(num_splits >= 1 && num_splits <= kMaxDecodeSplits, "num_splits: must be in [1, ",
+                 kMaxDecodeSplits, "], got ", num_splits);
+    p.num_splits = int(num_splits);
+    if (num_splits == 1) return;
+    ASTRAI_CHECK(ws_o && ws_lse, "ws_o: num_splits > 1 needs the ws_o and ws_lse workspaces");
+    expect_dtype(*ws_o, DType::Float32);
+    expect_dtype(*ws_lse, DType::Float32);
+    const int64_t rows = num_splits * batch * q_heads;
+    ASTRAI_CHECK(ws_o->numel() >= rows * head_dim, "ws_o: needs at least ", rows * head_dim,
+                 " float32 elements for ", num_splits, " splits, got ", ws_o->numel());
+    ASTRAI_CHECK(ws_lse->numel() >= rows, "ws_lse: needs at least ", rows, " float32 elements, got ",
+                 ws_lse->numel());
+    expect_data(*ws_o, 16);
+    expect_data(*ws_lse, 4);
+    p.ws_o = reinterpret_cast<float*>(ws_o->ptr);
+    p.ws_lse = reinterpret_cast<float*>(ws_lse->ptr);
+}
+
+// log2(page) for a power-of-two page size, else -1 (the kernels then divide).
+inline int page_shift_of(int64_t page) {
+    if (page <= 0 || (page & (page - 1)) != 0) return -1;
+    int shift = 0;
+    while ((int64_t(1) << shift) < page) ++shift;
+    return shift;
+}
+
+inline void check_grid(int64_t x, int64_t y, int64_t z) {
+    ASTRAI_CHECK(x < (int64_t(1) << 31), "q: too many query tiles for one launch (", x, ")");
+    ASTRAI_CHECK(y <= 65535, "k: kv_heads x head groups (", y, ") exceeds the grid limit 65535");
+    ASTRAI_CHECK(z <= 65535, "q: batch (", z, ") exceeds the grid limit 65535");
+}
+
+}  // namespace astrai::attn

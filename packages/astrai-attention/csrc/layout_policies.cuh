@@ -1,0 +1,102 @@
+// Policies that plug into the one kernel body per kind.
+//
+// Q schedules turn a block index into (request, request-local row range); a 64-row host Q
+// tile is shared by blocks_per_tile blocks (HB for 4-warp blocks, HB / 2 for 8-warp ones):
+//   DenseQSchedule   grid (num_q_tiles * bpt, kv_heads * head_groups, batch)
+//   PackedQSchedule  grid (num_q_tiles * bpt, kv_heads * head_groups, 1) over a packed
+//                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index.
+// KV sources only give a request's KV length and the address of a logical position;
+// they schedule nothing:
+//   ContigKV  k[b, pos, h, :]
+//   PagedKV   k_cache[kv_indices[kv_indptr[b] + pos / page_size], pos % page_size, h, :]
+#pragma once
+
+#include "common.h"
+
+namespace astrai::attn {
+
+// A block's share of Q: request b, rows [row_base, row_base + rows) of that request,
+// with q_len rows in the request; q_off / o_off are element offsets of its row 0.
+struct QWork {
+    int b;
+    int row_base;
+    int q_len;
+    int64_t q_off;
+    int64_t o_off;
+};
+
+struct DenseQSchedule {
+    __device__ static QWork get(const AttentionParams& p) {
+        const int bpt = p.blocks_per_tile;
+        const int b = blockIdx.z;
+        QWork w;
+        w.b = b;
+        w.row_base = (blockIdx.x / bpt) * kQTileRows + (blockIdx.x % bpt) * (kQTileRows / bpt);
+        w.q_len = p.q_len;
+        w.q_off = int64_t(b) * p.q_stride_b;
+        w.o_off = int64_t(b) * p.o_stride_b;
+        return w;
+    }
+};
+
+struct PackedQSchedule {
+    __device__ static QWork get(const AttentionParams& p) {
+        const int bpt = p.blocks_per_tile;
+        const int host_tile = blockIdx.x / bpt;
+        const int b = p.q_tile_to_batch[host_tile];
+        const int start = p.qo_indptr[b];
+        QWork w;
+        w.b = b;
+        w.row_base = p.q_tile_to_index[host_tile] * kQTileRows + (blockIdx.x % bpt) * (kQTileRows / bpt);
+        w.q_len = p.qo_indptr[b + 1] - start;
+        w.q_off = int64_t(start) * p.q_stride_l;
+        w.o_off = int64_t(start) * p.o_stride_l;
+        return w;
+    }
+};
+
+// KV sources resolve a position in two steps so loaders can software-pipeline the
+// dependent page-table read: fetch(pos) issues the (possibly global) lookup one tile ahead,
+// offsets(handle, pos) is pure arithmetic when the copy is issued.
+struct ContigKV {
+    static constexpr bool kPaged = false;
+    struct Request {
+        int64_t k_base, v_base;
+    };
+    using Handle = int;
+    __device__ static int kv_len(const AttentionParams& p, int /*b*/) { return p.kv_len; }
+    __device__ static Request request(const AttentionParams& p, int b) {
+        return {int64_t(b) * p.k_stride_b, int64_t(b) * p.v_stride_b};
+    }
+    __device__ static Handle fetch(const AttentionParams&, const Request&, int pos) { return pos; }
+    // Element offsets of (position pos, kv head h) for K and for V.
+    __device__ static void offsets(const AttentionParams& p, const Request& r, Handle, int pos, int h,
+                                   int64_t& k_off, int64_t& v_off) {
+        k_off = r.k_base + int64_t(pos) * p.k_stride_l + int64_t(h) * p.k_stride_h;
+        v_off = r.v_base + int64_t(pos) * p.v_stride_l + int64_t(h) * p.v_stride_h;
+    }
+};
+
+struct PagedKV {
+    static constexpr bool kPaged = true;
+    struct Request {
+        const int32_t* pages;  // this request's page ids: kv_indices + kv_indptr[b]
+    };
+    using Handle = int;  // the page id holding the position
+    __device__ static int kv_len(const AttentionParams& p, int b) { return p.kv_lens[b]; }
+    __device__ static Request request(const AttentionParams& p, int b) { return {p.kv_indices + p.kv_indptr[b]}; }
+    __device__ static int page_of(const AttentionParams& p, int pos) {
+        return p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+    }
+    __device__ static Handle fetch(const AttentionParams& p, const Request& r, int pos) {
+        return __ldg(r.pages + page_of(p, pos));
+    }
+    __device__ static void offsets(const AttentionParams& p, const Request&, Handle page, int pos, int h,
+                                   int64_t& k_off, int64_t& v_off) {
+        const int slot = pos - page_of(p, pos) * p.page_size;
+        k_off = int64_t(page) * p.k_stride_b + int64_t(slot) * p.k_stride_l + int64_t(h) * p.k_stride_h;
+        v_off = int64_t(page) * p.v_stride_b + int64_t(slot) * p.v_stride_l + int64_t(h) * p.v_stride_h;
+    }
+};
+
+}  // namespace astrai::attn

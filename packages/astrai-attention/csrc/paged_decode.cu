@@ -1,0 +1,84 @@
+// Module astrai_attention._attn_paged_decode: decode over a paged KV cache (split-KV).
+//
+//   attn_paged_decode(q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_lens,
+//                     num_splits=1, ws_o=None, ws_lse=None, stream=0)
+//     q, out [B, 1, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; kv_indptr int32 [B+1];
+//     kv_indices int32 [nnz_pages]; kv_lens int32 [B] (tokens; the caller guarantees
+//     kv_lens[b] <= (kv_indptr[b+1] - kv_indptr[b]) * page)
+//   decode_plan(...) as in _attn_decode
+#include <pybind11/pybind11.h>
+
+#include <optional>
+
+#include "astrai/bind.h"
+#include "dispatchers.cuh"
+#include "entry_utils.h"
+
+namespace astrai::attn {
+namespace py = pybind11;
+
+void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
+                       py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
+                       py::handle ws_lse_a, py::handle stream_a) {
+    const TensorArg q = bind::tensor_arg("q", q_a);
+    const TensorArg k = bind::tensor_arg("k_cache", k_a);
+    const TensorArg v = bind::tensor_arg("v_cache", v_a);
+    const TensorArg out = bind::tensor_arg("out", out_a);
+    const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
+    const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
+    const TensorArg lens = bind::tensor_arg("kv_lens", lens_a);
+    const cudaStream_t stream = bind::stream_arg(stream_a);
+    check_operand(q, 4, q.dtype);
+    check_head_dim(q);
+    const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
+    ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
+                 shape_str(q.shape));
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    expect_shape(k, {-1, -1, -1, D}, "[num_pages, page_size, Hkv, D] with q's head_dim");
+    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
+                 shape_str(k.shape));
+    const int64_t page = k.size(1), Hkv = k.size(2);
+    ASTRAI_CHECK(page >= 1, "k_cache: page_size must be >= 1");
+    check_heads(Hq, Hkv);
+    check_operand(out, 4, q.dtype);
+    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    check_index(indptr, B + 1, "[batch + 1]");
+    check_index(indices, -1, "[nnz_pages]");
+    check_index(lens, B, "[batch]");
+
+    AttentionParams p;
+    set_common(p, q, out, Hq, Hkv);
+    set_kv(p, k, v);
+    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
+    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    p.kv_indptr = indptr.data<const int32_t>();
+    p.kv_indices = indices.data<const int32_t>();
+    p.kv_lens = lens.data<const int32_t>();
+    p.page_size = int(page);
+    p.page_shift = page_shift_of(page);
+    std::optional<TensorArg> ws_o, ws_lse;
+    if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
+    if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
+    set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
+    p.batch = int(B); p.q_len = 1;
+    p.head_groups = decode_head_groups(p.group);
+    check_grid(B * Hkv * p.head_groups, num_splits, 1);
+    if (B == 0) return;
+    dispatch_decode<PagedKV>(p, q.dtype, int(D), stream);
+}
+
+}  // namespace astrai::attn
+
+PYBIND11_MODULE(_attn_paged_decode, m) {
+    namespace py = pybind11;
+    astrai::bind::init_module(m);
+    m.def("attn_paged_decode", &astrai::attn::attn_paged_decode, py::arg("q"), py::arg("k_cache"),
+          py::arg("v_cache"), py::arg("out"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("kv_lens"),
+          py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
+          py::arg("stream") = 0, "Decode attention over a paged KV cache into out (split-KV).");
+    m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
+          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
+          "Split count of a decode launch (pure function of shapes).");
+    m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
+}

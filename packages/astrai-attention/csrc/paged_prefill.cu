@@ -1,0 +1,97 @@
+// Module astrai_attention._attn_paged_prefill: ragged (packed-Q) prefill over a paged KV
+// cache (split-Q, O(1) tile -> request lookup).
+//
+//   attn_paged_prefill(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_lens,
+//                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0)
+//     q, out [total_q, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; int32 metadata as
+//     built by BatchPlan (64-row Q tiles). Causal is bottom-right aligned per request.
+//   prefill_plan(q_heads, kv_heads) -> (head_block, head_groups)
+#include <pybind11/pybind11.h>
+
+#include "astrai/bind.h"
+#include "dispatchers.cuh"
+#include "entry_utils.h"
+
+namespace astrai::attn {
+namespace py = pybind11;
+
+void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle qo_a,
+                        py::handle indptr_a, py::handle indices_a, py::handle lens_a, py::handle tb_a,
+                        py::handle ti_a, bool is_causal, py::handle stream_a) {
+    const TensorArg q = bind::tensor_arg("q", q_a);
+    const TensorArg k = bind::tensor_arg("k_cache", k_a);
+    const TensorArg v = bind::tensor_arg("v_cache", v_a);
+    const TensorArg out = bind::tensor_arg("out", out_a);
+    const TensorArg qo = bind::tensor_arg("qo_indptr", qo_a);
+    const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
+    const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
+    const TensorArg lens = bind::tensor_arg("kv_lens", lens_a);
+    const TensorArg tb = bind::tensor_arg("q_tile_to_batch", tb_a);
+    const TensorArg ti = bind::tensor_arg("q_tile_to_index", ti_a);
+    const cudaStream_t stream = bind::stream_arg(stream_a);
+    check_operand(q, 3, q.dtype);
+    check_head_dim(q);
+    const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    expect_shape(k, {-1, -1, -1, D}, "[num_pages, page_size, Hkv, D] with q's head_dim");
+    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
+                 shape_str(k.shape));
+    const int64_t page = k.size(1), Hkv = k.size(2);
+    ASTRAI_CHECK(page >= 1, "k_cache: page_size must be >= 1");
+    check_heads(Hq, Hkv);
+    check_operand(out, 3, q.dtype);
+    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    ASTRAI_CHECK(qo.ndim() == 1 && qo.size(0) >= 1, "qo_indptr: expected shape [batch + 1], got ", shape_str(qo.shape));
+    const int64_t B = qo.size(0) - 1;
+    check_index(qo, B + 1, "[batch + 1]");
+    check_index(indptr, B + 1, "[batch + 1] (as qo_indptr)");
+    check_index(indices, -1, "[nnz_pages]");
+    check_index(lens, B, "[batch]");
+    check_index(tb, -1, "[num_q_tiles]");
+    check_index(ti, tb.size(0), "[num_q_tiles] (as q_tile_to_batch)");
+    ASTRAI_CHECK(tb.size(0) <= num_q_tiles(total_q) + B, "q_tile_to_batch: ", tb.size(0),
+                 " tiles cannot cover ", total_q, " query rows in ", B, " requests");
+
+    AttentionParams p;
+    set_common(p, q, out, Hq, Hkv);
+    set_kv(p, k, v);
+    p.q_stride_l = q.stride(0); p.q_stride_h = q.stride(1);
+    p.o_stride_l = out.stride(0); p.o_stride_h = out.stride(1);
+    p.qo_indptr = qo.data<const int32_t>();
+    p.kv_indptr = indptr.data<const int32_t>();
+    p.kv_indices = indices.data<const int32_t>();
+    p.kv_lens = lens.data<const int32_t>();
+    p.q_tile_to_batch = tb.data<const int32_t>();
+    p.q_tile_to_index = ti.data<const int32_t>();
+    p.num_q_tiles = int(tb.size(0));
+    p.page_size = int(page);
+    p.page_shift = page_shift_of(page);
+    p.batch = int(B);
+    p.causal = is_causal;
+    p.head_block = prefill_head_block(p.group);
+    p.head_groups = prefill_head_groups(p.group);
+    check_grid(tb.size(0) * p.head_block, Hkv * p.head_groups, 1);
+    if (tb.size(0) == 0 || total_q == 0) return;
+    dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream);
+}
+
+py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads) {
+    check_heads(q_heads, kv_heads);
+    const int g = int(q_heads / kv_heads);
+    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g));
+}
+
+}  // namespace astrai::attn
+
+PYBIND11_MODULE(_attn_paged_prefill, m) {
+    namespace py = pybind11;
+    astrai::bind::init_module(m);
+    m.def("attn_paged_prefill", &astrai::attn::attn_paged_prefill, py::arg("q"), py::arg("k_cache"),
+          py::arg("v_cache"), py::arg("out"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
+          py::arg("kv_lens"), py::arg("q_tile_to_batch"), py::arg("q_tile_to_index"), py::arg("is_causal") = true,
+          py::arg("stream") = 0, "Ragged prefill attention over a paged KV cache into out.");
+    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"),
+          "(head_block, head_groups) of a prefill launch.");
+    m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
+}

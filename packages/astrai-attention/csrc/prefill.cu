@@ -1,0 +1,70 @@
+// Module astrai_attention._attn_prefill: prefill over contiguous K/V (split-Q).
+//
+//   attn_prefill(q, k, v, out, mask=None, is_causal=False, stream=0)
+//     q, out [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D]; mask bool [B, Lkv] or [B, Lq, Lkv];
+//     causal is bottom-right aligned: row i sees kv j <= i + Lkv - Lq
+//   prefill_plan(q_heads, kv_heads) -> (head_block, head_groups)
+#include <pybind11/pybind11.h>
+
+#include "astrai/bind.h"
+#include "dispatchers.cuh"
+#include "entry_utils.h"
+
+namespace astrai::attn {
+namespace py = pybind11;
+
+void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
+                  bool is_causal, py::handle stream_a) {
+    const TensorArg q = bind::tensor_arg("q", q_a);
+    const TensorArg k = bind::tensor_arg("k", k_a);
+    const TensorArg v = bind::tensor_arg("v", v_a);
+    const TensorArg out = bind::tensor_arg("out", out_a);
+    const cudaStream_t stream = bind::stream_arg(stream_a);
+    check_operand(q, 4, q.dtype);
+    check_head_dim(q);
+    const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2), D = q.size(3);
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    expect_shape(k, {B, -1, -1, D}, "[B, Lkv, Hkv, D] matching q");
+    ASTRAI_CHECK(v.shape == k.shape, "v: shape ", shape_str(v.shape), " differs from k's ", shape_str(k.shape));
+    const int64_t Lkv = k.size(1), Hkv = k.size(2);
+    ASTRAI_CHECK(Lkv >= 1, "k: kv length must be >= 1, got ", Lkv);
+    ASTRAI_CHECK(Lq < (int64_t(1) << 31) && Lkv < (int64_t(1) << 31), "q: sequence lengths must fit int32");
+    check_heads(Hq, Hkv);
+    check_operand(out, 4, q.dtype);
+    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+
+    AttentionParams p;
+    set_common(p, q, out, Hq, Hkv);
+    set_kv(p, k, v);
+    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
+    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, Lq, Lkv);
+    p.batch = int(B); p.q_len = int(Lq); p.kv_len = int(Lkv);
+    p.causal = is_causal;
+    p.head_block = prefill_head_block(p.group);
+    p.head_groups = prefill_head_groups(p.group);
+    const int64_t tiles = num_q_tiles(Lq);
+    check_grid(tiles * p.head_block, Hkv * p.head_groups, B);
+    if (B == 0 || Lq == 0) return;
+    dispatch_prefill<DenseQSchedule, ContigKV>(p, q.dtype, int(D), unsigned(tiles), unsigned(B), stream);
+}
+
+py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads) {
+    check_heads(q_heads, kv_heads);
+    const int g = int(q_heads / kv_heads);
+    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g));
+}
+
+}  // namespace astrai::attn
+
+PYBIND11_MODULE(_attn_prefill, m) {
+    namespace py = pybind11;
+    astrai::bind::init_module(m);
+    m.def("attn_prefill", &astrai::attn::attn_prefill, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("mask") = py::none(), py::arg("is_causal") = false, py::arg("stream") = 0,
+          "Prefill attention over contiguous K/V into out (split-Q, GQA head packing).");
+    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"),
+          "(head_block, head_groups) of a prefill launch.");
+    m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
+}

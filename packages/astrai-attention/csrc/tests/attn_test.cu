@@ -1,0 +1,261 @@
+// Standalone correctness tables + timings for the contiguous decode and prefill kernels
+// (mma.sync and scalar) against a float64 host reference.
+//
+// Build and run (from packages/astrai-attention):
+//   nvcc -std=c++17 -I csrc -I ../cuda-common/include -gencode=arch=compute_90a,code=sm_90a \
+//        -O3 --use_fast_math --expt-relaxed-constexpr -Xptxas -v -Xcompiler -fopenmp \
+//        csrc/tests/attn_test.cu -o /tmp/attn_test && /tmp/attn_test [--no-bench]
+// Exit status 0 only when every case passes.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "../dispatchers.cuh"
+#include "test_utils.cuh"
+
+using namespace astrai;
+using namespace astrai::attn;
+
+namespace {
+
+struct Strides { int64_t b, l, h; };
+// [B, L, H, D] tensor stored as BLHD or BHLD.
+Strides strides_for(int L, int H, int D, bool bhld) {
+    if (bhld) return {int64_t(H) * L * D, D, int64_t(L) * D};
+    return {int64_t(L) * H * D, int64_t(H) * D, D};
+}
+
+enum class Impl { Mma, Scalar };
+
+void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
+    if (impl == Impl::Mma) {
+        dispatch_decode<ContigKV>(p, bf16 ? DType::BFloat16 : DType::Float16, D, 0);
+        return;
+    }
+    const dim3 grid(p.batch * p.kv_heads * p.head_groups, p.num_splits);
+    auto go = [&](auto tag, auto dtag) {
+        using T = decltype(tag);
+        constexpr int DD = decltype(dtag)::value;
+        decode_scalar_kernel<T, DD, ContigKV><<<grid, 128>>>(p);
+        if (p.num_splits > 1) decode_combine_kernel<T, DD><<<p.batch * p.q_heads, 64>>>(p);
+    };
+    auto by_d = [&](auto tag) {
+        if (D == 64) go(tag, std::integral_constant<int, 64>{});
+        if (D == 128) go(tag, std::integral_constant<int, 128>{});
+        if (D == 256) go(tag, std::integral_constant<int, 256>{});
+    };
+    if (bf16) by_d(__nv_bfloat16{}); else by_d(__half{});
+    CK(cudaGetLastError());
+}
+
+void launch_prefill(const AttentionParams& p, bool bf16, int D, Impl impl) {
+    const unsigned tiles = unsigned(num_q_tiles(p.q_len));
+    if (impl == Impl::Mma) {
+        dispatch_prefill<DenseQSchedule, ContigKV>(p, bf16 ? DType::BFloat16 : DType::Float16, D, tiles, p.batch, 0);
+        return;
+    }
+    const dim3 grid(tiles * p.head_block, p.kv_heads * p.head_groups, p.batch);
+    auto go = [&](auto tag, auto dtag) {
+        using T = decltype(tag);
+        constexpr int DD = decltype(dtag)::value;
+        AttentionParams ps = p;
+        ps.blocks_per_tile = ps.head_block;
+        prefill_scalar_kernel<T, DD, DenseQSchedule, ContigKV><<<grid, 128>>>(ps);
+    };
+    auto by_d = [&](auto tag) {
+        if (D == 64) go(tag, std::integral_constant<int, 64>{});
+        if (D == 128) go(tag, std::integral_constant<int, 128>{});
+        if (D == 256) go(tag, std::integral_constant<int, 256>{});
+    };
+    if (bf16) by_d(__nv_bfloat16{}); else by_d(__half{});
+    CK(cudaGetLastError());
+}
+
+struct Case {
+    int B, Lq, Lkv, Hq, Hkv, D;
+    bool bf16, causal, bhld;
+    int mask_dims;  // 0, 2 or 3
+};
+
+int g_sms = 132;
+std::mt19937 g_rng(1234);
+
+// One prefill (Lq > 1 or causal) or decode (Lq == 1) case; returns pass/fail.
+bool run_case(const Case& c, Impl impl, bool decode) {
+    const int B = c.B, Lq = c.Lq, Lkv = c.Lkv, Hq = c.Hq, Hkv = c.Hkv, D = c.D, G = Hq / Hkv;
+    HostTensor q, k, v;
+    q.random(size_t(B) * Lq * Hq * D, g_rng, c.bf16);
+    k.random(size_t(B) * Lkv * Hkv * D, g_rng, c.bf16);
+    v.random(size_t(B) * Lkv * Hkv * D, g_rng, c.bf16);
+    const Strides qs = strides_for(Lq, Hq, D, c.bhld), ks = strides_for(Lkv, Hkv, D, c.bhld);
+    const Strides os = strides_for(Lq, Hq, D, false);
+    std::vector<uint8_t> mask;
+    if (c.mask_dims) {
+        const size_t rows = c.mask_dims == 3 ? size_t(Lq) : 1;
+        mask.resize(size_t(B) * rows * Lkv);
+        std::bernoulli_distribution keep(0.7);
+        for (auto& m : mask) m = keep(g_rng);
+        for (size_t r = 0; r < size_t(B) * rows; ++r) mask[r * Lkv + (r * 7) % Lkv] = 1;  // one kept per row
+    }
+    DeviceBuffer<uint16_t> dq(q.bits.size()), dk(k.bits.size()), dv(v.bits.size()), dout(size_t(B) * Lq * Hq * D);
+    DeviceBuffer<uint8_t> dmask(mask.size());
+    dq.upload(q.bits); dk.upload(k.bits); dv.upload(v.bits);
+    if (!mask.empty()) dmask.upload(mask);
+    dout.poison();
+
+    AttentionParams p;
+    p.q = dq.ptr; p.k = dk.ptr; p.v = dv.ptr; p.o = dout.ptr;
+    p.q_stride_b = qs.b; p.q_stride_l = qs.l; p.q_stride_h = qs.h;
+    p.k_stride_b = p.v_stride_b = ks.b; p.k_stride_l = p.v_stride_l = ks.l; p.k_stride_h = p.v_stride_h = ks.h;
+    p.o_stride_b = os.b; p.o_stride_l = os.l; p.o_stride_h = os.h;
+    if (c.mask_dims) {
+        p.mask = dmask.ptr;
+        p.mask_stride_b = (c.mask_dims == 3 ? int64_t(Lq) : 1) * Lkv;
+        p.mask_stride_q = c.mask_dims == 3 ? Lkv : 0;
+        p.mask_stride_k = 1;
+    }
+    p.batch = B; p.q_len = Lq; p.kv_len = Lkv; p.q_heads = Hq; p.kv_heads = Hkv; p.group = G;
+    p.causal = c.causal;
+    p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
+    std::unique_ptr<DeviceBuffer<float>> ws_o, ws_lse;
+    if (decode) {
+        p.head_groups = decode_head_groups(G);
+        p.num_splits = decode_num_splits(B, Hkv, G, D, Lkv, g_sms);
+        if (p.num_splits > 1) {
+            ws_o.reset(new DeviceBuffer<float>(size_t(p.num_splits) * B * Hq * D));
+            ws_lse.reset(new DeviceBuffer<float>(size_t(p.num_splits) * B * Hq));
+            p.ws_o = ws_o->ptr; p.ws_lse = ws_lse->ptr;
+        }
+        launch_decode(p, c.bf16, D, impl);
+    } else {
+        p.head_block = prefill_head_block(G);
+        p.head_groups = prefill_head_groups(G);
+        launch_prefill(p, c.bf16, D, impl);
+    }
+    CK(cudaDeviceSynchronize());
+    const auto out = dout.download();
+
+    ErrorStats err;
+    const int diag = Lkv - Lq;
+    std::vector<double> ref(size_t(B) * Lq * Hq * D);
+#pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < Hq; ++h)
+            for (int i = 0; i < Lq; ++i) {
+                const int kh = h / G;
+                const float* qrow = &q.vals[b * qs.b + i * qs.l + h * qs.h];
+                auto krow = [&](int j) { return &k.vals[b * ks.b + j * ks.l + kh * ks.h]; };
+                auto vrow = [&](int j) { return &v.vals[b * ks.b + j * ks.l + kh * ks.h]; };
+                auto keep = [&](int j) {
+                    if (c.causal && j > i + diag) return false;
+                    if (!c.mask_dims) return true;
+                    const size_t row = c.mask_dims == 3 ? size_t(b) * Lq + i : size_t(b);
+                    return mask[row * Lkv + j] != 0;
+                };
+                reference_row(qrow, D, Lkv, krow, vrow, keep, &ref[b * os.b + i * os.l + h * os.h]);
+            }
+    for (size_t i = 0; i < ref.size(); ++i) err.add(bits_to_float(out[i], c.bf16), ref[i]);
+    const double tol = c.bf16 ? 2e-2 : 5e-3;
+    const bool ok = err.ok(tol);
+    std::printf("%-7s %-6s %s B=%-3d Lq=%-5d Lkv=%-5d H=%d/%d D=%-3d %s%s mask=%dD splits=%-2d  rel=%.2e max=%.2e  %s\n",
+                decode ? "decode" : "prefill", impl == Impl::Mma ? "mma" : "scalar", c.bf16 ? "bf16" : "fp16", B, Lq,
+                Lkv, Hq, Hkv, D, c.causal ? "causal " : "", c.bhld ? "BHLD" : "BLHD", c.mask_dims,
+                decode ? p.num_splits : 0, err.rel(), err.max_abs, ok ? "ok" : "FAIL");
+    return ok;
+}
+
+void bench() {
+    std::printf("\n-- timings (median of 50, us) --\n");
+    const int Hq = 32, Hkv = 8, D = 128;
+    for (int B : {1, 4, 16, 32, 64}) {
+        const int S = 4096;
+        const size_t kv_elems = size_t(B) * S * Hkv * D;
+        DeviceBuffer<uint16_t> q(size_t(B) * Hq * D), k(kv_elems), v(kv_elems), o(size_t(B) * Hq * D);
+        HostTensor hk;
+        hk.random(kv_elems, g_rng, true);
+        k.upload(hk.bits); v.upload(hk.bits);
+        HostTensor hq; hq.random(size_t(B) * Hq * D, g_rng, true); q.upload(hq.bits);
+        AttentionParams p;
+        p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr;
+        p.q_stride_b = Hq * D; p.q_stride_l = Hq * D; p.q_stride_h = D;
+        p.k_stride_b = p.v_stride_b = int64_t(S) * Hkv * D; p.k_stride_l = p.v_stride_l = Hkv * D; p.k_stride_h = p.v_stride_h = D;
+        p.o_stride_b = Hq * D; p.o_stride_l = Hq * D; p.o_stride_h = D;
+        p.batch = B; p.q_len = 1; p.kv_len = S; p.q_heads = Hq; p.kv_heads = Hkv; p.group = Hq / Hkv;
+        p.head_groups = decode_head_groups(p.group);
+        p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
+        p.num_splits = decode_num_splits(B, Hkv, p.group, D, S, g_sms);
+        DeviceBuffer<float> wo(size_t(p.num_splits) * B * Hq * D), wl(size_t(p.num_splits) * B * Hq);
+        p.ws_o = wo.ptr; p.ws_lse = wl.ptr;
+        const double us = time_us([&] { dispatch_decode<ContigKV>(p, DType::BFloat16, D, 0); });
+        const double bytes = 2.0 * kv_elems * 2;
+        std::printf("decode  bf16 GQA 32/8 d128 B=%-3d kv=%d splits=%-2d  %8.2f us  %6.2f TB/s\n", B, S,
+                    p.num_splits, us, bytes / us * 1e-6);
+    }
+    for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}}) {
+        const int B = B_, L = L_;
+        const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv * D;
+        DeviceBuffer<uint16_t> q(qe), k(ke), v(ke), o(qe);
+        HostTensor h; h.random(qe, g_rng, true); q.upload(h.bits);
+        h.random(ke, g_rng, true); k.upload(h.bits); v.upload(h.bits);
+        AttentionParams p;
+        p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr;
+        p.q_stride_b = int64_t(L) * Hq * D; p.q_stride_l = Hq * D; p.q_stride_h = D;
+        p.k_stride_b = p.v_stride_b = int64_t(L) * Hkv * D; p.k_stride_l = p.v_stride_l = Hkv * D; p.k_stride_h = p.v_stride_h = D;
+        p.o_stride_b = p.q_stride_b; p.o_stride_l = Hq * D; p.o_stride_h = D;
+        p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv; p.group = Hq / Hkv;
+        p.head_block = prefill_head_block(p.group); p.head_groups = prefill_head_groups(p.group);
+        p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
+        for (bool causal : {true, false}) {
+            p.causal = causal;
+            for (int warps : {4, 8}) {
+                const double us = time_us([&] {
+                    launch_prefill_d<__nv_bfloat16, 128, DenseQSchedule, ContigKV>(p, unsigned(num_q_tiles(L)), B, 0,
+                                                                                  warps);
+                }, 20);
+                const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
+                std::printf("prefill bf16 GQA 32/8 d128 %dx%-5d %-9s warps=%d %9.1f us  %6.1f TFLOP/s\n", B, L,
+                            causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    bool do_bench = true;
+    for (int i = 1; i < argc; ++i) if (std::string(argv[i]) == "--no-bench") do_bench = false;
+    CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+    int fails = 0, total = 0;
+    std::vector<Case> decode_cases = {
+        {1, 1, 1, 8, 8, 128, true, false, false, 0},
+        {1, 1, 4096, 32, 8, 128, true, false, false, 0},
+        {3, 1, 1000, 32, 8, 64, true, false, true, 2},
+        {2, 1, 777, 16, 16, 128, false, false, false, 3},
+        {4, 1, 300, 32, 4, 256, true, false, false, 0},
+        {2, 1, 33, 64, 2, 128, false, false, true, 0},  // G = 32: two head groups
+        {64, 1, 129, 32, 8, 128, true, false, false, 2},
+        {2, 1, 5000, 24, 8, 64, true, false, false, 0},   // G = 3
+    };
+    std::vector<Case> prefill_cases = {
+        {1, 70, 70, 8, 8, 128, true, true, false, 0},
+        {2, 130, 130, 32, 8, 128, true, true, false, 0},
+        {2, 100, 300, 32, 8, 64, true, true, true, 0},   // bottom-right causal, q < kv
+        {1, 200, 90, 8, 2, 128, false, true, false, 0},  // q > kv: first rows see nothing
+        {2, 65, 129, 16, 16, 256, true, false, false, 2},
+        {2, 77, 191, 32, 4, 128, false, false, true, 3},
+        {1, 257, 257, 24, 8, 64, true, true, false, 0},  // G = 3
+        {1, 64, 1000, 32, 8, 128, true, true, false, 3},
+        {3, 1, 513, 32, 8, 128, true, true, false, 0},
+    };
+    for (Impl impl : {Impl::Mma, Impl::Scalar}) {
+        for (const auto& c : decode_cases) { ++total; fails += !run_case(c, impl, true); }
+        for (const auto& c : prefill_cases) { ++total; fails += !run_case(c, impl, false); }
+    }
+    std::printf("\n%d/%d cases passed\n", total - fails, total);
+    if (do_bench) bench();
+    return fails ? 1 : 0;
+}

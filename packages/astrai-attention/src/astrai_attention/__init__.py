@@ -1,0 +1,50 @@
+"""AstrAI attention plugin: the manifest of its compiled modules, and nothing compiled.
+
+The core's registry calls :func:`manifest` through the entry point ``astrai.kernels:
+attention``; the compiled modules ``astrai_attention._attn_*`` are imported by the core
+only when an op first runs. What the binaries hold (CUDA version, SASS and PTX archs)
+comes from ``build_info.json``, written by the build next to the modules. The launch
+heuristics the binaries use are mirrored in :mod:`astrai_attention.heuristics`.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+from typing import Any
+
+__all__ = ["build_info", "manifest"]
+
+API_VERSION = 1
+CORE_REQUIRES = ">=0.1.0,<0.2.0"
+
+_COMMON: dict[str, Any] = {
+    "abi": 1,
+    "dtypes": ["bfloat16", "float16"],
+    "head_dims": [64, 128, 256],
+    "min_sm": 80,
+}
+
+_OPS: dict[str, dict[str, Any]] = {
+    op: {"module": f"astrai_attention._{op}", **_COMMON}
+    for op in ("attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill")
+}
+
+
+def build_info() -> dict[str, Any]:
+    """The build's record: version, cuda, nvcc_version, sass_archs, ptx_archs, no_mma, modules."""
+    return json.loads(files(__name__).joinpath("build_info.json").read_text(encoding="utf-8"))
+
+
+def manifest() -> dict[str, Any]:
+    info = build_info()
+    return {
+        "api_version": API_VERSION,
+        "name": "astrai-attention",
+        "version": info["version"],
+        "core_requires": CORE_REQUIRES,
+        "cuda": info["cuda"],
+        "sass_archs": list(info["sass_archs"]),
+        "ptx_archs": list(info["ptx_archs"]),
+        "ops": {name: dict(spec) for name, spec in _OPS.items()},
+    }

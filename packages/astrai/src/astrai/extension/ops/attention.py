@@ -1,0 +1,205 @@
+"""The astrai-attention plugin's kernels as torch custom ops (stateless; no fallback here).
+
+=====================  ===========================================================================
+``attn_decode``        ``(q [B,1,Hq,D], k [B,S,Hkv,D], v, mask=None [B,S] | [B,1,S]) -> [B,1,Hq,D]``
+``attn_prefill``       ``(q [B,Lq,Hq,D], k [B,Lkv,Hkv,D], v, mask=None [B,Lkv] | [B,Lq,Lkv],
+                       is_causal=False) -> [B,Lq,Hq,D]``
+``attn_paged_decode``  ``(q [B,1,Hq,D], k_cache [P,page,Hkv,D], v_cache, kv_indptr [B+1],
+                       kv_indices [nnz_pages], kv_lens [B]) -> [B,1,Hq,D]``
+``attn_paged_prefill`` ``(q [total_q,Hq,D], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                       kv_lens, q_tile_to_batch, q_tile_to_index, is_causal=True) -> [total_q,Hq,D]``
+=====================  ===========================================================================
+
+bf16 or fp16, head_dim 64/128/256, ``Hq`` a multiple of ``Hkv``; index tensors int32 on the
+same device (the :class:`~astrai.extension.kv_cache.BatchPlan` fields). Any strides with a
+contiguous last dim are accepted (BHLD is a permuted view); rows that are not 16-byte
+aligned are copied first. Masks are bool, True = keep; causal is bottom-right aligned;
+scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros.
+
+Each op is a ``torch.library.custom_op`` (``torch.ops.astrai.attn_*``) with a fake
+implementation, so it traces under ``torch.compile``. The decode ops size their split-K
+workspace from shapes only (``decode_plan``) and never synchronize, so they can be
+captured in a CUDA graph. Type errors raise ``TypeError`` here; the compiled module
+validates everything else before launching (``ValueError`` naming the argument). A
+missing or unusable plugin raises ``RuntimeError`` with the install command
+(``_plugin.require``).
+
+Call convention (ABI 1): tensors as ``(data_ptr, shape, strides, dtype_code)`` tuples,
+the stream as an int; the module writes into a preallocated ``out``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..abi import dtype_code, stream_handle
+from . import _plugin
+
+__all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _abi(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
+    if t is None:
+        return None
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
+
+
+def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when the kernels can stream it with 16-byte copies, else a contiguous copy."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    ok = ok and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    return t if ok else t.contiguous()
+
+
+def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device_of.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {device_of.device}")
+    if device_of.device.type != "cuda":
+        raise ValueError(f"{op}: q must be a CUDA tensor, got one on {device_of.device}")
+    if device_of.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: q must be bfloat16 or float16, got {device_of.dtype}")
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _run(device: torch.device, fn, *args) -> None:
+    if device.index is None or device.index == torch.cuda.current_device():
+        fn(*args)
+    else:
+        with torch.cuda.device(device):
+            fn(*args)
+
+
+def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int):
+    batch, _, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads if kv_heads and q_heads % kv_heads == 0 else 1
+    splits = module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device))
+    if splits <= 1:
+        return 1, None, None
+    ws_o = torch.empty(splits * batch * q_heads * head_dim, dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty(splits * batch * q_heads, dtype=torch.float32, device=q.device)
+    return splits, ws_o, ws_lse
+
+
+# ---- attn_decode ----------------------------------------------------------------------
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention over contiguous K/V (split-KV). See the module docstring."""
+    _check_tensors("attn_decode", q, q=q, k=k, v=v, mask=mask)
+    return torch.ops.astrai.attn_decode(q, k, v, mask)
+
+
+@torch.library.custom_op("astrai::attn_decode", mutates_args=())
+def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    module = _plugin.require("attn_decode", q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
+    kv_heads = k.shape[2] if k.dim() == 4 else 1
+    kv_len = k.shape[1] if k.dim() == 4 else 1
+    splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
+    _run(q.device, module.attn_decode, _abi(q), _abi(k), _abi(v), _abi(out), _abi(mask), splits, _abi(ws_o),
+         _abi(ws_lse), stream_handle(q.device))
+    return out
+
+
+@_attn_decode_op.register_fake
+def _(q, k, v, mask):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---- attn_prefill ---------------------------------------------------------------------
+
+def attn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 is_causal: bool = False) -> torch.Tensor:
+    """Prefill attention over contiguous K/V (split-Q). See the module docstring."""
+    _check_tensors("attn_prefill", q, q=q, k=k, v=v, mask=mask)
+    return torch.ops.astrai.attn_prefill(q, k, v, mask, bool(is_causal))
+
+
+@torch.library.custom_op("astrai::attn_prefill", mutates_args=())
+def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     is_causal: bool) -> torch.Tensor:
+    module = _plugin.require("attn_prefill", q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
+    _run(q.device, module.attn_prefill, _abi(q), _abi(k), _abi(v), _abi(out), _abi(mask), is_causal,
+         stream_handle(q.device))
+    return out
+
+
+@_attn_prefill_op.register_fake
+def _(q, k, v, mask, is_causal):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---- attn_paged_decode ----------------------------------------------------------------
+
+def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                      kv_indices: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a paged KV cache (split-KV). See the module docstring."""
+    _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
+                   kv_indices=kv_indices, kv_lens=kv_lens)
+    return torch.ops.astrai.attn_paged_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens)
+
+
+@torch.library.custom_op("astrai::attn_paged_decode", mutates_args=())
+def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                          kv_indices: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    module = _plugin.require("attn_paged_decode", q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q = _rows_aligned(q)
+    splits, ws_o, ws_lse = 1, None, None
+    if q.dim() == 4 and k_cache.dim() == 4 and q.shape[0] > 0:
+        # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
+        hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
+        splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
+    _run(q.device, module.attn_paged_decode, _abi(q), _abi(k_cache), _abi(v_cache), _abi(out), _abi(kv_indptr),
+         _abi(kv_indices), _abi(kv_lens), splits, _abi(ws_o), _abi(ws_lse), stream_handle(q.device))
+    return out
+
+
+@_attn_paged_decode_op.register_fake
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---- attn_paged_prefill ---------------------------------------------------------------
+
+def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                       kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+                       q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
+                       is_causal: bool = True) -> torch.Tensor:
+    """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
+    _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
+                   kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
+                   q_tile_to_index=q_tile_to_index)
+    return torch.ops.astrai.attn_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
+                                               q_tile_to_batch, q_tile_to_index, bool(is_causal))
+
+
+@torch.library.custom_op("astrai::attn_paged_prefill", mutates_args=())
+def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+                           q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
+                           is_causal: bool) -> torch.Tensor:
+    module = _plugin.require("attn_paged_prefill", q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q = _rows_aligned(q)
+    _run(q.device, module.attn_paged_prefill, _abi(q), _abi(k_cache), _abi(v_cache), _abi(out), _abi(qo_indptr),
+         _abi(kv_indptr), _abi(kv_indices), _abi(kv_lens), _abi(q_tile_to_batch), _abi(q_tile_to_index),
+         is_causal, stream_handle(q.device))
+    return out
+
+
+@_attn_paged_prefill_op.register_fake
+def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
