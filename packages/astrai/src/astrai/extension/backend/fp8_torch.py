@@ -38,9 +38,13 @@ def quantize(x: torch.Tensor, multiplier: torch.Tensor, fmt: str = "e4m3",
     """
     dtype = FP8_DTYPES[fmt]
     limit = FP8_MAX[fmt]
-    amax = x.detach().abs().amax().to(torch.float32) if x.numel() else x.new_zeros((), dtype=torch.float32)
-    scaled = x.detach().to(torch.float32) * multiplier.to(device=x.device, dtype=torch.float32)
-    q = scaled.clamp(-limit, limit).to(dtype)
+    x = x.detach()
+    # max|x| in one read (exact in any dtype: it is one of the elements); NaN propagates
+    amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
+    # a 1-element *1-D* multiplier takes part in type promotion, so a bf16/fp16 x is
+    # multiplied in float32 inside one kernel (a 0-d one would compute in x's dtype)
+    scaled = x * multiplier.to(device=x.device, dtype=torch.float32).reshape(1)
+    q = scaled.clamp_(-limit, limit).to(dtype)
     empty = torch.empty(0, dtype=dtype, device=x.device)
     q_rows = q if out_layout in (0, 2) else empty
     q_cols = q.t().contiguous() if out_layout in (1, 2) else empty

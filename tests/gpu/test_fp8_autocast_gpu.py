@@ -1,0 +1,138 @@
+"""FP8 policy, fallbacks and fp8_autocast on a CUDA device (sm_89+)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai.extension.backend import fp8 as backend
+from astrai.extension.backend import fp8_torch
+from astrai.extension.device import probe_device
+from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
+from astrai.extension.runtime import current_runtime
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a CUDA device of sm_89 or newer"),
+]
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm())
+
+
+def test_policy_on_this_device():
+    info = probe_device()
+    status = current_runtime().registry.op_status("fp8_gemm", info)
+    chosen = backend.choose_gemm(info, "e4m3", "e4m3")
+    expected = "plugin" if status.usable and status.native is not False else "scaled_mm"
+    assert chosen == expected
+    if info.sm == 90 and status.usable and status.native is False:
+        (decision,) = [d for d in current_runtime().explain("fp8_gemm") if d.key[0] == info.key]
+        assert "emulated on sm_90" in decision.trace[0].reason
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+@pytest.mark.parametrize("mnk", [(1, 16, 32), (17, 33, 65), (1088, 1088, 1088), (256, 4096, 1000)])
+@pytest.mark.parametrize("a_col", [False, True], ids=["a_row", "a_col"])
+@pytest.mark.parametrize("b_col", [False, True], ids=["b_row", "b_col"])
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+def test_scaled_mm_path_vs_float64(mnk, a_col, b_col, fmts):
+    m, n, k = mnk
+    a = (torch.randn(m, k, device="cuda") * 4).to(FP8[fmts[0]])
+    b = (torch.randn(k, n, device="cuda") * 4).to(FP8[fmts[1]])
+    a = _col_major(a) if a_col else a
+    b = _col_major(b) if b_col else b
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(0.01, device="cuda")
+    out = fp8_torch.scaled_mm_gemm(a, b, scale, bias)
+    ref = 0.01 * (a.double() @ b.double()) + bias.double()
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 4e-3
+    emulated = fp8_torch.emulated_gemm(a, b, scale, bias)
+    assert _rel(out, emulated) < 4e-3
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_torch_quantize_on_cuda_equals_cpu(fmt, dtype):
+    x = (torch.randn(513, 1031) * 100).to(dtype)
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), 1e30]).to(dtype)
+    mult = torch.tensor(3.7)
+    q_cpu, _, amax_cpu = fp8_torch.quantize(x, mult, fmt)
+    q_gpu, _, amax_gpu = backend.quantize(x.cuda(), mult.cuda(), fmt, backend="torch")
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert amax_gpu.item() == amax_cpu.item()
+
+
+def test_plugin_quantize_matches_torch_when_installed():
+    info = probe_device()
+    if not current_runtime().registry.op_status("fp8_quantize", info).usable:
+        pytest.skip("the astrai-fp8 quantize kernel is not installed here")
+    for fmt in ("e4m3", "e5m2"):
+        x = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 50
+        mult = torch.tensor(2.5, device="cuda")
+        q_k, _, amax_k = backend.quantize(x, mult, fmt, backend="plugin")
+        q_t, _, amax_t = backend.quantize(x, mult, fmt, backend="torch")
+        assert torch.equal(q_k.view(torch.uint8), q_t.view(torch.uint8))
+        assert amax_k.item() == amax_t.item()
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), DynamicScaling()], ids=["delayed", "dynamic"])
+def test_autocast_linear_forward_backward(recipe):
+    lin = torch.nn.Linear(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(2048, 4096, device="cuda", dtype=torch.float64)
+    ref.load_state_dict(lin.state_dict())
+    for _ in range(2):
+        x = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(2, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+        with fp8_autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(g)
+        x64 = x.detach().double().requires_grad_()
+        ref(x64).backward(g.double())
+        assert y.dtype == torch.bfloat16
+        assert _rel(y, ref(x64)) < 0.05
+        assert _rel(x.grad, x64.grad) < 0.09
+        assert _rel(lin.weight.grad, ref.weight.grad) < 0.09
+        for p in (*lin.parameters(), *ref.parameters()):
+            p.grad = None
+    state = fp8_state(lin)
+    assert state.input.scale.device.type == "cuda" and torch.isfinite(state.grad_output.scale)
+    chosen = {d.chosen for d in current_runtime().explain("fp8_gemm") if d.key[0] == probe_device().key}
+    assert chosen <= {"plugin", "scaled_mm"}
+
+
+def test_mlp_loss_tracks_bf16_on_gpu():
+    def train(enabled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        teacher = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64)).cuda()
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64))
+        model = model.cuda().bfloat16()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        losses = []
+        for _ in range(200):
+            x = torch.randn(512, 256, device="cuda", generator=gen)
+            with torch.no_grad():
+                target = teacher(x)
+            with fp8_autocast(enabled=enabled, recipe=DelayedScaling(amax_history_len=16)):
+                loss = F.mse_loss(model(x.bfloat16()).float(), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses).cpu()
+
+    ref, fp8 = train(False), train(True)
+    ref_means, fp8_means = ref.view(10, 20).mean(1), fp8.view(10, 20).mean(1)
+    assert fp8_means[-1] < 0.2 * fp8_means[0]
+    assert torch.all((fp8_means - ref_means).abs() <= 0.15 * ref_means), (ref_means, fp8_means)
