@@ -250,7 +250,7 @@ def test_cibuildwheel_environment_is_what_the_container_gets():
     assert env["CUDAHOSTCXX"] == "/usr/local/cuda/host-cxx/g++"
 
 
-@pytest.mark.parametrize("plugin", [p for p in PLUGINS if (ROOT / "packages" / f"astrai-{p}" / "pyproject.toml").exists()])
+@pytest.mark.parametrize("plugin", PLUGINS)
 def test_cibuildwheel_lists_the_intended_builds(plugin):
     ids = print_identifiers(ROOT / "ci" / "cibuildwheel.toml", ROOT / "packages" / f"astrai-{plugin}")
     assert ids == intended_identifiers()
