@@ -1,6 +1,6 @@
 """fp8_autocast linear vs the bf16 linear, forward and forward+backward, plus a loss curve.
 
-    python tests/gpu/bench_fp8_linear.py [--json out.json] [--quick] [--device cpu]
+    python tests/gpu/bench_fp8_linear.py [--json out.json] [--quick] [--device cpu] [--ms 1024 4096]
 
 Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
   bf16        F.linear in bf16 (cuBLAS)
@@ -138,10 +138,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ms", type=int, nargs="+", default=MS, help="token counts M to run")
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     device = args.device
     quick = args.quick or device == "cpu"
-    shapes = [(m, n, k) for m in MS for n, k in SHAPES_NK]
+    shapes = [(m, n, k) for m in args.ms for n, k in SHAPES_NK]
     if quick:
         shapes = [(128, 256, 512), (256, 512, 256)] if device == "cpu" else shapes[:2]
     info = probe_device(device)
@@ -149,7 +151,7 @@ def main() -> None:
     backend.choose_quantize(info, torch.bfloat16, "e4m3")
     decisions = [str(d) for d in current_runtime().explain() if d.op.startswith("fp8")]
     print("\n".join(decisions))
-    rows = [bench_shape(m, n, k, device, reps=3 if quick else 20) for m, n, k in shapes]
+    rows = [bench_shape(m, n, k, device, reps=3 if quick else args.reps) for m, n, k in shapes]
     curves = loss_curves(device, 40, 64) if device == "cpu" else loss_curves(device, 200, 1024)
 
     print(f"\n{'M':>6} {'N':>6} {'K':>6} | {'bf16 fwd':>9} {'fp8 fwd':>9} {'gemm':>9} {'x':>5} "
