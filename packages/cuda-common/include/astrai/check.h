@@ -11,9 +11,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace astrai {
@@ -42,11 +43,37 @@ class CudaError : public Error {
 
 namespace detail {
 
+// Message pieces are appended without iostreams: a module built on one machine with
+// ostream templates instantiated inline crashed formatting numbers against another
+// libstdc++ (seen on the CUDA machine's image); std::to_string / plain appends are safe.
+struct Hex {
+    unsigned long long value;
+};
+
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+inline void append(std::string& s, Hex v) {
+    char buf[2 + 16 + 1];
+    std::snprintf(buf, sizeof(buf), "0x%llx", v.value);
+    s += buf;
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool> &&
+                                           !std::is_same_v<T, char>, int> = 0>
+void append(std::string& s, T v) {
+    s += std::to_string(v);
+}
+template <typename T, std::enable_if_t<std::is_enum_v<T>, int> = 0>
+void append(std::string& s, T v) {
+    s += std::to_string(static_cast<std::underlying_type_t<T>>(v));
+}
+
 template <typename... Parts>
 std::string concat(Parts&&... parts) {
-    std::ostringstream out;
-    (out << ... << std::forward<Parts>(parts));
-    return out.str();
+    std::string out;
+    (append(out, std::forward<Parts>(parts)), ...);
+    return out;
 }
 
 inline const char* basename(const char* path) {

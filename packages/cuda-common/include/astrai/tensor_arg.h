@@ -84,8 +84,8 @@ inline void expect_last_dim_contiguous(const TensorArg& t) {
 inline void expect_data(const TensorArg& t, int bytes) {
     if (t.numel() == 0) return;
     ASTRAI_CHECK(t.ptr != 0, t.name, ": null data pointer for a non-empty tensor");
-    ASTRAI_CHECK(t.ptr % static_cast<std::uintptr_t>(bytes) == 0, t.name, ": data pointer 0x",
-                 std::hex, t.ptr, std::dec, " is not ", bytes, "-byte aligned");
+    ASTRAI_CHECK(t.ptr % static_cast<std::uintptr_t>(bytes) == 0, t.name, ": data pointer ",
+                 detail::Hex{t.ptr}, " is not ", bytes, "-byte aligned");
 }
 
 }  // namespace astrai
