@@ -370,7 +370,8 @@ print(json.dumps({"dtype": str(got.dtype), "shape": list(got.shape),
 # -- the arch selection and the version tag, without a build -----------------------------------
 
 
-def _resolve_archs(tmp_path, version: str, min_sm: int = 0, **env: str) -> subprocess.CompletedProcess:
+def _resolve_archs(tmp_path, version: str, min_sm: int = 0, gpu: str | None = None,
+                   **env: str) -> subprocess.CompletedProcess:
     script = tmp_path / "archs.cmake"
     script.write_text(f"""
 set(CMAKE_CUDA_COMPILER_VERSION "{version}")
@@ -380,6 +381,12 @@ message("SASS=${{sass}}|PTX=${{ptx}}")
 """)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ASTRAI_")}
     clean["PATH"] = "/usr/bin:/bin"  # no nvidia-smi: "auto" means the release list
+    if gpu is not None:  # a fake nvidia-smi reporting one GPU of this compute capability
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        (bindir / "nvidia-smi").write_text(f"#!/bin/sh\necho {gpu}\n")
+        (bindir / "nvidia-smi").chmod(0o755)
+        clean["PATH"] = f"{bindir}:{clean['PATH']}"
     return subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True, env={**clean, **env})
 
 
@@ -410,6 +417,16 @@ def test_arch_selection(tmp_path, version, env, min_sm, want):
 def test_arch_selection_errors(tmp_path, env, min_sm, message):
     proc = _resolve_archs(tmp_path, "13.0.88", min_sm, **env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("gpu, env, want", [
+    ("9.0", {}, ("90a", "90")),
+    ("12.0", {}, ("120", "120")),
+    ("8.9", {"ASTRAI_CUDA_ARCHS": "native"}, ("89", "89")),
+    ("9.0", {"ASTRAI_CUDA_ARCHS": "all"}, ("80;86;89;90a;100a;120", "120")),
+])
+def test_source_build_defaults_to_the_visible_gpu(tmp_path, gpu, env, want):
+    assert _archs(_resolve_archs(tmp_path, "13.0.88", gpu=gpu, **env)) == want
 
 
 def test_arch_selection_needs_a_known_cuda_major(tmp_path):
