@@ -1,15 +1,13 @@
 """ci/check-conda end to end: conda packages from wheels, solved under __cuda, installed.
 
-One real astrai-rotary wheel (CUDA 13.0, sm_90a only: CI-sized) is built with
-ci/build-wheels into build/test-wheels/, keyed by a hash of its sources, so a second run
-on the same tree reuses it. The other tests use small stand-in wheels (pure Python, the
+One real astrai-rotary wheel (CUDA 13.0, sm_90a only: CI-sized; tests/wheel_cache.py
+builds it once per source tree). The other tests use small stand-in wheels (pure Python, the
 plugin's manifest and entry point) to show the solver's choice per driver across two
 CUDA versions, and ci/check-conda failing on a broken recipe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,36 +17,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from wheel_cache import PY, rotary_wheel_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "ci" / "check-conda"
-PY = "cp%d%d" % sys.version_info[:2]
-
-
-def _source_hash() -> str:
-    digest = hashlib.sha256()
-    sources = [ROOT / "ci" / "build-wheels"]
-    for folder in (ROOT / "packages" / "astrai-rotary", ROOT / "packages" / "cuda-common"):
-        sources += sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    for path in sources:
-        digest.update(str(path.relative_to(ROOT)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
 def rotary_wheels() -> Path:
-    """A folder with one real astrai-rotary +cu130 wheel for this Python (built once per source tree)."""
-    cache = ROOT / "build" / "test-wheels" / f"rotary-cu130-90a-{_source_hash()}"
-    wheels = cache / "cu130"
-    if not list(wheels.glob(f"astrai_rotary-*-{PY}-*.whl")):
-        for stale in cache.parent.glob("rotary-cu130-90a-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        env = dict(os.environ, ASTRAI_CUDA_ARCHS="90a", CMAKE_BUILD_PARALLEL_LEVEL="2")
-        build = subprocess.run([sys.executable, str(ROOT / "ci" / "build-wheels"), "--cuda", "13.0", "--plugins",
-                                "rotary", "--no-core", "--out", str(cache)], env=env, capture_output=True, text=True)
-        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    return wheels
+    return rotary_wheel_dir()
 
 
 def _check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

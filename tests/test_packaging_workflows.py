@@ -71,6 +71,8 @@ def release_problems(wf: dict) -> list[str]:
             problems.append("cibuildwheel must build packages/astrai-<plugin>")
         if "matrix.cuda" not in str(step.get("env", {}).get("ASTRAI_CUDA", "")):
             problems.append("cibuildwheel must get ASTRAI_CUDA from the matrix")
+    if "ci/check-wheel-size" not in _runs(wheels):
+        problems.append("wheels job must enforce the size budget (ci/check-wheel-size)")
     if "ASTRAI_CUDA_ARCHS" not in wf.get("env", {}) and "ASTRAI_CUDA_ARCHS" not in str(wheels):
         problems.append("ASTRAI_CUDA_ARCHS must be settable for the wheels (per-arch builds)")
 
@@ -142,10 +144,10 @@ def test_pull_requests_run_the_cpu_tests():
 
 def test_scripts_the_workflows_call_exist_and_are_executable():
     text = "\n".join(f.read_text() for f in WORKFLOWS.glob("*.yml"))
-    for script in ("ci/make-index", "ci/index-conda", "ci/provision-cuda13", "ci/cibuildwheel.toml",
+    for script in ("ci/make-index", "ci/index-conda", "ci/provision-cuda13", "ci/cibuildwheel.toml", "ci/check-wheel-size",
                    "recipe/recipe.yaml", "ci/requirements-packaging.txt"):
         assert script in text and (ROOT / script).is_file(), script
-    for script in ("ci/make-index", "ci/index-conda", "ci/provision-cuda13"):
+    for script in ("ci/make-index", "ci/index-conda", "ci/provision-cuda13", "ci/check-wheel-size"):
         assert os.access(ROOT / script, os.X_OK), script
 
 
