@@ -409,3 +409,36 @@ def test_module_docstring_example_runs():
     source = fp8_layer.__doc__.split("::", 1)[1].split("Scale convention")[0]
     code = "\n".join(line[4:] for line in source.splitlines())
     exec(compile(code, "fp8-docstring", "exec"), namespace)  # noqa: S102 - our own example
+
+
+def test_k_major_backward_layouts_compute_the_same(monkeypatch):
+    """Where the GEMM wants K-major operands, the saved transposes give identical results
+    and every GEMM sees a row-major a and a column-major b."""
+    recipe = DynamicScaling()
+    lin = torch.nn.Linear(48, 24)
+    x = torch.randn(3, 10, 48)
+    g = torch.randn(3, 10, 24)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(recipe=recipe):
+            y = lin(xi)
+        y.backward(g)
+        out = (y.detach(), xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+        lin.zero_grad()
+        return out
+
+    plain = run()
+    layouts = []
+    gemm = fp8_backend.gemm
+
+    def layout_spy(a, b, *args, **kwargs):
+        layouts.append((a.is_contiguous(), b.t().is_contiguous()))
+        return gemm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_backend, "wants_k_major", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fp8_backend, "gemm", layout_spy)
+    k_major = run()
+    assert layouts == [(True, True)] * 3
+    for p, k in zip(plain, k_major):
+        assert torch.equal(p, k)

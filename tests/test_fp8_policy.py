@@ -134,3 +134,38 @@ def test_calls_on_cpu_tensors_run_the_emulation_and_are_explained(with_plugin):
     assert out.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
     assert _decision(with_plugin, "fp8_gemm").chosen == "emulated"
     assert _decision(with_plugin, "fp8_quantize").chosen == "torch"
+
+
+def _with_native_90() -> Runtime:
+    ops = {"fp8_gemm": dict(FP8_OPS["fp8_gemm"], native_sm=[89, 90, 120])}
+    return _runtime(FakeEntryPoint("fp8", manifest("astrai-fp8", ops=ops), dist="astrai-fp8"))
+
+
+def test_wants_k_major(with_plugin):
+    assert backend.wants_k_major(H200, "e4m3", "e4m3", runtime=with_plugin)  # cuBLASLt
+    assert not backend.wants_k_major(L20, "e4m3", "e4m3", runtime=with_plugin)  # mma.sync: any layout
+    assert not backend.wants_k_major(CPU, "e4m3", "e4m3", runtime=with_plugin)
+    assert backend.wants_k_major(H200, "e5m2", "e4m3", runtime=_with_native_90())  # wgmma
+
+
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_sm90_plugin_gets_k_major_operands(monkeypatch, a_t, b_t):
+    """A plugin native on sm_90 (wgmma) is handed a row-major a and a column-major b."""
+    from astrai.extension.ops import fp8 as ops_fp8
+
+    seen = []
+
+    def fake_mm_fp8(a, b, scale, bias=None):
+        seen.append((a.is_contiguous(), b.t().is_contiguous()))
+        return (scale * (a.float() @ b.float())).to(torch.bfloat16)
+
+    monkeypatch.setattr(ops_fp8, "mm_fp8", fake_mm_fp8)
+    monkeypatch.setattr(backend, "probe_device", lambda device: H200)
+    a = torch.randn(24, 48).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 40).to(torch.float8_e4m3fn)
+    a_in = a.t().contiguous().t() if a_t else a
+    b_in = b.t().contiguous().t() if b_t else b
+    out = backend.gemm(a_in, b_in, torch.tensor(0.5), runtime=_with_native_90())
+    assert seen == [(True, True)]
+    torch.testing.assert_close(out, (0.5 * (a.float() @ b.float())).to(torch.bfloat16))

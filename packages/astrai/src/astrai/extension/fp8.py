@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .backend import fp8 as fp8_backend
 from .backend.fp8_torch import FP8_MAX, QUANTIZE_INPUT_DTYPES
+from .device import probe_device
 from .runtime import Runtime, current_runtime
 
 __all__ = ["Format", "DelayedScaling", "DynamicScaling", "fp8_autocast", "fp8_state",
@@ -214,50 +215,67 @@ def _state_for(weight: torch.Tensor, recipe: Recipe) -> Fp8LinearState:
 # -- the FP8 linear ---------------------------------------------------------------------
 
 
-def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, runtime: Runtime):
+def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, runtime: Runtime,
+              out_layout: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = role.scale_for(x, recipe)
-    q, _, amax = fp8_backend.quantize(x, scale.reciprocal(), role.fmt, runtime=runtime)
+    q, q_t, amax = fp8_backend.quantize(x, scale.reciprocal(), role.fmt, out_layout, runtime=runtime)
     role.record(amax)
-    return q, scale
+    return q, q_t, scale
 
 
-def _forward(x2d, weight, bias, state, runtime):
-    xq, sx = _quantize(x2d, state.input, state.recipe, runtime)
-    wq, sw = _quantize(weight, state.weight, state.recipe, runtime)
+def _forward(x2d, weight, bias, state, runtime, save_x_t: bool = False, save_w_t: bool = False):
+    """The forward GEMM; also returns the FP8 operands the backward will read (their
+    transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
+    xq, xq_t, sx = _quantize(x2d, state.input, state.recipe, runtime, 2 if save_x_t else 0)
+    wq, wq_t, sw = _quantize(weight, state.weight, state.recipe, runtime, 2 if save_w_t else 0)
     y = fp8_backend.gemm(xq, wq.t(), sx * sw, bias, runtime=runtime)
-    return y, xq, sx, wq, sw
+    return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``y = x @ w.T + b`` with forward, dgrad and wgrad GEMMs in FP8."""
+    """``y = x @ w.T + b`` with forward, dgrad and wgrad GEMMs in FP8.
+
+    Where the backward GEMM wants K-major operands (cuBLASLt, Hopper wgmma), the forward
+    quantizes ``x`` and ``W`` into both layouts (one pass in the plugin kernel) and saves
+    the transposed copy, so dgrad ``dy @ W`` and wgrad ``dy.T @ x`` read ``[K, N]`` /
+    ``[K, M]`` row-major operands without a transpose of their own.
+    """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, runtime, out_dtype):
-        y, xq, sx, wq, sw = _forward(x2d, weight, bias, state, runtime)
-        ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.state, ctx.runtime = state, runtime
+    def forward(ctx, x2d, weight, bias, state, runtime, out_dtype, k_major):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, runtime,
+                                               save_x_t=k_major and need_dw,
+                                               save_w_t=k_major and need_dx)
+        ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
+        ctx.state, ctx.runtime, ctx.k_major = state, runtime, k_major
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        xq, sx, wq, sw = ctx.saved_tensors
-        state, runtime = ctx.state, ctx.runtime
+        x_saved, sx, w_saved, sw = ctx.saved_tensors
+        state, runtime, k_major = ctx.state, ctx.runtime, ctx.k_major
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()
-        gq, sg = _quantize(grad_y, state.grad_output, state.recipe, runtime)
-        if not state._backward_pending:  # one history update per backward pass
-            state._backward_pending = True
-            torch.autograd.Variable._execution_engine.queue_callback(state.end_backward_step)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_backend.gemm(gq, wq, sg * sw, runtime=runtime).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = fp8_backend.gemm(gq.t(), xq, sg * sx, runtime=runtime).to(w_dtype)
-        if ctx.needs_input_grad[2]:
+        if need_dx or need_dw:
+            layout = (2 if need_dx else 1) if k_major and need_dw else 0
+            gq, gq_t, sg = _quantize(grad_y, state.grad_output, state.recipe, runtime, layout)
+            if not state._backward_pending:  # one history update per backward pass
+                state._backward_pending = True
+                torch.autograd.Variable._execution_engine.queue_callback(state.end_backward_step)
+            if need_dx:  # [M, N] @ [N, K]
+                w_op = w_saved.t() if k_major else w_saved
+                dx = fp8_backend.gemm(gq, w_op, sg * sw, runtime=runtime).to(x_dtype)
+            if need_dw:  # [N, M] @ [M, K]
+                g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
+                dw = fp8_backend.gemm(g_op, x_op, sg * sx, runtime=runtime).to(w_dtype)
+        if need_db:
             db = grad_y.to(torch.float32).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _fp8_capable(x, weight, bias) -> bool:
@@ -280,7 +298,9 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
     if needs_grad:
-        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype)
+        k_major = fp8_backend.wants_k_major(probe_device(x.device), state.recipe.fp8_format.backward,
+                                            state.recipe.fp8_format.forward, runtime=runtime)
+        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major)
     else:
         with torch.no_grad():
             y = _forward(x2d, weight, bias, state, runtime)[0].to(out_dtype)

@@ -4,8 +4,9 @@ GEMM (``scale * a @ b + bias`` -> bf16), in priority order:
 
 1. ``plugin``    the astrai-fp8 kernel, when the registry says ``fp8_gemm`` is usable on
                  the device *and* its manifest marks the GEMM native there (``native_sm``).
-                 On sm_90 the mma.sync kernel is an fp16 emulation: it is never chosen, and
-                 the trace says so.
+                 On sm_90 the mma.sync kernel is an fp16 emulation: a build without the
+                 Hopper wgmma mainloop is never chosen there, and the trace says so. With
+                 it, operands are handed over K-major (see ``K_MAJOR_ONLY_SM``).
 2. ``scaled_mm`` ``torch._scaled_mm`` (cuBLASLt) on CUDA sm_89+ (not for e5m2 x e5m2,
                  which cuBLASLt lacks).
 3. ``emulated``  dequantize to float32 and matmul: any device, the same function.
@@ -33,6 +34,11 @@ from .fp8_torch import FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
 GEMM_BACKENDS = ("plugin", "scaled_mm", "emulated")
 QUANTIZE_BACKENDS = ("plugin", "torch")
 _MIN_SM_SCALED_MM = 89
+# Archs whose native FP8 tensor-core path reads both operands K-major only: Hopper's wgmma
+# has no transpose for 8-bit types, and astrai-fp8 runs other layouts there on its emulated
+# mma.sync path. The policy therefore copies operands K-major before such a GEMM (as it
+# does for cuBLASLt everywhere); ``wants_k_major`` lets callers produce them that way.
+K_MAJOR_ONLY_SM = frozenset({90})
 _E5M2 = "float8_e5m2"
 
 
@@ -126,6 +132,13 @@ def choose_quantize(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, *,
     key = (device.key, device.sm, dtype_name, fmt)
     return runtime.resolver.resolve("fp8_quantize", _quantize_candidates(runtime), call, key,
                                     explicit=backend).name
+
+
+def wants_k_major(device: DeviceInfo, a_fmt: str, b_fmt: str, *, runtime: Runtime | None = None) -> bool:
+    """Whether the GEMM chosen for these facts wants ``a`` row-major ``[M, K]`` and ``b``
+    column-major ``[K, N]`` (both K-major); other layouts then cost a copy."""
+    chosen = choose_gemm(device, a_fmt, b_fmt, runtime=runtime)
+    return chosen == "scaled_mm" or (chosen == "plugin" and device.sm in K_MAJOR_ONLY_SM)
 
 
 # -- validation -------------------------------------------------------------------------
@@ -235,6 +248,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     if chosen == "plugin":
         from ..ops import fp8 as ops_fp8
 
+        if device.sm in K_MAJOR_ONLY_SM:
+            a, b = fp8_torch.k_major(a, b)
         try:
             return ops_fp8.mm_fp8(a, b, scale0, bias16)
         except RuntimeError:

@@ -75,12 +75,11 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.t().is_contiguous() else t.t().contiguous().t()
+def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a [M, K]`` row-major and ``b [K, N]`` column-major, copying only what isn't."""
+    a = a if a.is_contiguous() else a.contiguous()
+    b = b if b.t().is_contiguous() else b.t().contiguous().t()
+    return a, b
 
 
 def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
@@ -95,8 +94,7 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
     m, k = a.shape
     n = b.shape[1]
     k_pad, n_pad = _round_up(k, _SCALED_MM_ALIGN), _round_up(n, _SCALED_MM_ALIGN)
-    a2 = _row_major(a)
-    b2 = _col_major(b)
+    a2, b2 = k_major(a, b)
     if k_pad != k:
         a2 = _pad_to(a2, m, k_pad)
     if k_pad != k or n_pad != n:
