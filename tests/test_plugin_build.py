@@ -445,3 +445,19 @@ def test_version_tag_follows_the_toolkit(tmp_path, monkeypatch):
     assert provider.dynamic_metadata("version", {"base": "0.1.0"}) == "0.1.0+cu124"
     with pytest.raises(RuntimeError, match="base"):
         provider.dynamic_metadata("version", {})
+
+
+def test_no_mma_escape_hatch_is_recorded(tmp_path):
+    """ASTRAI_NO_MMA=ON reaches the compile definitions and build_info.json (a configure, no
+    compile); the wheel built without it records no_mma false (test_build_info_...)."""
+    cmakedir = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTRAI_")}
+    proc = subprocess.run(["cmake", "-S", str(REPO / "packages" / "astrai-rotary"), "-B", str(tmp_path),
+                           "-G", "Ninja", f"-Dpybind11_DIR={cmakedir}", f"-DPython_EXECUTABLE={sys.executable}",
+                           "-DASTRAI_NO_MMA=ON", "-DASTRAI_CUDA_ARCHS=90a"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = json.loads((tmp_path / "astrai_rotary" / "build_info.json").read_text())
+    assert (info["no_mma"], info["sass_archs"], info["ptx_archs"]) == (True, ["sm_90a"], ["compute_90"])
+    assert "-DASTRAI_NO_MMA=1" in (tmp_path / "build.ninja").read_text()
