@@ -163,14 +163,13 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[j][e] *= p.scale_log2;
                 const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
                 bool keep = col < kv_len;
                 if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
                 if (!keep) s[j][e] = -INFINITY;
             }
         float alpha[2];
-        online_softmax<2>(st, s, alpha);
+        online_softmax<2>(st, s, p.scale_log2, alpha);
         const uint32_t pa[4] = {Elem<T>::pack2(s[0][0], s[0][1]), Elem<T>::pack2(s[0][2], s[0][3]),
                                 Elem<T>::pack2(s[1][0], s[1][1]), Elem<T>::pack2(s[1][2], s[1][3])};
 #pragma unroll

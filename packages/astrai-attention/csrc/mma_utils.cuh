@@ -47,8 +47,9 @@ struct SwizzledTile {
     }
 };
 
-// Online softmax state for the two accumulator rows a thread owns (g and g + 8).
-// Scores arrive already multiplied by scale * log2(e); exponentials are exp2.
+// Online softmax state for the two accumulator rows a thread owns (g and g + 8). Scores
+// arrive unscaled (masked ones as -inf); m is kept in the scaled log2 domain, so one FFMA
+// per score folds the softmax scale into the exponent: p = exp2(s * scale_log2 - m).
 struct RowState {
     float m[2] = {-INFINITY, -INFINITY};
     float l[2] = {0.f, 0.f};  // per-thread partial sums; quad-reduced at the end
@@ -57,13 +58,14 @@ struct RowState {
 // Rescales the running state with a new score tile s[NT][4] (NT n-tiles of 8 columns),
 // turns s into probabilities in place and returns the factors applied to the old O.
 template <int NT>
-__device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], float (&alpha)[2]) {
+__device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], float scale_log2,
+                                               float (&alpha)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = st.m[r];
+        float mx = -INFINITY;
 #pragma unroll
         for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = warp_reduce_max<4>(mx);
+        mx = fmaxf(st.m[r], warp_reduce_max<4>(mx) * scale_log2);
         // A row that has seen only masked scores keeps m = -inf; use 0 as the base so
         // exp2(-inf - base) = 0 rather than NaN.
         const float base = mx == -INFINITY ? 0.f : mx;
@@ -72,8 +74,8 @@ __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], 
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            s[j][2 * r] = exp2f(s[j][2 * r] - base);
-            s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - base);
+            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale_log2, -base));
+            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale_log2, -base));
             sum += s[j][2 * r] + s[j][2 * r + 1];
         }
         st.l[r] = st.l[r] * alpha[r] + sum;

@@ -178,10 +178,6 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
         const int col0 = t * C::kBN;
         const bool need_mask = col0 + C::kBN > kv_len || mask != nullptr ||
                                (p.causal && col0 + C::kBN - 1 > qw.row_base + diag);
-#pragma unroll
-        for (int j = 0; j < C::kBN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
         if (need_mask) {
 #pragma unroll
             for (int j = 0; j < C::kBN / 8; ++j)
@@ -198,7 +194,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
         }
 
         float alpha[2];
-        online_softmax<C::kBN / 8>(st, s, alpha);
+        online_softmax<C::kBN / 8>(st, s, p.scale_log2, alpha);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[j][0] *= alpha[0];

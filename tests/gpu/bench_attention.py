@@ -1,0 +1,186 @@
+"""Attention benchmark: the astrai-attention kernels side by side with torch SDPA (cuDNN and
+flash backends on contiguous K/V, their best case) and with the torch fallback backend on
+the same paged cache. Prints a table of times, bandwidth / TFLOP/s and ratios; ``--json``
+writes the rows. Times are medians of CUDA-graph replays (no host overhead on any side).
+
+    python tests/gpu/bench_attention.py [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_cases import Paged, ragged_plan  # noqa: E402
+
+from astrai.extension.ops import attention as ops  # noqa: E402
+
+HBM_READ_TBS = 4.6  # measured HBM read limit of the H200 (design anchors)
+
+
+def time_us(fn, reps: int = 20, rounds: int = 7) -> float:
+    """Median per-call time of ``fn`` replayed from a CUDA graph of ``reps`` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    except Exception:  # not capturable: eager timing
+        def run():
+            for _ in range(reps):
+                fn()
+    run()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def try_time(fn):
+    try:
+        return time_us(fn)
+    except Exception as exc:  # a backend that does not take this shape
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
+def bench_decode(rows, quick):
+    Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+    for B in ([1, 16, 64] if quick else [1, 4, 16, 32, 64]):
+        S = 4096
+        kv_bytes = 2 * B * S * Hkv * D * 2
+        q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dt)
+        k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dt)
+        v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dt)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        res = {}
+        for page in (16, 1):
+            cache = Paged([S] * B, page, Hkv, D, dt, spare_pages=0)
+            res[f"astrai paged p{page}"] = try_time(lambda c=cache: ops.attn_paged_decode(
+                q, c.k_cache, c.v_cache, c.kv_indptr, c.kv_indices, c.kv_lens))
+        res["astrai contiguous"] = try_time(lambda: ops.attn_decode(q, k, v))
+        res["sdpa cudnn"] = try_time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, False))
+        res["sdpa flash"] = try_time(lambda: sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, False))
+        res["torch fallback (paged p16)"] = try_time(lambda: fallback_decode(q, k, v, B, S, Hkv, D, dt))
+        for impl, t in res.items():
+            row = {"kind": "decode", "shape": f"B={B} kv={S} GQA 32/8 d128 bf16", "impl": impl}
+            if isinstance(t, float):
+                row.update(us=t, tbs=kv_bytes / t * 1e-6, hbm_fraction=kv_bytes / t * 1e-6 / HBM_READ_TBS)
+            else:
+                row["error"] = t
+            rows.append(row)
+        del cache
+
+
+_FALLBACK = {}
+
+
+def fallback_decode(q, k, v, B, S, Hkv, D, dt):
+    """The torch-native backend over a paged cache holding the same tokens (built once)."""
+    from astrai.extension.backend.attention.torch_native import TorchNativeBackend
+    from astrai.extension.kv_cache import PagedKVCache
+
+    key = (B, S)
+    if key not in _FALLBACK:
+        cache = PagedKVCache(num_layers=1, num_pages=B * (S // 16 + 1), page_size=16, kv_heads=Hkv, head_dim=D,
+                             dtype=dt, device="cuda")
+        for b in range(B):
+            cache.add_sequence(b)
+        cache.plan(list(range(B)), [S - 1] * B)
+        cache.append(0, k[:, : S - 1].reshape(1, -1, Hkv, D), v[:, : S - 1].reshape(1, -1, Hkv, D))
+        cache.plan(list(range(B)), [1] * B)
+        cache.append(0, k[:, S - 1:], v[:, S - 1:])
+        _FALLBACK.clear()
+        _FALLBACK[key] = (cache, TorchNativeBackend())
+    cache, backend = _FALLBACK[key]
+    return backend.fwd_decode(q, None, None, kv_cache=cache, layer_id=0, mask=None, is_causal=True)
+
+
+def bench_prefill(rows, quick):
+    Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+    for B, L in [(4, 4096), (1, 16384)]:
+        flops = 4 * B * Hq * D * L * (L + 1) / 2  # causal
+        q = torch.randn(B, L, Hq, D, device="cuda", dtype=dt)
+        k = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
+        v = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cache = Paged([L] * B, 16, Hkv, D, dt, spare_pages=0)
+        qo, tb, ti = ragged_plan([L] * B)
+        qp = q.reshape(B * L, Hq, D)
+        res = {
+            "astrai paged p16 (ragged)": try_time(lambda: ops.attn_paged_prefill(
+                qp, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti,
+                True)),
+            "astrai contiguous": try_time(lambda: ops.attn_prefill(q, k, v, is_causal=True)),
+            "sdpa flash": try_time(lambda: sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, True)),
+            "sdpa cudnn": try_time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, True)),
+        }
+        for impl, t in res.items():
+            row = {"kind": "prefill", "shape": f"{B}x{L} causal GQA 32/8 d128 bf16", "impl": impl}
+            if isinstance(t, float):
+                row.update(us=t, tflops=flops / t * 1e-6)
+            else:
+                row["error"] = t
+            rows.append(row)
+        del cache
+
+
+def add_ratios(rows):
+    for row in rows:
+        peers = {r["impl"]: r for r in rows if r["shape"] == row["shape"] and "us" in r}
+        for peer in ("sdpa cudnn", "sdpa flash"):
+            if "us" in row and peer in peers:
+                row[f"speedup_vs_{peer.split()[1]}"] = peers[peer]["us"] / row["us"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    bench_decode(rows, args.quick)
+    bench_prefill(rows, args.quick)
+    add_ratios(rows)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'shape':<36} {'impl':<28} {'us':>9} {'TB/s':>6} {'TFLOP/s':>8} {'x cuDNN':>8} {'x flash':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:<36} {r['impl']:<28} {r['error']}")
+            continue
+        print(f"{r['shape']:<36} {r['impl']:<28} {r['us']:9.2f} {r.get('tbs', float('nan')):6.2f} "
+              f"{r.get('tflops', float('nan')):8.1f} {r.get('speedup_vs_cudnn', float('nan')):8.2f} "
+              f"{r.get('speedup_vs_flash', float('nan')):8.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""A reduced attention sweep for compute-sanitizer (memcheck, racecheck): every module,
+both dtypes, every head dim, ragged + paged shapes with tails; checks results too.
+
+    compute-sanitizer --tool memcheck  python tests/gpu/sanitize_attention.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize_attention.py --small
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_cases import (Paged, assert_close, direct_decode, direct_paged_decode,  # noqa: E402
+                             direct_paged_prefill, direct_prefill, rand, reference)
+
+
+def main() -> None:
+    small = "--small" in sys.argv
+    torch.manual_seed(0)
+    dims = (128,) if small else (64, 128, 256)
+    n = 0
+    for dtype in ((torch.bfloat16,) if small else (torch.bfloat16, torch.float16)):
+        for D in dims:
+            q = rand((3, 1, 16, D), dtype)
+            k, v = rand((3, 131, 4, D), dtype), rand((3, 131, 4, D), dtype)
+            m = torch.rand(3, 131, device="cuda") < 0.8
+            out, _ = direct_decode(q, k, v, m)
+            assert_close(out, reference(q, k, v, m), dtype, "decode")
+            qp = rand((2, 77, 16, D), dtype, layout="BHLD")
+            k2, v2 = rand((2, 100, 4, D), dtype), rand((2, 100, 4, D), dtype)
+            m3 = torch.rand(2, 77, 100, device="cuda") < 0.8
+            m3[..., 0] = True
+            assert_close(direct_prefill(qp, k2, v2, m3, False), reference(qp, k2, v2, m3), dtype, "prefill")
+            assert_close(direct_prefill(qp, k2, v2, None, True), reference(qp, k2, v2, None, True), dtype,
+                         "prefill causal")
+            for page in (1, 16):
+                cache = Paged([70, 1, 150], page, 4, D, dtype)
+                out, _ = direct_paged_decode(q, cache)
+                for b in range(3):
+                    kb, vb = cache.gather(b)
+                    assert_close(out[b:b + 1], reference(q[b:b + 1], kb[None], vb[None]), dtype, "paged decode")
+                q_lens = [70, 1, 130]
+                cache = Paged([70, 5, 150], page, 4, D, dtype)
+                qr = rand((sum(q_lens), 16, D), dtype)
+                out = direct_paged_prefill(qr, cache, q_lens, True)
+                s = 0
+                for b, nq in enumerate(q_lens):
+                    kb, vb = cache.gather(b)
+                    assert_close(out[s:s + nq][None], reference(qr[s:s + nq][None], kb[None], vb[None], None, True),
+                                 dtype, "paged prefill")
+                    s += nq
+            n += 1
+    torch.cuda.synchronize()
+    print(f"sanitize sweep ok ({n} dtype x head_dim combinations)")
+
+
+if __name__ == "__main__":
+    main()
