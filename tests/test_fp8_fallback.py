@@ -185,3 +185,13 @@ def test_gemm_rejects_bad_arguments():
         backend.gemm(a, b, s, torch.randn(16).double())
     with pytest.raises(TypeError, match="a must be a tensor"):
         backend.gemm(np.zeros((8, 32)), b, s)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (32, 1), (7, 9)])
+def test_k_major_gives_dense_strides(shape):
+    a = random_fp8(shape, "e4m3")
+    for view in (a, _col_major(a)):
+        a2, b2 = fp8_torch.k_major(view, view.t())
+        assert a2.stride() == (shape[1], 1) and b2.t().stride() == (shape[1], 1)
+        assert torch.equal(a2.view(torch.uint8), a.view(torch.uint8))
+        assert torch.equal(b2.view(torch.uint8), a.t().view(torch.uint8))

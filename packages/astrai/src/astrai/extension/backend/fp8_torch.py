@@ -75,11 +75,20 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with strides exactly ``(cols, 1)``: also for size-1 dimensions, whose strides
+    ``is_contiguous`` ignores but a BLAS leading dimension does not."""
+    rows, cols = t.shape
+    if t.stride(1) == 1 and t.stride(0) == cols:
+        return t
+    out = torch.empty((rows, cols), dtype=torch.uint8, device=t.device)
+    out.copy_(t.view(torch.uint8))
+    return out.view(t.dtype)
+
+
 def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``a [M, K]`` row-major and ``b [K, N]`` column-major, copying only what isn't."""
-    a = a if a.is_contiguous() else a.contiguous()
-    b = b if b.t().is_contiguous() else b.t().contiguous().t()
-    return a, b
+    return _dense_rows(a), _dense_rows(b.t()).t()
 
 
 def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
