@@ -27,6 +27,7 @@ import torch
 from ...kv_cache import PagedKVCache
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
+from .cuda import CudaBackend
 from .flash import FlashAttnBackend
 from .torch_native import TorchNativeBackend
 from .validation import describe_call
@@ -36,6 +37,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionCall",
     "AttentionPolicy",
+    "CudaBackend",
     "FlashAttnBackend",
     "TorchNativeBackend",
     "attention",
@@ -147,9 +149,8 @@ class AttentionPolicy:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
 
 
-# The default priority, first capable wins. The CUDA plugin backend (``.cuda.CudaBackend``)
-# goes first in this tuple once it lands.
-default_policy = AttentionPolicy((FlashAttnBackend(), TorchNativeBackend()))
+# The default priority: first capable wins.
+default_policy = AttentionPolicy((CudaBackend(), FlashAttnBackend(), TorchNativeBackend()))
 
 
 def attention(
