@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import DeviceInfo, probe_device
+from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime, current_runtime
 from . import fp8_torch
 from .fp8_torch import FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
@@ -220,8 +221,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
     device = probe_device(x.device)
     chosen = choose_quantize(device, x.dtype, fmt, runtime=runtime, backend=backend)
     if chosen == "plugin":
-        from ..ops import fp8 as ops_fp8
-
         try:
             return ops_fp8.fp8_quantize(x, scale.reshape(()), fmt, out_layout)
         except RuntimeError:
@@ -246,8 +245,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     bias16 = None if bias is None else bias.to(torch.bfloat16)
     scale0 = scale.reshape(())
     if chosen == "plugin":
-        from ..ops import fp8 as ops_fp8
-
         if device.sm in K_MAJOR_ONLY_SM:
             a, b = fp8_torch.k_major(a, b)
         try:
