@@ -217,6 +217,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
     of its dequantization scale). Layouts as ``ops.fp8_quantize``.
     """
     check_quantize_args(x, scale, fmt, out_layout)
+    x, scale = x.detach(), scale.detach()  # not differentiable: the strategy layer owns autograd
     runtime = runtime or current_runtime()
     device = probe_device(x.device)
     chosen = choose_quantize(device, x.dtype, fmt, runtime=runtime, backend=backend)
@@ -233,11 +234,14 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
 def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          *, backend: str | None = None, runtime: Runtime | None = None) -> torch.Tensor:
     """``bf16(scale * a @ b + bias)`` for FP8 ``a [M, K]`` and ``b [K, N]`` of any strides.
+    Not differentiable (``fp8_autocast``'s linear defines the FP8 backward).
 
     ``scale`` is the combined dequantization scale (``sa * sb``); ``bias`` is rounded to
     bf16 first on every path, as the kernel's epilogue reads it.
     """
     check_gemm_args(a, b, scale, bias)
+    a, b, scale = a.detach(), b.detach(), scale.detach()
+    bias = None if bias is None else bias.detach()
     runtime = runtime or current_runtime()
     device = probe_device(a.device)
     chosen = choose_gemm(device, FP8_FORMATS[a.dtype], FP8_FORMATS[b.dtype], runtime=runtime,
