@@ -5,7 +5,7 @@
 //                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0)
 //     q, out [total_q, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; int32 metadata as
 //     built by BatchPlan (64-row Q tiles). Causal is bottom-right aligned per request.
-//   prefill_plan(q_heads, kv_heads) -> (head_block, head_groups)
+//   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
 #include "astrai/bind.h"
@@ -76,10 +76,12 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream);
 }
 
-py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads) {
+py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
     check_heads(q_heads, kv_heads);
+    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
     const int g = int(q_heads / kv_heads);
-    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g));
+    const int warps = prefill_warps(g, int(head_dim));
+    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps, prefill_blocks_per_tile(g, warps));
 }
 
 }  // namespace astrai::attn
@@ -91,7 +93,7 @@ PYBIND11_MODULE(_attn_paged_prefill, m) {
           py::arg("v_cache"), py::arg("out"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
           py::arg("kv_lens"), py::arg("q_tile_to_batch"), py::arg("q_tile_to_index"), py::arg("is_causal") = true,
           py::arg("stream") = 0, "Ragged prefill attention over a paged KV cache into out.");
-    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"),
-          "(head_block, head_groups) of a prefill launch.");
+    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
+          "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
 }

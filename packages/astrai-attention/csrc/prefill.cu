@@ -3,7 +3,7 @@
 //   attn_prefill(q, k, v, out, mask=None, is_causal=False, stream=0)
 //     q, out [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D]; mask bool [B, Lkv] or [B, Lq, Lkv];
 //     causal is bottom-right aligned: row i sees kv j <= i + Lkv - Lq
-//   prefill_plan(q_heads, kv_heads) -> (head_block, head_groups)
+//   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
 #include "astrai/bind.h"
@@ -50,10 +50,12 @@ void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out
     dispatch_prefill<DenseQSchedule, ContigKV>(p, q.dtype, int(D), unsigned(tiles), unsigned(B), stream);
 }
 
-py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads) {
+py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
     check_heads(q_heads, kv_heads);
+    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
     const int g = int(q_heads / kv_heads);
-    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g));
+    const int warps = prefill_warps(g, int(head_dim));
+    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps, prefill_blocks_per_tile(g, warps));
 }
 
 }  // namespace astrai::attn
@@ -64,7 +66,7 @@ PYBIND11_MODULE(_attn_prefill, m) {
     m.def("attn_prefill", &astrai::attn::attn_prefill, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask") = py::none(), py::arg("is_causal") = false, py::arg("stream") = 0,
           "Prefill attention over contiguous K/V into out (split-Q, GQA head packing).");
-    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"),
-          "(head_block, head_groups) of a prefill launch.");
+    m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
+          "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
 }

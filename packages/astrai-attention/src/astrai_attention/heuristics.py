@@ -7,8 +7,8 @@ on data and can be captured in a CUDA graph.
 
 >>> decode_num_splits(batch=1, kv_heads=8, group=4, head_dim=128, kv_len_hint=4096, num_sms=132)
 32
->>> prefill_head_block(4), prefill_head_groups(8)
-(4, 2)
+>>> prefill_head_block(4), prefill_head_groups(8), prefill_warps(4, 128)
+(4, 2, 8)
 """
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ def prefill_head_groups(group: int) -> int:
     return cdiv(group, prefill_head_block(group))
 
 
+def prefill_warps(group: int, head_dim: int) -> int:
+    """Warps per mma prefill block: 8 (128 (row, head) pairs per K/V tile) when at least two
+    heads share the block and head_dim <= 128, else the spec's 4-warp layout."""
+    return 8 if prefill_head_block(group) >= 2 and head_dim <= 128 else PREFILL_WARPS
+
+
+def prefill_blocks_per_tile(group: int, warps: int) -> int:
+    """Blocks sharing one 64-row host Q tile: HB for 4 warps, HB / 2 for 8."""
+    return prefill_head_block(group) * PREFILL_WARPS // warps
+
+
 def num_q_tiles(q_len: int) -> int:
     return cdiv(q_len, Q_TILE_ROWS)
 
@@ -70,9 +81,12 @@ def decode_grid(batch: int, kv_heads: int, group: int, num_splits: int) -> tuple
     return batch * kv_heads * decode_head_groups(group), num_splits, 1
 
 
-def prefill_grid(num_tiles: int, kv_heads: int, group: int, batch: int) -> tuple[int, int, int]:
-    """(num_q_tiles * HB, kv_heads * head_groups, batch); batch = 1 for the packed schedule."""
-    return num_tiles * prefill_head_block(group), kv_heads * prefill_head_groups(group), batch
+def prefill_grid(num_tiles: int, kv_heads: int, group: int, batch: int, head_dim: int = 128,
+                 warps: int | None = None) -> tuple[int, int, int]:
+    """(num_q_tiles * blocks_per_tile, kv_heads * head_groups, batch); batch = 1 for the
+    packed schedule. ``warps`` defaults to :func:`prefill_warps`."""
+    warps = prefill_warps(group, head_dim) if warps is None else warps
+    return (num_tiles * prefill_blocks_per_tile(group, warps), kv_heads * prefill_head_groups(group), batch)
 
 
 def workspace_numel(num_splits: int, batch: int, q_heads: int, head_dim: int) -> tuple[int, int]:

@@ -1,0 +1,274 @@
+"""astrai-attention on a machine without a GPU: launch heuristics, and one build of the
+plugin for sm_90a whose binaries are inspected (tensor-core SASS in every mma kernel,
+no spills at head_dim <= 128 in the ptxas report) and whose compiled modules are called
+with bad arguments (ValueError naming the argument, before any CUDA call) and asked for
+their launch plans (equal to the Python mirror).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN = REPO / "packages" / "astrai-attention"
+sys.path.insert(0, str(PLUGIN / "src"))
+from astrai_attention import heuristics as H  # noqa: E402
+
+MODULES = ("_attn_decode", "_attn_prefill", "_attn_paged_decode", "_attn_paged_prefill")
+
+
+# -- heuristics (pure Python) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group,hb,groups", [(1, 1, 1), (2, 2, 1), (3, 2, 2), (4, 4, 1), (5, 4, 2), (8, 4, 2),
+                                             (32, 4, 8)])
+def test_prefill_head_block(group, hb, groups):
+    assert H.prefill_head_block(group) == hb
+    assert H.prefill_head_groups(group) == groups
+    assert H.Q_TILE_ROWS % hb == 0 and (H.Q_TILE_ROWS // hb) % 16 == 0  # whole warps per head slot
+
+
+def test_prefill_grid_matches_spec_example():
+    # q lengths [70, 10, 130] -> 6 host tiles; GQA 32/8 -> HB = 4, one head group per kv head
+    assert [H.num_q_tiles(n) for n in (70, 10, 130)] == [2, 1, 3]
+    assert H.prefill_grid(6, kv_heads=8, group=4, batch=1, warps=4) == (24, 8, 1)  # the spec's layout
+    assert H.prefill_grid(6, kv_heads=8, group=4, batch=1) == (12, 8, 1)  # 8 warps: 2 blocks per tile
+    assert H.prefill_warps(1, 128) == 4 and H.prefill_warps(4, 256) == 4 and H.prefill_warps(2, 64) == 8
+    for group in (1, 2, 3, 4, 8):
+        for d in (64, 128, 256):
+            w = H.prefill_warps(group, d)
+            bpt = H.prefill_blocks_per_tile(group, w)
+            rows_per_slot = H.Q_TILE_ROWS // bpt
+            assert rows_per_slot * H.prefill_head_block(group) == 16 * w  # every warp has 16 rows
+
+
+def test_decode_splits_fill_the_machine():
+    # B=1, GQA 32/8, kv 4096, 132 SMs: 8 blocks alone would idle the chip
+    s = H.decode_num_splits(1, 8, 4, 128, 4096, 132)
+    assert 16 <= s <= H.MAX_DECODE_SPLITS
+    assert 8 * s <= 2 * 132  # one wave
+    # a batch that fills the machine needs no split (no combine pass)
+    assert H.decode_num_splits(64, 8, 4, 128, 4096, 132) == 1
+    assert H.decode_num_splits(16, 8, 4, 128, 4096, 132) == 2
+    # one tile: nothing to split
+    assert H.decode_num_splits(1, 8, 4, 128, 64, 132) == 1
+    assert H.decode_num_splits(1, 8, 4, 256, 33, 132) == 1  # 2 tiles: a split costs its combine
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7, 16, 33, 64, 200])
+@pytest.mark.parametrize("kv", [1, 63, 64, 65, 1000, 4096, 32768])
+def test_decode_split_bounds(batch, kv):
+    for d in (64, 128, 256):
+        s = H.decode_num_splits(batch, 8, 4, d, kv, 132)
+        tiles = H.cdiv(kv, H.decode_kv_tile(d))
+        assert 1 <= s <= min(H.MAX_DECODE_SPLITS, tiles)
+        o, lse = H.workspace_numel(s, batch, 32, d)
+        assert (o, lse) == ((0, 0) if s == 1 else (s * batch * 32 * d, s * batch * 32))
+
+
+# -- one plugin build for sm_90a ---------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or next(iter(glob.glob(
+        str(Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / name))), None)
+    if not found:
+        pytest.skip(f"{name} not found")
+    return found
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """(build dir, full build log) of the plugin for sm_90a."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not on PATH")
+    import pybind11
+
+    out = tmp_path_factory.mktemp("attn_build")
+    env = dict(os.environ, ASTRAI_CUDA_ARCHS="90a", ASTRAI_CUDA_PTX="OFF")
+    cfg = subprocess.run(["cmake", "-S", str(PLUGIN), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+                          f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"],
+                         env=env, capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    res = subprocess.run(["cmake", "--build", str(out), "-j2", "-v"], env=env, capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-5000:]
+    return out, log
+
+
+def _load(build_dir: Path, name: str):
+    so = next(build_dir.glob(f"{name}.*.so"))
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ptxas_report(log: str) -> dict[str, dict[str, int]]:
+    """kernel -> {registers, stack, spill_stores, spill_loads} from ``-Xptxas -v``."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            out.setdefault(current, {}).update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                               spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            out.setdefault(current, {})["registers"] = int(m.group(1))
+    return out
+
+
+def test_no_spills_at_head_dim_up_to_128(build):
+    _, log = build
+    report = _ptxas_report(log)
+    mma = {k: v for k, v in report.items() if "mma_kernel" in k}
+    assert len(mma) >= 4 * 6, sorted(report)  # 4 ops x 2 dtypes x 3 head dims
+    for name, r in mma.items():
+        dim = int(re.search(r"Li(\d+)E", name).group(1))
+        assert r["registers"] <= 255, (name, r)
+        if dim <= 128:
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+
+
+def test_mma_kernels_use_tensor_cores(build):
+    build_dir, _ = build
+    cuobjdump = _tool("cuobjdump")
+    env = dict(os.environ, PATH=str(Path(_tool("nvdisasm")).parent) + os.pathsep + os.environ.get("PATH", ""))
+    bodies: dict[str, str] = {}
+    for name in MODULES:
+        so = next(build_dir.glob(f"{name}.*.so"))
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(so)], env=env, capture_output=True, text=True,
+                              check=True).stdout
+        assert "arch = sm_90a" in sass
+        parts = re.split(r"Function : (\S+)", sass)
+        for func, body in zip(parts[1::2], parts[2::2]):
+            bodies[func] = bodies.get(func, "") + body
+    mma = {f: b for f, b in bodies.items() if "mma_kernel" in f}
+    assert len(mma) >= 24, sorted(bodies)
+    for func, body in mma.items():
+        assert re.search(r"HMMA\.16816\.F32", body), f"{func}: no HMMA.16816"
+        assert "LDSM" in body, f"{func}: no ldmatrix"
+        assert "LDGSTS" in body, f"{func}: no cp.async"
+
+
+def test_plans_match_the_python_mirror(build):
+    build_dir, _ = build
+    dec, pdec = _load(build_dir, "_attn_decode"), _load(build_dir, "_attn_paged_decode")
+    pre = _load(build_dir, "_attn_prefill")
+    assert dec.MAX_SPLITS == H.MAX_DECODE_SPLITS and pre.Q_TILE_ROWS == H.Q_TILE_ROWS
+    for batch in (1, 3, 16, 64, 257):
+        for kv in (1, 64, 65, 4096, 32768):
+            for group in (1, 4, 8, 32):
+                for d in (64, 128, 256):
+                    want = H.decode_num_splits(batch, 8, group, d, kv, 132)
+                    assert dec.decode_plan(batch, 8, group, d, kv, 132) == want
+                    assert pdec.decode_plan(batch, 8, group, d, kv, 132) == want
+    for hq, hkv in ((8, 8), (32, 8), (24, 8), (64, 2)):
+        for d in (64, 128, 256):
+            g = hq // hkv
+            w = H.prefill_warps(g, d)
+            assert pre.prefill_plan(hq, hkv, d) == (H.prefill_head_block(g), H.prefill_head_groups(g), w,
+                                                    H.prefill_blocks_per_tile(g, w))
+    info = dec.build_info()
+    assert info["sass_archs"] == ["sm_90a"] and info["no_mma"] is False
+
+
+def _t(ptr, shape, dtype=2, strides=None):
+    if strides is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    return ptr, tuple(shape), tuple(strides), dtype
+
+
+def test_validation_names_the_argument(build):
+    build_dir, _ = build
+    dec = _load(build_dir, "_attn_decode")
+    pre = _load(build_dir, "_attn_prefill")
+    pdec = _load(build_dir, "_attn_paged_decode")
+    ppre = _load(build_dir, "_attn_paged_prefill")
+    P = 1 << 20  # an aligned fake device address: validation fails before anything touches it
+    q, kv = _t(P, [2, 1, 32, 128]), _t(P, [2, 100, 8, 128])
+    cases = [
+        (lambda: dec.attn_decode(_t(P, [2, 1, 32, 96]), kv, kv, _t(P, [2, 1, 32, 96])), r"q: head_dim"),
+        (lambda: dec.attn_decode(q, kv, _t(P, [2, 100, 8, 128], dtype=1), q), r"v: dtype"),
+        (lambda: dec.attn_decode(q, _t(P, [2, 100, 6, 128]), _t(P, [2, 100, 6, 128]), q), r"q_heads"),
+        (lambda: dec.attn_decode(q, kv, kv, q, _t(P, [2, 99], dtype=7)), r"mask: expected shape"),
+        (lambda: dec.attn_decode(q, kv, kv, q, None, 65), r"num_splits"),
+        (lambda: dec.attn_decode(q, kv, kv, q, None, 4), r"ws_o"),
+        (lambda: dec.attn_decode(_t(P + 2, [2, 1, 32, 128]), kv, kv, q), r"q: data pointer"),
+        (lambda: dec.attn_decode(q, _t(P, [2, 100, 8, 128], strides=[100 * 8 * 130, 8 * 130, 130, 1]), kv, q),
+         r"k: stride"),
+        (lambda: pre.attn_prefill(_t(P, [2, 5, 32, 128]), kv, kv, _t(P, [2, 6, 32, 128])), r"out: shape"),
+        (lambda: pre.attn_prefill(_t(P, [2, 5, 32, 128]), _t(P, [2, 0, 8, 128]), _t(P, [2, 0, 8, 128]),
+                                  _t(P, [2, 5, 32, 128])), r"k: kv length"),
+        (lambda: pdec.attn_paged_decode(q, _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), q,
+                                        _t(P, [3], dtype=6), _t(P, [10], dtype=5), _t(P, [2], dtype=5)),
+         r"kv_indptr: expected dtype int32"),
+        (lambda: pdec.attn_paged_decode(q, _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), q,
+                                        _t(P, [3], dtype=5), _t(P, [10], dtype=5), _t(P, [3], dtype=5)),
+         r"kv_lens: expected \[batch\]"),
+        (lambda: ppre.attn_paged_prefill(_t(P, [10, 32, 128]), _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]),
+                                         _t(P, [10, 32, 128]), _t(P, [3], dtype=5), _t(P, [2], dtype=5),
+                                         _t(P, [4], dtype=5), _t(P, [2], dtype=5), _t(P, [2], dtype=5),
+                                         _t(P, [2], dtype=5)), r"kv_indptr: expected \[batch \+ 1\]"),
+        (lambda: ppre.attn_paged_prefill(_t(P, [10, 32, 128]), _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]),
+                                         _t(P, [10, 32, 128]), _t(P, [3], dtype=5), _t(P, [3], dtype=5),
+                                         _t(P, [4], dtype=5), _t(P, [2], dtype=5), _t(P, [2], dtype=5),
+                                         _t(P, [3], dtype=5)), r"q_tile_to_index"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+
+
+def test_standalone_tests_compile():
+    """csrc/tests/*.cu keep building with the command in their header (host code and PTX;
+    the plugin build above already runs ptxas over the same kernels)."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not on PATH")
+    for name in ("attn_test.cu", "attn_paged_test.cu"):
+        header = (PLUGIN / "csrc" / "tests" / name).read_text().splitlines()[:10]
+        assert any(line.lstrip("/ ").startswith("nvcc") for line in header), f"{name}: no build command"
+        res = subprocess.run([nvcc, "-std=c++17", "-I", str(PLUGIN / "csrc"), "-I", str(REPO / "packages" /
+                              "cuda-common" / "include"), "-gencode=arch=compute_90a,code=compute_90a", "-O1",
+                              "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp", "-c",
+                              "-o", os.devnull, str(PLUGIN / "csrc" / "tests" / name)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_custom_ops_have_fake_impls():
+    """The four ops trace without the plugin: their fake implementations give the shapes."""
+    import torch
+
+    import astrai.extension.ops.attention  # noqa: F401  (registers torch.ops.astrai.attn_*)
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(2, 1, 32, 128, **meta), torch.empty(2, 100, 8, 128, **meta)
+    assert torch.ops.astrai.attn_decode(q, k, k, None).shape == q.shape
+    qp = torch.empty(2, 70, 32, 128, **meta)
+    assert torch.ops.astrai.attn_prefill(qp, k, k, None, True).shape == qp.shape
+    cache = torch.empty(10, 16, 8, 128, **meta)
+    idx = torch.empty(3, device="meta", dtype=torch.int32)
+    assert torch.ops.astrai.attn_paged_decode(q, cache, cache, idx, idx, idx[:2]).shape == q.shape
+    packed = torch.empty(140, 32, 128, **meta)
+    assert torch.ops.astrai.attn_paged_prefill(packed, cache, cache, idx, idx, idx, idx[:2], idx, idx,
+                                               True).shape == packed.shape
