@@ -116,33 +116,41 @@ class TensorScaling:
 
     ``amax_history[0]`` collects the current step's amax (maximum over the calls of the
     step); ``amax_history[1:]`` are earlier steps, newest first. ``scale`` is the
-    dequantization scale the next quantization uses (delayed) or the last one used (dynamic).
+    dequantization scale the next quantization uses (delayed) or the last one used
+    (dynamic); ``scale_inv`` its reciprocal, the multiplier handed to the quantizer.
+    Updates replace these tensors rather than writing into them, so a backward pass
+    still reads the scales its forward used.
     """
 
     fmt: str
     amax_history: torch.Tensor
     scale: torch.Tensor
+    scale_inv: torch.Tensor
     updates: int = 0  # end-of-step updates applied so far
 
     @classmethod
     def create(cls, fmt: str, history_len: int, device: torch.device) -> TensorScaling:
-        return cls(fmt, torch.zeros(history_len, dtype=torch.float32, device=device),
-                   torch.ones((), dtype=torch.float32, device=device))
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return cls(fmt, torch.zeros(history_len, dtype=torch.float32, device=device), one, one)
 
     def to(self, device: torch.device) -> None:
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
+        self.scale_inv = self.scale_inv.to(device)
 
-    def scale_for(self, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-        """The dequantization scale to quantize ``x`` with."""
+    def scale_for(self, x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, multiplier)`` to quantize ``x`` with."""
         if isinstance(recipe, DynamicScaling):
-            amax = x.detach().abs().amax().to(torch.float32)
-            self.scale = _scale_from_amax(amax, torch.ones_like(amax), self.fmt, recipe.margin)
-            return self.scale
-        return self.scale.clone()  # the end-of-step update rewrites self.scale in place
+            amax = torch.linalg.vector_norm(x.detach(), float("inf")).to(torch.float32)
+            self._set_scale(_scale_from_amax(amax, torch.ones_like(amax), self.fmt, recipe.margin))
+        return self.scale, self.scale_inv
+
+    def _set_scale(self, scale: torch.Tensor) -> None:
+        self.scale, self.scale_inv = scale, scale.reciprocal()
 
     def record(self, amax: torch.Tensor) -> None:
-        self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        slot = self.amax_history[:1]
+        torch.maximum(slot, amax, out=slot)
 
     def end_step(self, recipe: Recipe) -> None:
         """Roll the history and compute the next scale (delayed scaling only)."""
@@ -150,9 +158,9 @@ class TensorScaling:
             return
         hist = self.amax_history
         amax = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
-        self.scale.copy_(_scale_from_amax(amax, self.scale, self.fmt, recipe.margin))
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = 0.0
+        self._set_scale(_scale_from_amax(amax, self.scale, self.fmt, recipe.margin))
+        self.amax_history = torch.roll(hist, 1)
+        self.amax_history[0] = 0.0
         self.updates += 1
 
 
@@ -217,8 +225,8 @@ def _state_for(weight: torch.Tensor, recipe: Recipe) -> Fp8LinearState:
 
 def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, runtime: Runtime,
               out_layout: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = role.scale_for(x, recipe)
-    q, q_t, amax = fp8_backend.quantize(x, scale.reciprocal(), role.fmt, out_layout, runtime=runtime)
+    scale, multiplier = role.scale_for(x, recipe)
+    q, q_t, amax = fp8_backend.quantize(x, multiplier, role.fmt, out_layout, runtime=runtime)
     role.record(amax)
     return q, q_t, scale
 
