@@ -5,7 +5,7 @@
   fallback; the C++ planner (``csrc/gemm/sm90/planning.h``, built with the host compiler)
   against the Python mirror on a grid of shapes.
 * The device code compiled for ``sm_90a``: the SASS holds ``QGMMA`` (FP8 wgmma) and
-  ``UTMALDG`` (TMA loads), ``setmaxnreg``, no ``F2FP...UNPACK_B`` (the fp16 emulation of the
+  ``UTMALDG`` (TMA loads; ``.MULTICAST`` in the 2-CTA cluster configs), ``setmaxnreg``, no ``F2FP...UNPACK_B`` (the fp16 emulation of the
   mma.sync path); ptxas reports no spills, no stack frame, and no serialized wgmma.
 * The generated wgmma wrapper header matches its generator.
 """
@@ -43,18 +43,37 @@ def _plan(M, N, K, accum="promote", **kw):
 
 
 # ============================================================ planning (pure, fast)
+def _cfg(p):
+    return sp.TILE_CONFIGS[p.config]
+
+
 def test_takes_llm_shapes_with_the_wide_tiles():
     for N, K in ((8192, 8192), (28672, 8192), (8192, 28672)):
-        assert _plan(8192, N, K, "fast").config == 0          # 128x256, fast accumulation
-        assert _plan(8192, N, K, "promote").config in (1, 4)  # 128x192, promoted sums
+        fast, prom = _plan(8192, N, K, "fast"), _plan(8192, N, K, "promote")
+        assert (_cfg(fast).bn, _cfg(fast).promote, fast.cluster) == (256, False, 1)
+        assert (_cfg(prom).bn, _cfg(prom).promote, prom.cluster) == (192, True, 1)
     p = _plan(8192, 8192, 8192, "fast")
     assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid, p.k_blocks) == (64, 32, 2048, 132, 64)
+
+
+def test_cluster_configs_run_only_when_forced_and_count_tile_pairs():
+    assert all(not c.enabled for c in sp.TILE_CONFIGS if c.cluster == 2)
+    for M in (16, 1024, 8192):
+        for accum in ("promote", "fast"):
+            assert _plan(M, 8192, 8192, accum).cluster == 1
+    p = sp.plan(sp.ProblemShape(8192, 8192, 8192), H200, force_config=4)
+    # 64 x 32 tiles of 128 x 256 in 32 x 32 pairs sharing B, 66 pairs at a time
+    assert (p.cluster, p.tiles_m, p.tiles_n, p.num_tiles, p.grid) == (2, 32, 32, 1024, 132)
+    p = sp.plan(sp.ProblemShape(16, 8192, 8192), H200, force_config=7)  # one CTA of each pair idle
+    assert p.grid == 2 * p.num_tiles == 128 and p.tiles_m == 1
+    p = sp.plan(sp.ProblemShape(1, 1, 16), H200, force_config=6)
+    assert (p.grid, p.k_blocks) == (2, 1)
 
 
 def test_wave_math_prefers_narrow_tiles_when_wide_ones_quantise_badly():
     # 1024 x 10240: 320 wide tiles = 2.4 waves (3 rounds) vs 640 narrow = 4.8 (5 rounds)
     p = _plan(1024, 10240, 8192, "fast")
-    assert p.config == 3 and p.num_tiles == 640
+    assert _cfg(p).bn == 128 and p.num_tiles == 640
     assert any("320 tiles, 3 rounds" in line for line in p.trace)
 
 
@@ -93,7 +112,7 @@ def test_other_archs_are_refused():
 
 def test_shared_memory_limit_falls_back_then_refuses():
     small = sp.DeviceLimits(9, 0, 132, 200000)  # the 4 x 48 KiB ring of 128x256 still fits
-    assert sp.plan(sp.ProblemShape(8192, 8192, 8192), small, "fast").config == 0
+    assert sp.TILE_CONFIGS[sp.plan(sp.ProblemShape(8192, 8192, 8192), small, "fast").config].bn == 256
     smaller = sp.DeviceLimits(9, 0, 132, 190000)
     p = sp.plan(sp.ProblemShape(8192, 8192, 8192), smaller, "fast")
     assert not p.ok and "no tile config fits" in p.trace[-1]
@@ -172,13 +191,13 @@ PROBE = r"""
 namespace astrai::fp8::sm90 {
 using K4 = Fp8Kind;
 void* probes[] = {
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, false, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, true, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, true, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, false, false, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, false, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, false, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, false, K4::E5M2, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, false, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, 2, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E5M2, K4::E4M3>>,
 };
 }
 """
@@ -219,13 +238,17 @@ def test_sass_is_native_hopper_fp8(built):
     for name, body in kernels.items():
         assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E4M3", body), name
         assert "UTMALDG" in body, name
+        if "Li2ELNS" in name:  # ClusterM = 2: B through multicast, remote empty arrivals
+            assert "UTMALDG.2D.MULTICAST" in body and "UCGABAR_WAIT" in body, name
+            assert "SYNCS.ARRIVE.TRANS64.RED" in body, name
         assert "USETMAXREG" in body, name
         assert "SYNCS.PHASECHK" in body, name  # mbarrier waits
         assert not re.search(r"F2FP\.[A-Z0-9]+\.E[45]M[23]\.UNPACK_B", body), name
         assert "HMMA" not in body, name
         assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
     widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
-    assert widths == {"64", "96", "128", "192", "256"}
+    assert widths == {"128", "192", "256"}
+    assert sum("MULTICAST" in body for body in kernels.values()) == 3
 
 
 def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):

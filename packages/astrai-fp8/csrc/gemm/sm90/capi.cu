@@ -40,5 +40,5 @@ extern "C" int astrai_fp8_sm90_gemm(int64_t M, int64_t N, int64_t K, const void*
         return 0;
     }
     copy_msg(r.error, msg, msg_len);
-    return r.plan.ok ? 2 : 1;
+    return r.unavailable ? 1 : 2;
 }

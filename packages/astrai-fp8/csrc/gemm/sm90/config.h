@@ -5,20 +5,22 @@
 //   warpgroup 0: producer (one thread issues TMA), warpgroups 1..2: consumers, each owning
 //   64 rows x BN columns of the tile (one m64nBNk32 wgmma per 32 of K)
 //   shared memory: kStages x (A 128x128 + B BNx128) bytes, then full / empty mbarriers
+//   kClusterM = 2: two CTAs on vertically adjacent tiles; each loads half of the shared B
+//   tile and multicasts it to both, halving B's L2 -> SM traffic
 #pragma once
 
 #include "fp8_format.h"
 
 namespace astrai::fp8::sm90 {
 
-template <int BN, int Stages, bool Promote, bool SplitPromote, Fp8Kind KindA, Fp8Kind KindB>
+template <int BN, int Stages, bool Promote, int ClusterM, Fp8Kind KindA, Fp8Kind KindB>
 struct GemmConfig {
     static constexpr int kBM = 128;
     static constexpr int kBN = BN;
     static constexpr int kBK = 128;
     static constexpr int kStages = Stages;
     static constexpr bool kPromote = Promote;  // fp32 register sum every kBK of K
-    static constexpr bool kSplitPromote = SplitPromote;  // two pipelined half-N chains
+    static constexpr int kClusterM = ClusterM;  // CTAs along M sharing each B tile (TMA multicast)
     static constexpr Fp8Kind kKindA = KindA;
     static constexpr Fp8Kind kKindB = KindB;
 
@@ -45,7 +47,8 @@ struct GemmConfig {
     static_assert(kBN % 64 == 0 && kBN >= 64 && kBN <= 256, "wgmma N: 64..256, 64-granular here");
     static_assert(kBN <= 256, "TMA box rows <= 256");
     static_assert(kBK == 128, "one 128-byte swizzle row of fp8 per k-block");
-    static_assert(!kSplitPromote || (kPromote && kBN % 16 == 0), "split halves: 8-column multiples");
+    static_assert(kClusterM == 1 || kClusterM == 2, "cluster of 1 or 2 CTAs along M");
+    static_assert((kBN / kClusterM) % 8 == 0, "each CTA multicasts whole 8-row swizzle atoms of B");
     static_assert(kStages >= 2 && kStages <= 8, "ring depth");
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "1024-byte aligned stage tiles");
     static_assert(kAccRegs * (kPromote ? 2 : 1) <= 200, "accumulators must fit the consumer cap");

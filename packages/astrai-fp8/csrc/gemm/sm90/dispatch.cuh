@@ -34,9 +34,12 @@ struct GemmArgs {
 };
 
 struct Result {
-    std::string error;
+    std::string error;         // "" when launched
     Plan plan;
+    bool unavailable = false;  // the path cannot take this call (error says why): fall back
 };
+
+inline constexpr const char* kNoSm90Code = "this build holds no sm_90a code for the wgmma kernel";
 
 inline std::string device_limits(DeviceLimits& d) {
     int dev = 0;
@@ -49,11 +52,27 @@ inline std::string device_limits(DeviceLimits& d) {
     return e == cudaSuccess ? "" : std::string("device query failed: ") + cudaGetErrorString(e);
 }
 
+// The kernel body exists only in sm_90a device code. nvcc's host pass lists the device
+// archs of this translation unit (__CUDA_ARCH_LIST__; it shows 900 for sm_90 and sm_90a
+// alike): without 900 there is nothing to launch. A stub compiled for plain sm_90 / PTX
+// traps (kernel.cuh) instead of returning garbage; build with 90a, as the plugin's arch
+// lists do.
+inline constexpr bool built_for_sm90() {
+#ifdef __CUDA_ARCH_LIST__
+    constexpr int archs[] = {__CUDA_ARCH_LIST__};
+    for (int arch : archs)
+        if (arch == 900) return true;
+#endif
+    return false;
+}
+
 template <class Cfg>
 std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
+    if constexpr (!built_for_sm90()) return kNoSm90Code;
     CUtensorMap map_a, map_b;
     std::string err = encode_fp8_k_major(&map_a, a.a, a.M, a.K, a.lda, Cfg::kBM);
-    if (err.empty()) err = encode_fp8_k_major(&map_b, a.b, a.N, a.K, a.ldb, Cfg::kBN);
+    if (err.empty())
+        err = encode_fp8_k_major(&map_b, a.b, a.N, a.K, a.ldb, Cfg::kBN / Cfg::kClusterM);
     if (!err.empty()) return err;
 
     GemmParams p{};
@@ -77,20 +96,44 @@ std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Cfg::kSmemBytes);
     if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
-    kernel<<<plan.grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, p);
-    e = cudaGetLastError();
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3(static_cast<unsigned>(plan.grid));
+    lc.blockDim = dim3(Cfg::kThreads);
+    lc.dynamicSmemBytes = Cfg::kSmemBytes;
+    lc.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Cfg::kClusterM;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    lc.attrs = attr;
+    lc.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
+    if constexpr (Cfg::kClusterM > 1) {
+        // clusters live inside one GPC: how many fit at once is the device's answer, not
+        // num_sms / 2; the persistent grid is that many (or the number of tile groups)
+        int clusters = 0;
+        e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &lc);
+        if (e != cudaSuccess || clusters <= 0)
+            return std::string("cudaOccupancyMaxActiveClusters: ") + cudaGetErrorString(e);
+        const int groups = clusters < plan.num_tiles ? clusters : plan.num_tiles;
+        lc.gridDim = dim3(static_cast<unsigned>(groups * Cfg::kClusterM));
+    }
+    e = cudaLaunchKernelEx(&lc, kernel, map_a, map_b, p);
+    if (e == cudaSuccess) e = cudaGetLastError();
     return e == cudaSuccess ? "" : std::string("launch: ") + cudaGetErrorString(e);
 }
 
 template <Fp8Kind KA, Fp8Kind KB>
 std::string launch_config(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     switch (plan.config) {
-        case 0: return launch<GemmConfig<256, 4, false, false, KA, KB>>(a, plan, stream);
-        case 1: return launch<GemmConfig<192, 5, true, true, KA, KB>>(a, plan, stream);
-        case 2: return launch<GemmConfig<128, 6, true, true, KA, KB>>(a, plan, stream);
-        case 3: return launch<GemmConfig<128, 6, false, false, KA, KB>>(a, plan, stream);
-        case 4: return launch<GemmConfig<192, 5, true, false, KA, KB>>(a, plan, stream);
-        case 5: return launch<GemmConfig<128, 6, true, false, KA, KB>>(a, plan, stream);
+        case 0: return launch<GemmConfig<256, 4, false, 1, KA, KB>>(a, plan, stream);
+        case 1: return launch<GemmConfig<192, 5, true, 1, KA, KB>>(a, plan, stream);
+        case 2: return launch<GemmConfig<128, 6, true, 1, KA, KB>>(a, plan, stream);
+        case 3: return launch<GemmConfig<128, 6, false, 1, KA, KB>>(a, plan, stream);
+        case 4: return launch<GemmConfig<256, 4, false, 2, KA, KB>>(a, plan, stream);
+        case 5: return launch<GemmConfig<192, 5, true, 2, KA, KB>>(a, plan, stream);
+        case 6: return launch<GemmConfig<128, 6, false, 2, KA, KB>>(a, plan, stream);
+        case 7: return launch<GemmConfig<128, 6, true, 2, KA, KB>>(a, plan, stream);
         default: return "unknown tile config " + std::to_string(plan.config);
     }
 }
@@ -111,6 +154,7 @@ inline Result run_gemm(const GemmArgs& a, cudaStream_t stream) {
     r.plan = plan(s, d, a.accum, a.force_config);
     if (!r.plan.ok) {
         r.error = r.plan.trace;
+        r.unavailable = true;
         return r;
     }
     using K = Fp8Kind;
@@ -122,6 +166,7 @@ inline Result run_gemm(const GemmArgs& a, cudaStream_t stream) {
         r.error = launch_config<K::E4M3, K::E5M2>(a, r.plan, stream);
     else
         r.error = launch_config<K::E5M2, K::E5M2>(a, r.plan, stream);
+    r.unavailable = r.error == kNoSm90Code;
     return r;
 }
 

@@ -2,18 +2,19 @@
 //
 //   full[s]   count 1: the producer's arrive.expect_tx; completes when TMA has landed both
 //             tiles of stage s (bytes counted, out-of-bounds parts zero-filled)
-//   empty[s]  count kConsumerWarps: each consumer warp arrives once the wgmmas that read
-//             stage s have completed
+//   empty[s]  count kConsumerWarps * kClusterM: each consumer warp of every CTA that reads
+//             this CTA's loads arrives once the wgmmas that read stage s have completed
 // The producer waits empty[s] with the flipped parity (a fresh barrier's previous phase
 // counts as complete), the consumers wait full[s] with the ring's current parity.
 //
+// Cluster of 2 (kClusterM = 2): the two CTAs work on vertically adjacent tiles with the same
+// B columns. Each loads its own A tile and one half of the B tile, multicast into both CTAs'
+// stage s (completing on both full[s]); so a stage may be refilled only when the consumers
+// of both CTAs have released it, and each consumer warp arrives on both CTAs' empty[s].
+//
 // Accumulation: kPromote = false keeps one wgmma chain over all of K (the tensor core's
 // own accumulator); kPromote = true restarts the chain every kBK = 128 of K and adds the
-// partial sum into separate fp32 registers, which bounds the error at long K. To keep the
-// tensor core busy while a warpgroup adds, the promoted loop splits the N columns into two
-// half-width chains (lo, hi) and software-pipelines them: while the warpgroup adds lo(kb),
-// hi(kb) is still running, and lo(kb + 1) is queued before hi(kb) is added
-// (kSplitPromote; the plain promoted loop drains the chain every k-block instead).
+// partial sum into separate fp32 registers, which bounds the error at long K.
 #pragma once
 
 #include <cstdint>
@@ -39,14 +40,17 @@ template <class Cfg>
 struct Mainloop {
     using Mma = Wgmma<Cfg::kBN, Cfg::kKindA, Cfg::kKindB>;
     static constexpr int R = Cfg::kAccRegs;
+    static constexpr int kBHalfRows = Cfg::kBN / Cfg::kClusterM;  // B rows this CTA loads
 
     uint32_t a_ring, b_ring, full_bar, empty_bar;  // shared-memory addresses
+    uint32_t rank;                                 // CTA rank in the cluster (0 without one)
 
-    __device__ __forceinline__ explicit Mainloop(uint32_t base)
+    __device__ __forceinline__ Mainloop(uint32_t base, uint32_t cta_rank)
         : a_ring(base),
           b_ring(base + Cfg::kStages * Cfg::kABytes),
           full_bar(base + Cfg::kRingBytes),
-          empty_bar(base + Cfg::kRingBytes + 8 * Cfg::kStages) {}
+          empty_bar(base + Cfg::kRingBytes + 8 * Cfg::kStages),
+          rank(cta_rank) {}
 
     __device__ __forceinline__ uint32_t full(int s) const { return full_bar + 8 * s; }
     __device__ __forceinline__ uint32_t empty(int s) const { return empty_bar + 8 * s; }
@@ -54,7 +58,7 @@ struct Mainloop {
     __device__ __forceinline__ void init_barriers() const {
         for (int s = 0; s < Cfg::kStages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), Cfg::kConsumerWarps);
+            mbar_init(empty(s), Cfg::kConsumerWarps * Cfg::kClusterM);
         }
         mbar_init_fence();
     }
@@ -65,16 +69,31 @@ struct Mainloop {
                                               RingState& ring) const {
         for (int kb = 0; kb < k_blocks; ++kb) {
             const int s = ring.stage;
-            mbar_wait(empty(s), ring.phase ^ 1u);
+            if constexpr (Cfg::kClusterM > 1) {
+                while (!mbar_try_wait_cluster(empty(s), ring.phase ^ 1u)) {
+                }
+            } else {
+                mbar_wait(empty(s), ring.phase ^ 1u);
+            }
             mbar_arrive_expect_tx(full(s), Cfg::kStageBytes);
             tma_load_2d(a_ring + s * Cfg::kABytes, map_a, full(s), kb * Cfg::kBK, tm * Cfg::kBM);
-            tma_load_2d(b_ring + s * Cfg::kBBytes, map_b, full(s), kb * Cfg::kBK, tn * Cfg::kBN);
+            const uint32_t b_dst = b_ring + s * Cfg::kBBytes + rank * kBHalfRows * Cfg::kBK;
+            const int b_row = tn * Cfg::kBN + static_cast<int>(rank) * kBHalfRows;
+            if constexpr (Cfg::kClusterM > 1) {
+                tma_load_2d_multicast(b_dst, map_b, full(s), kb * Cfg::kBK, b_row,
+                                      static_cast<uint16_t>((1u << Cfg::kClusterM) - 1u));
+            } else {
+                tma_load_2d(b_dst, map_b, full(s), kb * Cfg::kBK, b_row);
+            }
             ring.advance<Cfg::kStages>();
         }
     }
 
     __device__ __forceinline__ void release(int s) const {
-        if (threadIdx.x % 32 == 0) mbar_arrive(empty(s));
+        if (threadIdx.x % 32 == 0) {
+            mbar_arrive(empty(s));
+            if constexpr (Cfg::kClusterM > 1) mbar_arrive_remote(map_to_cta(empty(s), rank ^ 1u));
+        }
     }
 
     __device__ __forceinline__ void issue(float (&acc)[R], int s, int wg, bool zero_first) const {
@@ -91,71 +110,11 @@ struct Mainloop {
         fence_regs(acc);
     }
 
-    // One half-width chain (columns [half * BN/2, (half + 1) * BN/2)) of stage s.
-    using HalfMma = Wgmma<Cfg::kBN / 2, Cfg::kKindA, Cfg::kKindB>;
-    static constexpr int H = R / 2;
-
-    __device__ __forceinline__ void issue_half(float (&acc)[H], int s, int wg, int half) const {
-        const uint64_t da = desc_k_major_sw128(a_ring + s * Cfg::kABytes + wg * 64 * Cfg::kBK);
-        const uint64_t db = desc_k_major_sw128(b_ring + s * Cfg::kBBytes +
-                                               half * (Cfg::kBN / 2) * Cfg::kBK);
-        fence_regs(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < Cfg::kKSteps; ++j) HalfMma::mma(acc, da + 2 * j, db + 2 * j, j == 0 ? 0u : 1u);
-        wgmma_commit();
-        fence_regs(acc);
-    }
-
-    template <int N>
-    __device__ __forceinline__ static void add_into(float* sum, float (&part)[N]) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) sum[i] += part[i];
-    }
-
-    // Promoted sums with the two half chains pipelined (see the header). Invariant at the top
-    // of iteration kb: the groups lo(kb), hi(kb) are the outstanding wgmma groups, in order.
-    __device__ __forceinline__ void mma_tile_promoted(float (&acc)[R], float (&sum)[R], int wg,
-                                                      int k_blocks, RingState& ring) const {
-        float(&lo)[H] = *reinterpret_cast<float(*)[H]>(&acc[0]);
-        float(&hi)[H] = *reinterpret_cast<float(*)[H]>(&acc[H]);
-#pragma unroll
-        for (int i = 0; i < R; ++i) sum[i] = 0.f;
-        mbar_wait(full(ring.stage), ring.phase);
-        issue_half(lo, ring.stage, wg, 0);
-        issue_half(hi, ring.stage, wg, 1);
-        // do-while: ptxas serializes the wgmmas when it sees a path that skips the loop.
-        // Both waits are wait<1>; an empty commit group stands in for the chain that the
-        // last k-block does not issue, so the older group is always the one retired.
-        int kb = 0;
-        do {
-            const int s = ring.stage;
-            const bool more = kb + 1 < k_blocks;
-            ring.advance<Cfg::kStages>();
-            wgmma_wait<1>();  // lo(kb) done, hi(kb) may run
-            fence_regs(lo);
-            add_into(&sum[0], lo);
-            if (more) {
-                mbar_wait(full(ring.stage), ring.phase);
-                issue_half(lo, ring.stage, wg, 0);
-            } else {
-                wgmma_commit();
-            }
-            wgmma_wait<1>();  // hi(kb) done, lo(kb + 1) may run
-            fence_regs(hi);
-            add_into(&sum[H], hi);
-            release(s);
-            if (more) issue_half(hi, ring.stage, wg, 1);
-        } while (++kb < k_blocks);
-    }
-
     // Consumer warpgroup `wg` (0 or 1): the tile's sum over K into `out` (fp32).
     // `acc` is the wgmma chain's register block; with kPromote, `out` is a separate sum.
     __device__ __forceinline__ void mma_tile(float (&acc)[R], float (&out)[R], int wg,
                                              int k_blocks, RingState& ring) const {
-        if constexpr (Cfg::kPromote && Cfg::kSplitPromote) {
-            mma_tile_promoted(acc, out, wg, k_blocks, ring);
-        } else if constexpr (Cfg::kPromote) {
+        if constexpr (Cfg::kPromote) {
 #pragma unroll
             for (int i = 0; i < R; ++i) out[i] = 0.f;
             for (int kb = 0; kb < k_blocks; ++kb) {
@@ -165,7 +124,8 @@ struct Mainloop {
                 wgmma_wait<0>();
                 fence_regs(acc);
                 release(s);
-                add_into(&out[0], acc);
+#pragma unroll
+                for (int i = 0; i < R; ++i) out[i] += acc[i];
                 ring.advance<Cfg::kStages>();
             }
         } else {

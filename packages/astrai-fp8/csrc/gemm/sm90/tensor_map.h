@@ -21,8 +21,13 @@ inline EncodeTiledFn encode_tiled_fn() {
     static const EncodeTiledFn fn = []() -> EncodeTiledFn {
         void* ptr = nullptr;
         cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
         const cudaError_t err = cudaGetDriverEntryPointByVersion(
             "cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
+#else
+        const cudaError_t err =
+            cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
+#endif
         if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
         return reinterpret_cast<EncodeTiledFn>(ptr);
     }();

@@ -1,0 +1,45 @@
+// gemm_entry (entry.h): the Hopper FP8 GEMM behind the plugin's fp8_gemm. This translation
+// unit holds every instantiation of the wgmma kernel (8 tile configs x 4 format pairs);
+// their bodies are compiled for sm_90a only; other archs get stubs that trap, and a build
+// without any sm_90 target reports NotApplicable (built_for_sm90() in dispatch.cuh).
+#include "entry.h"
+
+#include "dispatch.cuh"
+
+namespace astrai::fp8::sm90 {
+
+EntryResult gemm_entry(const void* a, int64_t lda, bool trans_a, int fmt_a, const void* b,
+                       int64_t ldb, bool trans_b, int fmt_b, void* out, int64_t ldc,
+                       const void* bias, const float* scale, int64_t m, int64_t n, int64_t k,
+                       bool promote, cudaStream_t stream) {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+        return {EntryStatus::NotApplicable, "device query failed"};
+    if (major != 9 || minor != 0) return {EntryStatus::NotApplicable, "not an sm_90 device"};
+    if (trans_a || !trans_b)
+        return {EntryStatus::NotApplicable,
+                "wgmma reads FP8 operands K-major only: needs a [M, K] (trans_a = false) and "
+                "b [N, K] (trans_b = true); quantize with the transposed out_layout to get them"};
+    GemmArgs g;
+    g.M = m;
+    g.N = n;
+    g.K = k;
+    g.a = a;
+    g.lda = lda;
+    g.b = b;
+    g.ldb = ldb;
+    g.out = out;
+    g.ldc = ldc;
+    g.bias = bias;
+    g.scale = scale;
+    g.kind_a = fmt_a == 1 ? Fp8Kind::E5M2 : Fp8Kind::E4M3;
+    g.kind_b = fmt_b == 1 ? Fp8Kind::E5M2 : Fp8Kind::E4M3;
+    g.accum = promote ? Accum::Promote : Accum::Fast;
+    const Result r = run_gemm(g, stream);
+    if (r.error.empty()) return {EntryStatus::Launched, ""};
+    return {r.unavailable ? EntryStatus::NotApplicable : EntryStatus::Failed, r.error};
+}
+
+}  // namespace astrai::fp8::sm90
