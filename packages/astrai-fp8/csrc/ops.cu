@@ -21,6 +21,7 @@
 #include "astrai/device.cuh"
 #include "astrai/tensor_arg.h"
 #include "gemm.cuh"
+#include "gemm/sm90/entry.h"
 #include "quantize.cuh"
 
 namespace astrai::fp8 {
@@ -156,6 +157,14 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
   }
 
   check_device();
+  // sm_90: the wgmma + TMA kernel takes the K-major problems it can; the rest fall through.
+  const sm90::EntryResult hopper = sm90::gemm_entry(
+      a.data<const uint8_t>(), lda, trans_a, static_cast<int>(format_of(a.dtype)),
+      b.data<const uint8_t>(), ldb, trans_b, static_cast<int>(format_of(b.dtype)),
+      out.data<uint16_t>(), ldc, has_bias ? bias.data<const uint16_t>() : nullptr,
+      scale.data<const float>(), m, n, k, /*promote=*/true, stream);
+  if (hopper.status == sm90::EntryStatus::Launched) return;
+  ASTRAI_CHECK(hopper.status != sm90::EntryStatus::Failed, "fp8 gemm (sm_90 wgmma): ", hopper.message);
   const GemmArgs g{a.data<const uint8_t>(), b.data<const uint8_t>(), out.data<uint16_t>(),
                    has_bias ? bias.data<const uint16_t>() : nullptr, scale.data<const float>(),
                    static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), lda, ldb, ldc,
