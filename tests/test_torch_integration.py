@@ -6,8 +6,8 @@
   passes on meta tensors, where the fake implementation is the kernel;
 - the fake implementations give the kernel's output shape/dtype/device for strided
   inputs, under ``FakeTensorMode`` and under ``torch.compile(fullgraph=True)``;
-- the public entry points compile (with graph breaks allowed) and give the eager result;
-  ``fullgraph=True`` over them is a known gap (xfail, reported).
+- the public entry points compile, with graph breaks allowed and with ``fullgraph=True``
+  (the backend decision is made once at trace time), and give the eager result.
 """
 
 from __future__ import annotations
@@ -150,11 +150,6 @@ def test_public_entry_points_compile_and_match_eager(runtime, entry):
     torch.testing.assert_close(torch.compile(fn, backend="aot_eager")(*args), fn(*args), atol=0, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="the public entry points read ContextVars (runtime.current_runtime, the "
-                   "attn_backend selection) and take the resolver's threading.Lock: dynamo cannot trace either, "
-                   "so fullgraph=True raises. Proposed fix: resolve outside the graph with "
-                   "torch._dynamo.assume_constant_result over the static call facts (device, dtype, head_dim, "
-                   "needs_grad) when torch.compiler.is_compiling()")
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_public_entry_points_under_compile_fullgraph(runtime, entry):
     fn, args = ENTRIES[entry]()

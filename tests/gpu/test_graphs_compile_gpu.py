@@ -180,8 +180,6 @@ def test_decode_step_never_synchronizes_the_host():
     assert all(o.shape == (4, 1, hq, d) and o.isfinite().all() for o in outs)
 
 
-@pytest.mark.xfail(strict=True, reason="the public entry points read a ContextVar (runtime.current_runtime, "
-                   "attn_backend) and take resolver locks, which dynamo cannot trace: fullgraph=True raises")
 @pytest.mark.parametrize("entry", ["apply_rotary_emb", "attention"])
 def test_public_entry_points_under_torch_compile_fullgraph(entry):
     torch._dynamo.reset()

@@ -197,6 +197,23 @@ def check_gemm_args(a: object, b: object, scale: object, bias: object) -> None:
             raise ValueError(f"bias is on {bias.device}, the operands on {a.device}")
 
 
+# Under torch.compile the decision is made once, at trace time: dynamo cannot trace the
+# runtime's context variables or the resolver's lock, and a graph fixes the backend anyway.
+
+
+@torch._dynamo.assume_constant_result
+def _choose_gemm_while_compiling(runtime: Runtime | None, device: str, a_fmt: str, b_fmt: str,
+                                 backend: str | None) -> tuple[str, int | None]:
+    info = probe_device(torch.device(device))
+    return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend), info.sm
+
+
+@torch._dynamo.assume_constant_result
+def _choose_quantize_while_compiling(runtime: Runtime | None, device: str, x_dtype: torch.dtype,
+                                     fmt: str, backend: str | None) -> str:
+    return choose_quantize(probe_device(torch.device(device)), x_dtype, fmt, runtime=runtime, backend=backend)
+
+
 # -- the calls --------------------------------------------------------------------------
 
 
@@ -218,9 +235,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
     """
     check_quantize_args(x, scale, fmt, out_layout)
     x, scale = x.detach(), scale.detach()  # not differentiable: the strategy layer owns autograd
-    runtime = runtime or current_runtime()
-    device = probe_device(x.device)
-    chosen = choose_quantize(device, x.dtype, fmt, runtime=runtime, backend=backend)
+    if torch.compiler.is_compiling():
+        chosen = _choose_quantize_while_compiling(runtime, str(x.device), x.dtype, fmt, backend)
+    else:
+        runtime = runtime or current_runtime()
+        device = probe_device(x.device)
+        chosen = choose_quantize(device, x.dtype, fmt, runtime=runtime, backend=backend)
     if chosen == "plugin":
         try:
             return ops_fp8.fp8_quantize(x, scale.reshape(()), fmt, out_layout)
@@ -242,14 +262,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     check_gemm_args(a, b, scale, bias)
     a, b, scale = a.detach(), b.detach(), scale.detach()
     bias = None if bias is None else bias.detach()
-    runtime = runtime or current_runtime()
-    device = probe_device(a.device)
-    chosen = choose_gemm(device, FP8_FORMATS[a.dtype], FP8_FORMATS[b.dtype], runtime=runtime,
-                         backend=backend)
+    if torch.compiler.is_compiling():
+        chosen, sm = _choose_gemm_while_compiling(runtime, str(a.device), FP8_FORMATS[a.dtype],
+                                                  FP8_FORMATS[b.dtype], backend)
+    else:
+        runtime = runtime or current_runtime()
+        device = probe_device(a.device)
+        chosen, sm = choose_gemm(device, FP8_FORMATS[a.dtype], FP8_FORMATS[b.dtype], runtime=runtime,
+                                 backend=backend), device.sm
     bias16 = None if bias is None else bias.to(torch.bfloat16)
     scale0 = scale.reshape(())
     if chosen == "plugin":
-        if device.sm in K_MAJOR_ONLY_SM:
+        if sm in K_MAJOR_ONLY_SM:
             a, b = fp8_torch.k_major(a, b)
         try:
             return ops_fp8.mm_fp8(a, b, scale0, bias16)

@@ -105,7 +105,8 @@ def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """The torch path: complex multiply in float32 (float64 for float64 ``x``); autograd-capable."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)
-    if xc.storage_offset() % 2 or not xc.is_contiguous():  # view_as_complex needs aligned pairs
+    # view_as_complex needs aligned pairs; under torch.compile the copy is free to elide
+    if torch.compiler.is_compiling() or xc.storage_offset() % 2 or not xc.is_contiguous():
         xc = xc.clone(memory_format=torch.contiguous_format)
     pairs = xc.view(*x.shape[:-1], x.shape[-1] // 2, 2)
     rot = torch.complex(cos.to(compute), sin.to(compute))[None, :, None, :]
@@ -119,6 +120,15 @@ def _choose(x: torch.Tensor, runtime: Runtime) -> tuple[str, DeviceInfo]:
     return winner.name, device
 
 
+@torch._dynamo.assume_constant_result
+def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str:
+    """The same decision, made once at trace time: dynamo cannot trace the runtime's
+    context variables or the resolver's lock, and the choice is fixed per graph anyway."""
+    runtime = current_runtime()
+    call = RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad)
+    return runtime.resolver.resolve(OP, (_Kernel(runtime), _Torch()), call, call).name
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate the interleaved channel pairs of ``x [batch, seq, heads, head_dim]``.
 
@@ -127,6 +137,11 @@ def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) 
     ``ValueError`` naming the argument.
     """
     cos, sin = check_rotary_args(x, freqs)
+    if torch.compiler.is_compiling():
+        needs_grad = torch.is_grad_enabled() and x.requires_grad
+        if _choose_while_compiling(str(x.device), x.dtype, x.shape[3], needs_grad) == "cuda":
+            return ops_rotary.rotary_emb(x, cos, sin)
+        return rotary_torch(x, cos, sin)
     runtime = current_runtime()
     chosen, device = _choose(x, runtime)
     if chosen == "cuda":

@@ -134,7 +134,11 @@ class AttentionPolicy:
         is_causal: bool | None = None,
     ) -> torch.Tensor:
         call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        backend = self.select(call)
+        if torch.compiler.is_compiling():
+            name = _select_while_compiling(self, str(call.device), call.dtype, *call[2:])
+            backend = next(b for b in self.backends if b.name == name)
+        else:
+            backend = self.select(call)
         try:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
         except RuntimeError:
@@ -147,6 +151,13 @@ class AttentionPolicy:
             current_runtime().resolver.clear()
             backend = self.select(call)
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+
+
+@torch._dynamo.assume_constant_result
+def _select_while_compiling(policy: AttentionPolicy, device: str, dtype: torch.dtype, *facts) -> str:
+    """``policy.select`` made once at trace time: dynamo cannot trace the runtime's context
+    variables or the resolver's lock, and a graph fixes the backend anyway."""
+    return policy.select(AttentionCall(torch.device(device), dtype, *facts)).name
 
 
 # The default priority: first capable wins.
