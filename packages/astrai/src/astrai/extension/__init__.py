@@ -3,12 +3,14 @@
 Model code imports from here::
 
     from astrai.extension import ATTN_BACKEND, attention, attn_backend, apply_rotary_emb
+    from astrai.extension import fp8_autocast, DelayedScaling
 
 Direct kernel wrappers that never fall back live in :mod:`astrai.extension.ops`.
 """
 
 from .backend.attention import ATTN_BACKEND, attention, attn_backend
 from .backend.rotary import apply_rotary_emb
+from .fp8 import DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state, is_fp8_autocast_enabled
 from .kv_cache import BatchPlan, PagedKVCache
 from .resolver import BackendUnavailableError, Decision
 from .runtime import current_runtime
@@ -24,9 +26,15 @@ __all__ = [
     "ATTN_BACKEND",
     "BackendUnavailableError",
     "BatchPlan",
+    "DelayedScaling",
+    "DynamicScaling",
+    "Format",
     "PagedKVCache",
     "apply_rotary_emb",
     "attention",
     "attn_backend",
     "explain",
+    "fp8_autocast",
+    "fp8_state",
+    "is_fp8_autocast_enabled",
 ]
