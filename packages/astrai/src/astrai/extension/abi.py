@@ -43,3 +43,23 @@ def dtype_code(tensor: torch.Tensor) -> int:
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current stream on ``device``."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+TensorArg = tuple[int, tuple[int, ...], tuple[int, ...], int]
+
+
+def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
+    """A tensor as the binaries take it: ``(data_ptr, shape, strides in elements, dtype code)``."""
+    if t is None:
+        return None
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
+
+
+def launch(device: torch.device, fn, *args) -> None:
+    """Call a compiled entry point with ``device`` current (the binaries launch on the
+    current device, like torch's own kernels)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        fn(*args)
+    else:
+        with torch.cuda.device(device):
+            fn(*args)

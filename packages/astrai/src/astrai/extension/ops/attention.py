@@ -32,18 +32,13 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import dtype_code, stream_handle
+from ..abi import launch, stream_handle, tensor_arg
 from . import _plugin
 
 __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 
-
-def _abi(t: torch.Tensor | None) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
-    if t is None:
-        return None
-    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -70,13 +65,6 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
-
-def _run(device: torch.device, fn, *args) -> None:
-    if device.index is None or device.index == torch.cuda.current_device():
-        fn(*args)
-    else:
-        with torch.cuda.device(device):
-            fn(*args)
 
 
 def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int):
@@ -106,8 +94,8 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kv_heads = k.shape[2] if k.dim() == 4 else 1
     kv_len = k.shape[1] if k.dim() == 4 else 1
     splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
-    _run(q.device, module.attn_decode, _abi(q), _abi(k), _abi(v), _abi(out), _abi(mask), splits, _abi(ws_o),
-         _abi(ws_lse), stream_handle(q.device))
+    launch(q.device, module.attn_decode, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), splits, tensor_arg(ws_o),
+         tensor_arg(ws_lse), stream_handle(q.device))
     return out
 
 
@@ -131,7 +119,7 @@ def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     module = _plugin.require("attn_prefill", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
-    _run(q.device, module.attn_prefill, _abi(q), _abi(k), _abi(v), _abi(out), _abi(mask), is_causal,
+    launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
          stream_handle(q.device))
     return out
 
@@ -162,8 +150,8 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
         hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
         splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
-    _run(q.device, module.attn_paged_decode, _abi(q), _abi(k_cache), _abi(v_cache), _abi(out), _abi(kv_indptr),
-         _abi(kv_indices), _abi(kv_lens), splits, _abi(ws_o), _abi(ws_lse), stream_handle(q.device))
+    launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
+         tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse), stream_handle(q.device))
     return out
 
 
@@ -194,8 +182,8 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     module = _plugin.require("attn_paged_prefill", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
-    _run(q.device, module.attn_paged_prefill, _abi(q), _abi(k_cache), _abi(v_cache), _abi(out), _abi(qo_indptr),
-         _abi(kv_indptr), _abi(kv_indices), _abi(kv_lens), _abi(q_tile_to_batch), _abi(q_tile_to_index),
+    launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
+         tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
          is_causal, stream_handle(q.device))
     return out
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import dtype_code, stream_handle
+from ..abi import dtype_code, launch, stream_handle, tensor_arg
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -42,16 +42,6 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _abi(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
-    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
-
-
-def _call(device: torch.device, fn, *args) -> None:
-    if device.index is None or device.index == torch.cuda.current_device():
-        fn(*args)
-    else:
-        with torch.cuda.device(device):
-            fn(*args)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -127,10 +117,10 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     x = _row_major(x)
     q, q_t, amax = _quantize_outputs(x, fmt, out_layout)
     # The unused output still travels with its dtype (the format); give it a valid shape.
-    q_arg = _abi(q) if out_layout != 1 else (0, (0,), (1,), dtype_code(q_t))
-    qt_arg = _abi(q_t) if out_layout != 0 else (0, (0,), (1,), dtype_code(q))
-    _call(x.device, module.quantize, _abi(x), _abi(scale.reshape(())), q_arg, qt_arg,
-          _abi(amax), out_layout, stream_handle(x.device))
+    q_arg = tensor_arg(q) if out_layout != 1 else (0, (0,), (1,), dtype_code(q_t))
+    qt_arg = tensor_arg(q_t) if out_layout != 0 else (0, (0,), (1,), dtype_code(q))
+    launch(x.device, module.quantize, tensor_arg(x), tensor_arg(scale.reshape(())), q_arg, qt_arg,
+          tensor_arg(amax), out_layout, stream_handle(x.device))
     return q, q_t, amax
 
 
@@ -206,8 +196,8 @@ def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: to
     m, n = _gemm_shape(a, b, trans_a, trans_b)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     a, b = _row_major(a), _row_major(b)
-    bias_arg = None if bias is None else _abi(bias.contiguous())
-    _call(a.device, module.gemm, _abi(a), _abi(b), _abi(scale.reshape(())), bias_arg, _abi(out),
+    bias_arg = None if bias is None else tensor_arg(bias.contiguous())
+    launch(a.device, module.gemm, tensor_arg(a), tensor_arg(b), tensor_arg(scale.reshape(())), bias_arg, tensor_arg(out),
           trans_a, trans_b, stream_handle(a.device))
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import dtype_code, stream_handle
+from ..abi import launch, stream_handle, tensor_arg
 from . import _plugin
 
 __all__ = ["rotary_emb"]
@@ -56,9 +56,6 @@ def _word_aligned(t: torch.Tensor, pair_strides: bool) -> torch.Tensor:
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
-def _abi(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
-    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
-
 
 def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Fused rotary embedding of ``x [B, L, H, D]`` (bf16, CUDA); returns a new contiguous
@@ -78,12 +75,8 @@ def _rotary_emb_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     x = _word_aligned(x, pair_strides=True)
     cos = _word_aligned(cos, pair_strides=False)
     sin = _word_aligned(sin, pair_strides=False)
-    args = (_abi(x), _abi(cos), _abi(sin), _abi(out), stream_handle(x.device))
-    if x.device.index == torch.cuda.current_device():
-        module.rotary_emb(*args)
-    else:
-        with torch.cuda.device(x.device):
-            module.rotary_emb(*args)
+    args = (tensor_arg(x), tensor_arg(cos), tensor_arg(sin), tensor_arg(out), stream_handle(x.device))
+    launch(x.device, module.rotary_emb, *args)
     return out
 
 
