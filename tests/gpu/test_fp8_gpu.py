@@ -6,8 +6,10 @@ GEMM: ``scale * op(a) @ op(b) + bias`` against a float64 reference, relative Fro
 error under 5e-3 (the bf16 output rounding alone is ~1e-3), over the four operand layouts,
 M in {1, 16, 128, 1024, 4096}, LLM N x K shapes, odd sizes and K tails, bias on/off,
 e4m3 / e5m2 / mixed. Outputs are poisoned with NaN before the kernel writes them (the
-compiled module is called directly for that) and must come back NaN-free. On sm_90 the
-GEMM runs through the fp16 emulation of mma.sync: correct, slower than cuBLASLt.
+compiled module is called directly for that, with ``mainloop="mma_sync"`` so the
+mma.sync kernel is the one tested even on Hopper, where the public op prefers the wgmma
+kernel for K-major operands) and must come back NaN-free. On sm_90 the mma.sync kernel
+is the fp16 emulation: correct, slower than cuBLASLt.
 """
 
 from __future__ import annotations
@@ -123,10 +125,12 @@ def _abi(t):
     return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
 
 
-def _poisoned_gemm(module, a_st, b_st, scale, bias, trans_a, trans_b, m, n):
+def _poisoned_gemm(module, a_st, b_st, scale, bias, trans_a, trans_b, m, n, mainloop="mma_sync"):
+    """The compiled op on a NaN-filled output; mainloop="mma_sync" keeps the kernel under
+    test even where a native Hopper kernel would take the call."""
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     module.gemm(_abi(a_st), _abi(b_st), _abi(scale), None if bias is None else _abi(bias), _abi(out),
-                trans_a, trans_b, torch.cuda.current_stream().cuda_stream)
+                trans_a, trans_b, torch.cuda.current_stream().cuda_stream, mainloop=mainloop)
     torch.cuda.synchronize()
     return out
 
@@ -171,15 +175,19 @@ LLM_CASES = [(m, n, k) for m in (1, 16, 128, 1024, 4096) for n, k in LLM_NK
 
 
 @pytest.mark.parametrize("m,n,k", LLM_CASES)
-def test_gemm_llm_shapes(ops, m, n, k):
-    """x [M, K] @ w.t() with w a row-major [N, K] weight: the linear-layer call."""
+def test_gemm_llm_shapes(ops, module, m, n, k):
+    """x [M, K] @ w.t() with w a row-major [N, K] weight: the linear-layer call, through the
+    mma.sync kernel and through the public op (whichever kernel it picks on this GPU)."""
     g = _gen(m + n + k)
     x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
     w = (torch.randn(n, k, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
     bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     scale = torch.tensor(1.0 / k, device="cuda")
-    out = ops.mm_fp8(x, w.t(), scale, bias)
     ref = (x.float() @ w.float().t()).double() * (1.0 / k) + bias.double()
+    ours = _poisoned_gemm(module, x, w, scale, bias, False, True, m, n)
+    assert not ours.isnan().any()
+    assert _rel(ours, ref) < 5e-3
+    out = ops.mm_fp8(x, w.t(), scale, bias)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert _rel(out, ref) < 5e-3
 

@@ -243,7 +243,7 @@ void launch_one(FP8Params p, const GemmPlan& plan, cudaStream_t stream) {
 }
 
 // Instantiated: every tile for the dual-congruous pair; 64x64 and 128x128 for the
-// crosswise pairs (the planner never gives them 128x64), 8 kernels per format pair.
+// crosswise pairs (the planner never gives them 128x64): 7 kernels per format pair.
 template <TileConfig C, FP8Format FA, FP8Format FB>
 void launch_layouts(const CanonicalGemm& g, const GemmPlan& plan, cudaStream_t stream) {
   if (g.layouts == LayoutPair::kCC)

@@ -1,7 +1,7 @@
 // astrai_fp8._fp8_ops: the binding. Validation, parameter packing, dispatch; no kernels.
 //
 //   quantize(x, scale, q, q_t, amax, out_layout, stream)
-//   gemm(a, b, scale, bias, out, trans_a, trans_b, stream)
+//   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
 //   plan(m, n, k, trans_a, trans_b, sms, smem_per_sm, smem_per_block) -> dict   (no GPU)
 //   build_info() -> dict
 // Tensors are tuples (data_ptr, shape, strides_in_elements, dtype_code) (ABI 1); bias may
@@ -127,7 +127,10 @@ void quantize(py::handle x_arg, py::handle scale_arg, py::handle q_arg, py::hand
 
 // --------------------------------------------------------------------- gemm
 void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handle bias_arg,
-             py::handle out_arg, bool trans_a, bool trans_b, py::handle stream_arg) {
+             py::handle out_arg, bool trans_a, bool trans_b, py::handle stream_arg,
+             const std::string& mainloop) {
+  ASTRAI_CHECK(mainloop == "auto" || mainloop == "mma_sync",
+               "mainloop: expected 'auto' or 'mma_sync', got '", mainloop, "'");
   const TensorArg a = bind::tensor_arg("a", a_arg);
   const TensorArg b = bind::tensor_arg("b", b_arg);
   const TensorArg scale = bind::tensor_arg("scale", scale_arg);
@@ -158,13 +161,16 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
 
   check_device();
   // sm_90: the wgmma + TMA kernel takes the K-major problems it can; the rest fall through.
-  const sm90::EntryResult hopper = sm90::gemm_entry(
-      a.data<const uint8_t>(), lda, trans_a, static_cast<int>(format_of(a.dtype)),
-      b.data<const uint8_t>(), ldb, trans_b, static_cast<int>(format_of(b.dtype)),
-      out.data<uint16_t>(), ldc, has_bias ? bias.data<const uint16_t>() : nullptr,
-      scale.data<const float>(), m, n, k, /*promote=*/true, stream);
-  if (hopper.status == sm90::EntryStatus::Launched) return;
-  ASTRAI_CHECK(hopper.status != sm90::EntryStatus::Failed, "fp8 gemm (sm_90 wgmma): ", hopper.message);
+  // mainloop="mma_sync" skips it (tests and benchmarks of the mma.sync path on Hopper).
+  if (mainloop == "auto") {
+    const sm90::EntryResult hopper = sm90::gemm_entry(
+        a.data<const uint8_t>(), lda, trans_a, static_cast<int>(format_of(a.dtype)),
+        b.data<const uint8_t>(), ldb, trans_b, static_cast<int>(format_of(b.dtype)),
+        out.data<uint16_t>(), ldc, has_bias ? bias.data<const uint16_t>() : nullptr,
+        scale.data<const float>(), m, n, k, /*promote=*/true, stream);
+    if (hopper.status == sm90::EntryStatus::Launched) return;
+    ASTRAI_CHECK(hopper.status != sm90::EntryStatus::Failed, "fp8 gemm (sm_90 wgmma): ", hopper.message);
+  }
   const GemmArgs g{a.data<const uint8_t>(), b.data<const uint8_t>(), out.data<uint16_t>(),
                    has_bias ? bias.data<const uint16_t>() : nullptr, scale.data<const float>(),
                    static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), lda, ldb, ldc,
@@ -225,9 +231,12 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "out_layout 0: q only, 1: q_t only, 2: both (the other output is an empty tensor).");
   m.def("gemm", &astrai::fp8::gemm_op, py::arg("a"), py::arg("b"), py::arg("scale"), py::arg("bias"),
         py::arg("out"), py::arg("trans_a"), py::arg("trans_b"), py::arg("stream"),
+        py::arg("mainloop") = "auto",
         "out[M, N] (bf16) = scale * op(a) @ op(b) + bias. a is [M, K] ([K, M] if trans_a),\n"
         "b is [K, N] ([N, K] if trans_b), fp8 (e4m3/e5m2, may differ), unit last stride;\n"
-        "scale a float32 scalar (the combined dequant scale); bias bf16 [N] or None.");
+        "scale a float32 scalar (the combined dequant scale); bias bf16 [N] or None.\n"
+        "mainloop: 'auto' (the sm_90a wgmma kernel where it applies, else mma.sync) or\n"
+        "'mma_sync' (always the mma.sync kernel: native on sm_89/sm_120, emulated elsewhere).");
   m.def("plan", &astrai::fp8::plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"),
         py::arg("trans_b"), py::arg("sms"), py::arg("smem_per_sm"), py::arg("smem_per_block"),
         "The launch plan fp8_gemm would use (pure host function, no GPU needed).");

@@ -4,8 +4,8 @@
 //                                            thread-step (one 16-byte load for 16-bit inputs,
 //                                            two for f32; one 8-byte store), grid-stride
 //   fp8_quantize_transpose_kernel<InT, Fmt>  out_layout 1 (q_t [cols][rows]) and 2 (q and
-//                                            q_t): a 32x32 tile through shared memory, so
-//                                            both outputs leave in coalesced 4-byte words
+//                                            q_t): a 64x64 tile through shared memory, so
+//                                            both outputs leave in coalesced words
 //
 // Rounding is round-to-nearest-even with saturation to the largest finite value (cvt.rn
 // .satfinite), the same bytes torch gives for (x.float() * scale).clamp(-max, max).to(fp8).
@@ -149,71 +149,91 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 // ------------------------------------------------------------ out_layout 1 / 2
-// Block: 256 threads over a 32 x 32 input tile; thread (tr, tc) = (tid / 8, tid % 8)
-// reads 4 consecutive columns 4tc..4tc+3 of row tr.
-constexpr int kTransTile = 32;
+// Block: 256 threads over a 64 x 64 input tile.
+//   load:  thread t reads 8 consecutive columns 8*(t%8).. of rows t/8 and t/8 + 32
+//          (one 16-byte load each for 16-bit inputs), converts them, writes q (8 bytes,
+//          layout 2) and the bytes into a [64][68] shared tile;
+//   store: thread t takes the 4x4 byte block (rows 4*(t%16).., cols 4*(t/16)..), transposes
+//          it with PRMT and writes four 4-byte words, one per q_t row; 16 threads cover a
+//          64-byte q_t row segment.
+constexpr int kTransTile = 64;
+
+__device__ __forceinline__ void transpose_bytes4x4(uint32_t w0, uint32_t w1, uint32_t w2,
+                                                   uint32_t w3, uint32_t (&out)[4]) {
+  const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);
+  const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);
+  out[0] = __byte_perm(t0, t2, 0x5410);
+  out[1] = __byte_perm(t0, t2, 0x7632);
+  out[2] = __byte_perm(t1, t3, 0x5410);
+  out[3] = __byte_perm(t1, t3, 0x7632);
+}
 
 template <class InT, FP8Format Fmt>
 __global__ void __launch_bounds__(kQuantThreads)
     fp8_quantize_transpose_kernel(const __grid_constant__ FP8QuantizeParams p, int vec) {
   using Tr = quant_in_traits<InT>;
-  __shared__ uint8_t tile[kTransTile][kTransTile + 4];
+  constexpr int kPitch = kTransTile + 4;
+  __shared__ __align__(16) uint8_t tile[kTransTile * kPitch];
   const InT* x = static_cast<const InT*>(p.x);
   const float scale = *p.scale;
   const int r0 = blockIdx.y * kTransTile, c0 = blockIdx.x * kTransTile;
-  const int tr = threadIdx.x >> 3, tc = (threadIdx.x & 7) * 4;
-  const int r = r0 + tr, c = c0 + tc;
+  const int tid = threadIdx.x;
   uint32_t amax_bits = 0u;
-  uint32_t word = 0u;
-  if (r < p.rows) {
-    const InT* src = x + r * p.ldx + c;
-    float f[4] = {0.f, 0.f, 0.f, 0.f};
-    if (vec && c + 4 <= p.cols) {
-      if constexpr (Tr::kBytes == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-        const InT* e = reinterpret_cast<const InT*>(&v);
+
+  const int lc = (tid & 7) * 8;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) f[i] = Tr::to_float(e[i]);
+  for (int half = 0; half < 2; ++half) {
+    const int lr = (tid >> 3) + half * 32;
+    const int r = r0 + lr, c = c0 + lc;
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const bool full = r < p.rows && c + 8 <= p.cols;
+    if (r < p.rows) {
+      const InT* src = x + r * p.ldx + c;
+      if (vec && full) {
+        Tr::load8(src, f);
       } else {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(src));
-        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
-      }
-    } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (c + i < p.cols) f[i] = Tr::to_float(src[i]);
+        for (int i = 0; i < 8; ++i)
+          if (c + i < p.cols) f[i] = Tr::to_float(src[i]);
+      }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) amax_bits = max(amax_bits, abs_bits(f[i]));
-    word = to_fp8x2<Fmt>(f[0] * scale, f[1] * scale) |
-           (to_fp8x2<Fmt>(f[2] * scale, f[3] * scale) << 16);
-    if (p.q != nullptr) {
+    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, abs_bits(f[i]));
+    const uint32_t lo = to_fp8x2<Fmt>(f[0] * scale, f[1] * scale) |
+                        (to_fp8x2<Fmt>(f[2] * scale, f[3] * scale) << 16);
+    const uint32_t hi = to_fp8x2<Fmt>(f[4] * scale, f[5] * scale) |
+                        (to_fp8x2<Fmt>(f[6] * scale, f[7] * scale) << 16);
+    if (p.q != nullptr && r < p.rows) {
       uint8_t* dst = p.q + static_cast<int64_t>(r) * p.cols + c;
-      if (vec && c + 4 <= p.cols) {
-        *reinterpret_cast<uint32_t*>(dst) = word;
+      if (vec && full) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
       } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (c + i < p.cols) dst[i] = static_cast<uint8_t>(word >> (8 * i));
+        for (int i = 0; i < 8 && c + i < p.cols; ++i)
+          dst[i] = static_cast<uint8_t>((i < 4 ? lo : hi) >> (8 * (i & 3)));
       }
     }
+    *reinterpret_cast<uint32_t*>(&tile[lr * kPitch + lc]) = lo;
+    *reinterpret_cast<uint32_t*>(&tile[lr * kPitch + lc + 4]) = hi;
   }
-  *reinterpret_cast<uint32_t*>(&tile[tr][tc]) = word;
   __syncthreads();
-  // q_t row (c0 + tr) holds input column c0 + tr over rows r0 + tc .. r0 + tc + 3.
-  const int qr = c0 + tr, qc = r0 + tc;
-  if (qr < p.cols) {
-    const uint32_t out = static_cast<uint32_t>(tile[tc][tr]) |
-                         (static_cast<uint32_t>(tile[tc + 1][tr]) << 8) |
-                         (static_cast<uint32_t>(tile[tc + 2][tr]) << 16) |
-                         (static_cast<uint32_t>(tile[tc + 3][tr]) << 24);
+
+  // q_t[c0 + cb*4 + j][r0 + rb*4 .. +3] = tile[rb*4 .. +3][cb*4 + j]
+  const int rb = tid & 15, cb = tid >> 4;
+  uint32_t out[4];
+  transpose_bytes4x4(*reinterpret_cast<const uint32_t*>(&tile[(rb * 4 + 0) * kPitch + cb * 4]),
+                     *reinterpret_cast<const uint32_t*>(&tile[(rb * 4 + 1) * kPitch + cb * 4]),
+                     *reinterpret_cast<const uint32_t*>(&tile[(rb * 4 + 2) * kPitch + cb * 4]),
+                     *reinterpret_cast<const uint32_t*>(&tile[(rb * 4 + 3) * kPitch + cb * 4]), out);
+  const int qc = r0 + rb * 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int qr = c0 + cb * 4 + j;
+    if (qr >= p.cols) break;
     uint8_t* dst = p.q_t + static_cast<int64_t>(qr) * p.rows + qc;
     if (vec && qc + 4 <= p.rows) {
-      *reinterpret_cast<uint32_t*>(dst) = out;
+      *reinterpret_cast<uint32_t*>(dst) = out[j];
     } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (qc + i < p.rows) dst[i] = static_cast<uint8_t>(out >> (8 * i));
+      for (int i = 0; i < 4 && qc + i < p.rows; ++i) dst[i] = static_cast<uint8_t>(out[j] >> (8 * i));
     }
   }
   block_amax(amax_bits, p.amax);
@@ -237,9 +257,10 @@ void quantize_launch(const FP8QuantizeParams& p, int out_layout, int sms, cudaSt
     fp8_quantize_kernel<InT, Fmt>
         <<<static_cast<unsigned>(blocks), kQuantThreads, 0, stream>>>(p, vec);
   } else {
+    // 16-byte input rows (8 elements; two 16-byte loads for f32), 8-byte q rows, 4-byte q_t rows.
     const int64_t elem = static_cast<int64_t>(sizeof(InT));
-    const int vec = addr(p.x) % (4 * elem) == 0 && (p.ldx * elem) % (4 * elem) == 0 &&
-                    (p.q == nullptr || (addr(p.q) % 4 == 0 && p.cols % 4 == 0)) &&
+    const int vec = addr(p.x) % 16 == 0 && (p.ldx * elem) % 16 == 0 &&
+                    (p.q == nullptr || (addr(p.q) % 8 == 0 && p.cols % 8 == 0)) &&
                     addr(p.q_t) % 4 == 0 && p.rows % 4 == 0;
     const dim3 grid((p.cols + kTransTile - 1) / kTransTile, (p.rows + kTransTile - 1) / kTransTile);
     fp8_quantize_transpose_kernel<InT, Fmt><<<grid, kQuantThreads, 0, stream>>>(p, vec);

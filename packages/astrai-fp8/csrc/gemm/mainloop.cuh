@@ -153,7 +153,14 @@ struct Fp8MmaSyncMainloop {
       }
       cp_async_commit();
 
+      // On the archs that emulate fp8 mma.sync (sm_90, sm_100) every fragment register
+      // unpacks into two f16x2 registers: the k-steps are not unrolled there, so the
+      // fragments of one k-step are live at a time (the 8-warp CTA would spill otherwise).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200
+#pragma unroll 1
+#else
 #pragma unroll
+#endif
       for (int s = 0; s < T::kKSteps; ++s) {
         const uint32_t a_base = read_a + (a_lane ^ (s << 5));
         const uint32_t b_base = read_b + (b_lane ^ (s << 5));
