@@ -20,9 +20,6 @@
 #include "gemm/mainloop.cuh"
 #include "gemm/policy.cuh"
 #include "gemm/scheduler.cuh"
-#if defined(ASTRAI_FP8_WITH_SM90)
-#include "gemm/sm90/mainloop.cuh"  // the Hopper mainloop (Sm90WgmmaMainloopTag), when built
-#endif
 
 namespace astrai::fp8 {
 

@@ -8,9 +8,11 @@
 //   MmaSyncMainloopTag   mainloop.cuh: cp.async / direct loads into a kStages+1 ring,
 //                        ldmatrix + mma.sync m16n8k32 (native on sm_89/sm_120, emulated
 //                        through f16 on sm_90/sm_100).
-//   Sm90WgmmaMainloopTag (slot) a Hopper mainloop living in gemm/sm90/: it specialises
-//                        MainloopFor<Sm90WgmmaMainloopTag, Policy> and exposes the same
-//                        surface (kThreads, kSmemBytes, Accum, run, visit).
+//   Sm90WgmmaMainloopTag (slot) a Hopper mainloop that wants this kernel's scheduler and
+//                        epilogue specialises MainloopFor<Sm90WgmmaMainloopTag, Policy>
+//                        with the same surface (kThreads, kSmemBytes, Accum, run, visit).
+//                        (The wgmma kernel in gemm/sm90/ is a separate persistent kernel
+//                        with its own scheduler/epilogue; ops.cu offers it calls first.)
 //
 // Fp8GemmSmem is the shared-memory budget of one CTA (the mainloop ring, re-used by the
 // epilogue's bf16 staging tile) and the occupancy it allows under a per-SM budget.

@@ -1,0 +1,329 @@
+"""The astrai-fp8 plugin on a machine without a GPU.
+
+* Launch planning as pure functions (``astrai_fp8.planning``): every crossover of the
+  tile rules, the NN swap, the shared-memory fallback.
+* One module-scoped build (``ci/build-wheels`` for CUDA 13.0, asked for sm_86 + sm_89 +
+  sm_90a; sm_86 is skipped) feeds the rest: the manifest against cuobjdump, the SASS of
+  the GEMM (native ``QMMA.16832.F32.E4M3.E4M3`` on sm_89; on sm_90a the same ``mma.sync``
+  becomes ``F2FP...UNPACK_B`` + ``HMMA.16816``, the emulation the manifest's
+  ``native_sm`` documents), the ptxas register report (no spills), the C++
+  planner against the Python mirror, and the C++ validation, which raises before any
+  CUDA call.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
+from astrai_fp8 import planning  # noqa: E402
+
+ARCHS = "86;89;90a"  # sm_86 must be skipped (FP8 needs sm_89+); sm_89 native, sm_90a emulated; PTX compute_90
+H200 = dict(sms=132, smem_per_sm=233472, smem_per_block=232448)
+L20 = dict(sms=92, smem_per_sm=102400, smem_per_block=101376)
+
+
+# ============================================================ planning (pure, fast)
+def _tile(m, n, *, trans_a=False, trans_b=True, dev=H200):
+    return planning.plan(m, n, 4096, trans_a=trans_a, trans_b=trans_b, **dev).tile
+
+
+def test_small_m_takes_the_64x64_cta():
+    assert _tile(1, 8192) == "64x64"
+    assert _tile(64, 28672) == "64x64"
+
+
+def test_64_but_not_128_divisible_takes_64x64():
+    assert _tile(1088, 1088) == "64x64"
+    assert _tile(1216, 4096) == "64x64"
+    assert _tile(1024, 4160) == "64x64"
+
+
+def test_crosswise_switches_to_128x128_at_one_and_a_half_waves():
+    sms = H200["sms"]
+    # 128 x 128 tiles: 1.5 waves of 132 SMs = 198 tiles; 16 x 12 = 192 < 198 <= 16 x 13 = 208
+    assert _tile(2048, 1536, trans_b=False) == "64x64"
+    assert _tile(2048, 1664, trans_b=False) == "128x128"
+    assert 16 * 12 < 1.5 * sms <= 16 * 13
+    assert _tile(4096, 4096, trans_a=True, trans_b=False) == "128x128"  # XX, 1024 tiles
+
+
+def test_congruous_sub_wave_bands():
+    # fill = 128x128 tiles / 132: < 3/8 -> 64x64, < 5/8 -> 128x64, else 128x128
+    assert _tile(768, 768) == "64x64"      # 36 tiles, 0.27 of a wave
+    assert _tile(1024, 1024) == "128x64"   # 64 tiles, 0.48
+    assert _tile(1280, 1024) == "128x64"   # 80 tiles, 0.61
+    assert _tile(1408, 1024) == "128x128"  # 88 tiles, 0.67
+    assert _tile(1024, 1664) == "128x128"  # 104 tiles, 0.79
+
+
+def test_congruous_wave_math():
+    # just past one wave: 2 big tile-times vs 3 narrow ones at 0.53 -> narrow
+    assert planning.choose_tile(128 * 133, 128, True, True, 132) == "128x64"
+    # exactly two waves: 2 big vs 4 narrow * 0.53 = 2.12 -> big
+    assert planning.choose_tile(128 * 264, 128, True, True, 132) == "128x128"
+    assert _tile(8192, 8192) == "128x128"
+    assert _tile(1024, 8192) == "128x128"
+
+
+def test_shared_memory_budget_falls_back_to_smaller_ctas():
+    tiny = dict(sms=132, smem_per_sm=60000, smem_per_block=60000)
+    assert _tile(8192, 8192, dev=tiny) == "128x64"  # 64 KiB ring does not fit
+    tinier = dict(sms=132, smem_per_sm=40000, smem_per_block=40000)
+    assert _tile(8192, 8192, dev=tinier) == "64x64"
+    assert _tile(8192, 8192, trans_b=False, dev=tiny) == "64x64"  # crosswise: no 128x64 kernel
+    assert planning.plan(8192, 8192, 64, trans_a=False, trans_b=True, **L20).ctas_per_sm == 1
+
+
+def test_nn_swap_and_layout_pairs():
+    p = planning.plan(100, 300, 64, trans_a=True, trans_b=True, sms=132)
+    assert p.swap_ab and p.layouts == "CX"
+    assert (p.tiles_m, p.tiles_n) == (5, 2)  # the kernel problem is 300 x 100
+    pairs = {(ta, tb): planning.plan(256, 256, 64, trans_a=ta, trans_b=tb, sms=132)
+             for ta, tb in itertools.product((False, True), repeat=2)}
+    assert {k: (v.layouts, v.swap_ab) for k, v in pairs.items()} == {
+        (False, True): ("CC", False), (False, False): ("CX", False),
+        (True, False): ("XX", False), (True, True): ("CX", True)}
+
+
+def test_grid_and_grouped_raster_size():
+    p = planning.plan(1000, 3000, 512, trans_a=False, trans_b=True, sms=132)
+    assert p.grid == p.tiles_m * p.tiles_n
+    assert p.group_m == min(p.tiles_m, 8)
+    with pytest.raises(ValueError, match="positive"):
+        planning.plan(0, 1, 1, trans_a=False, trans_b=True, sms=132)
+
+
+# ============================================================ the build (slow, once)
+def _cuobjdump() -> str:
+    found = shutil.which("cuobjdump") or next(iter(glob.glob(str(
+        Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "cuobjdump"))), None)
+    assert found, "cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory) -> Path:
+    # A wheelhouse ci/build-wheels made earlier (same ARCHS) can be reused while iterating.
+    reuse = os.environ.get("ASTRAI_TEST_FP8_WHEELHOUSE")
+    if reuse:
+        return Path(reuse)
+    out = tmp_path_factory.mktemp("wheelhouse")
+    env = dict(os.environ, ASTRAI_CUDA_ARCHS=ARCHS, CMAKE_BUILD_PARALLEL_LEVEL="2")
+    build = subprocess.run([sys.executable, str(REPO / "ci" / "build-wheels"), "--cuda", "13.0",
+                            "--plugins", "fp8", "--out", str(out)], env=env, capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def unpacked(wheelhouse, tmp_path_factory) -> Path:
+    wheel = next((wheelhouse / "cu130").glob("astrai_fp8-*.whl"))
+    dest = tmp_path_factory.mktemp("fp8")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(dest, [n for n in zf.namelist() if n.startswith("astrai_fp8/")])
+    return dest / "astrai_fp8"
+
+
+@pytest.fixture(scope="module")
+def so(unpacked) -> Path:
+    return next(unpacked.glob("_fp8_ops.*.so"))
+
+
+@pytest.fixture(scope="module")
+def compiled(so):
+    spec = importlib.util.spec_from_file_location("astrai_fp8._fp8_ops", so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def plugin_manifest(unpacked) -> dict:
+    spec = importlib.util.spec_from_file_location("_astrai_fp8_under_test", unpacked / "__init__.py",
+                                                  submodule_search_locations=[str(unpacked)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # importlib.resources.files(__name__) looks it up there
+    try:
+        spec.loader.exec_module(module)
+        return module.manifest()
+    finally:
+        del sys.modules[spec.name]
+
+
+def _sass(so: Path, arch: str) -> dict[str, str]:
+    """Disassembly per fp8_gemm kernel (mangled name -> text) for one arch."""
+    tool = _cuobjdump()
+    env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
+                          check=True, env=env).stdout
+    kernels: dict[str, str] = {}
+    for part in re.split(r"\n\s*Function : ", text)[1:]:
+        name, _, body = part.partition("\n")
+        if "fp8_gemm_kernel" in name:
+            kernels[name.strip()] = body
+    return kernels
+
+
+@pytest.mark.slow
+def test_manifest_matches_the_binary(plugin_manifest, so):
+    from astrai.extension.manifest import parse_manifest
+
+    tool = _cuobjdump()
+    elf = subprocess.run([tool, "--list-elf", str(so)], capture_output=True, text=True, check=True).stdout
+    ptx = subprocess.run([tool, "--list-ptx", str(so)], capture_output=True, text=True, check=True).stdout
+    assert set(re.findall(r"\.(sm_\d+[af]?)\.cubin", elf)) == set(plugin_manifest["sass_archs"]) == {"sm_89", "sm_90a"}
+    assert {"compute_" + a for a in re.findall(r"\.sm_(\d+[af]?)\.ptx", ptx)} == set(plugin_manifest["ptx_archs"])
+    parsed = parse_manifest(plugin_manifest)
+    assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm"}
+    # mma.sync is native on 89 and 120; a build with the sm_90a wgmma kernel adds 90
+    native = set(parsed.ops["fp8_gemm"].native_sm)
+    assert {89, 120} <= native <= {89, 90, 120}
+    assert parsed.ops["fp8_gemm"].min_sm == parsed.ops["fp8_quantize"].min_sm == 89
+    assert plugin_manifest["ops"]["fp8_gemm"]["module"] == "astrai_fp8._fp8_ops"
+
+
+@pytest.mark.slow
+def test_sm89_gemm_is_native_qmma(so):
+    kernels = _sass(so, "sm_89")
+    assert len(kernels) == 28  # (3 tiles for CC + 2 tiles x (CX, XX)) x 4 format pairs
+    for name, body in kernels.items():
+        assert re.search(r"QMMA\.16832\.F32\.E[45]M[32]\.E[45]M[32]", body), name
+        assert "HMMA" not in body and "UNPACK_B" not in body, name
+        assert "LDSM" in body, name  # ldmatrix fragment loads
+
+
+@pytest.mark.slow
+def test_sm90a_mma_sync_is_an_fp16_emulation(so):
+    """What native_sm records: no QMMA on sm_90a, the fp8 fragments are unpacked to f16."""
+    kernels = _sass(so, "sm_90a")
+    assert len(kernels) == 28
+    for name, body in kernels.items():
+        assert "QMMA" not in body, name
+        assert re.search(r"F2FP\.F16\.E[45]M[32]\.UNPACK_B", body), name
+        assert "HMMA.16816.F32" in body, name
+
+
+@pytest.mark.slow
+def test_ptxas_report_has_no_spills(wheelhouse):
+    """No spills in this plugin's mma.sync GEMM and quantize kernels on either arch (the
+    Hopper wgmma kernels, empty stubs on sm_89, are tests/test_fp8_sm90.py's)."""
+    import json
+
+    report = json.loads((wheelhouse / "build-report-cu130.json").read_text())
+    kernels = next(p for p in report["packages"] if p["name"] == "astrai-fp8")["kernels"]
+    ours = [k for k in kernels if "sm90" not in k["kernel"]
+            and re.search(r"fp8_(gemm|quantize|quantize_transpose)_kernel<", k["kernel"])]
+    for arch in ("sm_89", "sm_90a"):
+        # GEMM + quantize (3 inputs x 2 formats x 2 kernels)
+        assert len([k for k in ours if k["arch"] == arch]) == 28 + 12, arch
+    spills = [k for k in ours if k["spill_stores"] or k["spill_loads"]]
+    assert not spills, spills
+    assert all(k["registers"] <= 255 for k in ours)
+
+
+@pytest.mark.slow
+def test_cpp_planner_matches_the_python_mirror(compiled):
+    ms = [1, 16, 64, 100, 128, 384, 1000, 1024, 1088, 2048, 4096, 8192, 16384]
+    ns = [64, 1024, 1088, 4096, 8192, 28672]
+    for (m, n), (ta, tb), dev in itertools.product(itertools.product(ms, ns),
+                                                   itertools.product((False, True), repeat=2),
+                                                   (H200, L20)):
+        want = planning.plan(m, n, 4096, trans_a=ta, trans_b=tb, **dev)
+        got = compiled.plan(m, n, 4096, ta, tb, dev["sms"], dev["smem_per_sm"], dev["smem_per_block"])
+        assert got == want.__dict__, (m, n, ta, tb, dev)
+
+
+# ------------------------------------------------------------ C++ validation, no GPU
+F32, BF16, E4M3, E5M2, I32 = 0, 2, 3, 4, 5
+
+
+def _t(shape, dtype, ptr=4096, strides=None):
+    if strides is None:
+        strides = (shape[1], 1) if len(shape) == 2 else tuple(1 for _ in shape)
+    return (ptr, tuple(shape), tuple(strides), dtype)
+
+
+M, N, K = 64, 48, 32
+GEMM_OK = dict(a=_t((M, K), E4M3), b=_t((K, N), E4M3, 8192), scale=_t((), F32, 16384, ()), bias=None,
+               out=_t((M, N), BF16, 32768), trans_a=False, trans_b=False, stream=0)
+GEMM_BAD = {
+    "a dtype": (dict(a=_t((M, K), BF16)), r"a: expected float8_e4m3fn or float8_e5m2, got bfloat16"),
+    "b dtype": (dict(b=_t((K, N), F32, 8192)), r"b: expected float8_e4m3fn or float8_e5m2, got float32"),
+    "a 3-D": (dict(a=(4096, (1, M, K), (M * K, K, 1), E4M3)), r"a: expected 2 dims"),
+    "zero size": (dict(a=_t((0, K), E4M3)), r"a: zero-size dimension"),
+    "inner dims": (dict(b=_t((K + 1, N), E4M3, 8192)), r"b: inner dimensions differ"),
+    "trans_b inner": (dict(trans_b=True), r"b: inner dimensions differ"),
+    "out shape": (dict(out=_t((M, N + 1), BF16, 32768)), r"out: expected shape \[M, N\]"),
+    "out dtype": (dict(out=_t((M, N), F32, 32768)), r"out: expected dtype bfloat16"),
+    "bias shape": (dict(bias=_t((N + 1,), BF16, 65536)), r"bias: expected shape \[N\]"),
+    "bias dtype": (dict(bias=_t((N,), F32, 65536)), r"bias: expected dtype bfloat16"),
+    "scale elements": (dict(scale=_t((2,), F32, 16384)), r"scale: expected one element"),
+    "scale dtype": (dict(scale=_t((), BF16, 16384, ())), r"scale: expected dtype float32"),
+    "strided last dim": (dict(a=_t((M, K), E4M3, strides=(2 * K, 2))), r"a: the last dim must be contiguous"),
+    "overlapping rows": (dict(a=_t((M, K), E4M3, strides=(K - 1, 1))), r"a: rows overlap"),
+    "null a": (dict(a=_t((M, K), E4M3, ptr=0)), r"a: null data pointer"),
+    "misaligned out": (dict(out=_t((M, N), BF16, 32769)), r"out: data pointer .* not 2-byte aligned"),
+    "bad stream": (dict(stream=-1), r"stream: expected the stream handle"),
+    "bad mainloop": (dict(mainloop="wgmma"), r"mainloop: expected 'auto' or 'mma_sync', got 'wgmma'"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(GEMM_BAD))
+def test_cpp_gemm_validation(compiled, case):
+    override, message = GEMM_BAD[case]
+    args = dict(GEMM_OK, **override)
+    with pytest.raises(ValueError, match=message) as err:
+        compiled.gemm(**args)
+    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+
+
+Q_OK = dict(x=_t((M, K), BF16), scale=_t((), F32, 16384, ()), q=_t((M, K), E4M3, 8192),
+            q_t=(0, (0,), (1,), E4M3), amax=_t((), F32, 20480, ()), out_layout=0, stream=0)
+Q_BAD = {
+    "x dtype": (dict(x=_t((M, K), I32)), r"x: expected float32, float16 or bfloat16, got int32"),
+    "layout": (dict(out_layout=3), r"out_layout: expected 0 \(q\), 1 \(q_t\) or 2 \(both\), got 3"),
+    "q shape": (dict(q=_t((M, K + 1), E4M3, 8192)), r"q: expected shape \[M, K\] like x"),
+    "q dtype": (dict(q=_t((M, K), BF16, 8192)), r"q, q_t: expected float8"),
+    "q_t missing": (dict(out_layout=2), r"q_t: expected shape \[K, M\]"),
+    "q not empty": (dict(out_layout=1, q_t=_t((K, M), E4M3, 12288)), r"q: must be empty when out_layout is 1"),
+    "formats differ": (dict(out_layout=2, q_t=_t((K, M), E5M2, 12288)), r"q_t: dtype float8_e5m2 differs"),
+    "amax": (dict(amax=_t((2,), F32, 20480)), r"amax: expected one element"),
+    "x zero": (dict(x=_t((0, K), BF16)), r"x: zero-size dimension"),
+    "x misaligned": (dict(x=_t((M, K), BF16, ptr=4097)), r"x: data pointer .*not .*aligned"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(Q_BAD))
+def test_cpp_quantize_validation(compiled, case):
+    override, message = Q_BAD[case]
+    with pytest.raises(ValueError, match=message):
+        compiled.quantize(**dict(Q_OK, **override))
+
+
+@pytest.mark.slow
+def test_valid_arguments_reach_cuda_only_after_validation(compiled):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("valid arguments would launch on made-up pointers")
+    with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
+        compiled.gemm(**GEMM_OK)
+    with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
+        compiled.quantize(**Q_OK)
+    info = compiled.build_info()
+    assert info["sass_archs"] == ["sm_89", "sm_90a"] and info["cuda_version"] == "13.0"
