@@ -1,7 +1,8 @@
 """astrai-fp8 (mma.sync mainloop) side by side with torch: GEMM vs cuBLASLt and bf16, quantize
 vs the torch cast.
 
-    python tests/gpu/bench_fp8.py [--json out.json] [--quick]
+    python tests/gpu/bench_fp8.py [--json out.json] [--plot out.png] [--quick]
+    python tests/gpu/bench_fp8.py --replot out.json --plot out.png      (no GPU needed)
 
 GEMM rows (M x N x K; N x K the LLM weight shapes, x [M, K] @ w.t()): TFLOP/s of ours
 (the compiled op with ``mainloop="mma_sync"``, so the mma.sync kernel even on Hopper, where
@@ -113,11 +114,45 @@ def bench_quantize(ops, shapes):
     return rows
 
 
+def plot(result: dict, path: str) -> None:
+    """TFLOP/s against M, one panel per N x K weight: ours, cuBLASLt FP8, bf16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nks = sorted({(r["n"], r["k"]) for r in result["gemm"]}, key=lambda nk: (nk[1], nk[0]))
+    fig, axes = plt.subplots(1, len(nks), figsize=(4 * len(nks), 3.4), squeeze=False)
+    for ax, (n, k) in zip(axes[0], nks):
+        by_m = {r["m"]: r for r in reversed(result["gemm"]) if (r["n"], r["k"]) == (n, k)}
+        rows = [by_m[m] for m in sorted(by_m)]
+        ms = [r["m"] for r in rows]
+        ours = "ours (mma.sync" + (", emulated)" if result["sm"] not in (89, 120) else ")")
+        for key, label in (("ours_tflops", ours), ("scaled_mm_tflops", "cuBLASLt FP8"),
+                           ("bf16_tflops", "bf16 torch.mm")):
+            ax.plot(ms, [r[key] for r in rows], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"N={n}, K={k}")
+        ax.set_xlabel("M")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"FP8 GEMM on {result['device']} (sm_{result['sm']}), torch {result['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--plot", help="also draw the GEMM rows into this PNG")
+    parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier --json (no GPU)")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot or "bench_fp8.png")
+        return 0
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         print("bench_fp8: needs an sm_89+ CUDA device; nothing to do")
         return 0
@@ -138,6 +173,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

@@ -42,8 +42,6 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-
-
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -120,7 +118,7 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     q_arg = tensor_arg(q) if out_layout != 1 else (0, (0,), (1,), dtype_code(q_t))
     qt_arg = tensor_arg(q_t) if out_layout != 0 else (0, (0,), (1,), dtype_code(q))
     launch(x.device, module.quantize, tensor_arg(x), tensor_arg(scale.reshape(())), q_arg, qt_arg,
-          tensor_arg(amax), out_layout, stream_handle(x.device))
+           tensor_arg(amax), out_layout, stream_handle(x.device))
     return q, q_t, amax
 
 
@@ -197,8 +195,8 @@ def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: to
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     a, b = _row_major(a), _row_major(b)
     bias_arg = None if bias is None else tensor_arg(bias.contiguous())
-    launch(a.device, module.gemm, tensor_arg(a), tensor_arg(b), tensor_arg(scale.reshape(())), bias_arg, tensor_arg(out),
-          trans_a, trans_b, stream_handle(a.device))
+    launch(a.device, module.gemm, tensor_arg(a), tensor_arg(b), tensor_arg(scale.reshape(())),
+           bias_arg, tensor_arg(out), trans_a, trans_b, stream_handle(a.device))
     return out
 
 
