@@ -99,20 +99,28 @@ def _decode_case(device, dtype, batch, kv_len, page_size=16, hq=32, hkv=8, d=128
                 bytes=kv_bytes, op="attention")
 
 
-def _prefill_case(device, dtype, batch, seq, hq=32, hkv=8, d=128) -> Case:
+def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) -> Case:
+    """Ragged causal prefill of fresh sequences over the paged cache (the serving path)."""
+    cache = PagedKVCache(num_layers=1, num_pages=batch * -(-seq // page_size), page_size=page_size,
+                         kv_heads=hkv, head_dim=d, dtype=dtype, device=device)
+    seqs = list(range(batch))
+    for s in seqs:
+        cache.add_sequence(s)
+    cache.plan(seqs, q_lens=[seq] * batch)
     q = torch.randn(batch, seq, hq, d, device=device, dtype=dtype)
     k = torch.randn(batch, seq, hkv, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
 
     def run():
-        return attention(q, k, v, is_causal=True)
+        return attention(q, k, v, kv_cache=cache, layer_id=0, fwd="prefill")
 
     def run_torch():
         with attn_backend(ATTN_BACKEND.TORCH_NATIVE):
-            return attention(q, k, v, is_causal=True)
+            return attention(q, k, v, kv_cache=cache, layer_id=0, fwd="prefill")
 
     flops = 4 * batch * hq * seq * seq * d / 2  # causal: half of QK^T and PV
-    return Case("prefill causal", f"B={batch} L={seq} {hq}/{hkv}x{d}", run, run_torch, flops=flops, op="attention")
+    return Case("prefill causal", f"B={batch} L={seq} {hq}/{hkv}x{d} page={page_size}", run, run_torch,
+                flops=flops, op="attention")
 
 
 def _rotary_case(device, dtype, tokens, heads=32, d=128) -> Case:
@@ -164,8 +172,12 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             _rotary_case(device, torch.bfloat16, 512 * size), _fp8_case(device, 128 * size, 128 * size, 128 * size)]
 
 
-def _backend_of(op: str) -> str:
-    decisions = current_runtime().explain(op)
+def _backend_of(case: Case) -> str:
+    """The backend the resolver picks for ``case.run`` (decided afresh, not the torch run's)."""
+    resolver = current_runtime().resolver
+    resolver.clear()
+    case.run()
+    decisions = [d for d in resolver.decisions(case.op) if d.source != "explicit"]
     return decisions[-1].chosen if decisions else "-"
 
 
@@ -183,8 +195,8 @@ def run_all(device: torch.device, quick: bool, only: list[str] | None) -> list[R
     results = []
     selected = [c for c in cases(device, quick) if not only or any(o in c.name for o in only)]
     for case in track(selected, description="benchmarking", transient=True):
+        backend = _backend_of(case)
         ms = _time_ms(case.run, device, repeats)
-        backend = _backend_of(case.op)
         torch_ms = _time_ms(case.run_torch, device, repeats)
         results.append(Result(case.name, case.shape, backend, ms, torch_ms, _rate(case, ms)))
     return results

@@ -127,11 +127,16 @@ class BatchPlan:
         page_slot = self.kv_indptr.long()[seq] + torch.div(pos, self.page_size, rounding_mode="floor")
         return self.kv_indices.long()[page_slot] * self.page_size + pos % self.page_size
 
+    def _q_lens_device(self) -> torch.Tensor:
+        """int64 ``[B]`` q lengths, derived on the device (no host copy: the decode path
+        must never synchronise)."""
+        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+
     @functools.cached_property
     def write_index(self) -> torch.Tensor:
         """int64 ``[total_q]``: slot of each new token, in packed query order."""
         device = self.qo_indptr.device
-        q_lens = torch.tensor(self.q_lens_host, dtype=torch.int64, device=device)
+        q_lens = self._q_lens_device()
         seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
         row = torch.arange(self.total_q, device=device) - self.qo_indptr.long()[seq]
         pos = self.kv_lens.long()[seq] - q_lens[seq] + row
@@ -161,7 +166,7 @@ class BatchPlan:
         """(int64 ``[B, max_q]`` rows of the packed query, bool ``[B, max_q]`` valid); padding -> row 0."""
         device = self.qo_indptr.device
         rows = torch.arange(self.max_q_len, device=device).expand(self.batch_size, -1)
-        valid = rows < torch.tensor(self.q_lens_host, device=device)[:, None]
+        valid = rows < self._q_lens_device()[:, None]
         return torch.where(valid, self.qo_indptr.long()[:-1, None] + rows, 0), valid
 
     def keep_mask(self, causal: bool) -> torch.Tensor:

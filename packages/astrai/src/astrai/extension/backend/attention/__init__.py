@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import enum
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -109,6 +110,7 @@ class AttentionPolicy:
             raise ValueError(f"backends must have distinct names, got {names}")
         self.backends = tuple(backends)
         self.op = op
+        _POLICIES[id(self)] = self
 
     def select(self, call: AttentionCall) -> AttentionBackend:
         """The backend that runs ``call`` under the current precedence (no computation)."""
@@ -135,7 +137,7 @@ class AttentionPolicy:
     ) -> torch.Tensor:
         call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         if torch.compiler.is_compiling():
-            name = _select_while_compiling(self, str(call.device), call.dtype, *call[2:])
+            name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)
         else:
             backend = self.select(call)
@@ -153,11 +155,15 @@ class AttentionPolicy:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
 
 
+# Policies by id, for the trace-time decision below (dynamo passes only constants to it).
+_POLICIES: weakref.WeakValueDictionary[int, AttentionPolicy] = weakref.WeakValueDictionary()
+
+
 @torch._dynamo.assume_constant_result
-def _select_while_compiling(policy: AttentionPolicy, device: str, dtype: torch.dtype, *facts) -> str:
+def _select_while_compiling(policy: int, device: str, dtype: torch.dtype, *facts) -> str:
     """``policy.select`` made once at trace time: dynamo cannot trace the runtime's context
     variables or the resolver's lock, and a graph fixes the backend anyway."""
-    return policy.select(AttentionCall(torch.device(device), dtype, *facts)).name
+    return _POLICIES[policy].select(AttentionCall(torch.device(device), dtype, *facts)).name
 
 
 # The default priority: first capable wins.
