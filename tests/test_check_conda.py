@@ -1,6 +1,6 @@
 """ci/check-conda end to end: conda packages from wheels, solved under __cuda, installed.
 
-One real astrai-rotary wheel (CUDA 13.0, sm_90a only: CI-sized; tests/wheel_cache.py
+One real astrai-rotary wheel (CUDA 13.0, sm_80 + sm_90a: CI-sized; tests/wheel_cache.py
 builds it once per source tree). The other tests use small stand-in wheels (pure Python, the
 plugin's manifest and entry point) to show the solver's choice per driver across two
 CUDA versions, and ci/check-conda failing on a broken recipe.

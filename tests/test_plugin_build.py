@@ -1,7 +1,9 @@
 """The plugin build, end to end on a machine without a GPU, with astrai-rotary.
 
-One module-scoped build (ci/build-wheels for CUDA 13.0 with a reduced arch set that
-still has two SASS archs and PTX) feeds every test: the wheel and its sdist, the
+One build (ci/build-wheels for CUDA 13.0 with a reduced arch set that still has two
+SASS archs and PTX: the `rotary_build` session fixture of tests/conftest.py, which every
+rotary packaging test shares and tests/wheel_cache.py keeps on disk per source tree)
+feeds every test: the wheel and its sdist, the
 manifest against cuobjdump, the C++ validation of the compiled module, and an install of
 ``astrai[rotary]`` with pip from the per-CUDA index (ci/make-index) served on 127.0.0.1
 into a fresh venv, where the entry point is discovered, ``astrai doctor`` lists the
@@ -28,10 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from wheel_cache import core_wheel
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = REPO / "packages" / "cuda-common"
-ARCHS = "80;90a"  # two SASS archs + PTX (compute_90): the multi-arch path, CI-sized
 CUDA = "13.0"
 
 pytestmark = pytest.mark.slow
@@ -54,13 +56,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory) -> Path:
+def wheelhouse(rotary_build, tmp_path_factory) -> Path:
+    """The shared build (sm_80 + sm_90a + PTX) copied here with a fresh core wheel, indexed."""
     out = tmp_path_factory.mktemp("wheelhouse")
-    env = dict(os.environ, ASTRAI_CUDA_ARCHS=ARCHS, CMAKE_BUILD_PARALLEL_LEVEL="2")
-    build = subprocess.run([sys.executable, str(REPO / "ci" / "build-wheels"), "--cuda", CUDA,
-                            "--plugins", "rotary", "--out", str(out)],
-                           env=env, capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
+    shutil.copytree(rotary_build, out, dirs_exist_ok=True)
+    core_wheel(out / "cu130")
     index = subprocess.run([sys.executable, str(REPO / "ci" / "make-index"), str(out)],
                            capture_output=True, text=True)
     assert index.returncode == 0, index.stdout + index.stderr
