@@ -212,9 +212,6 @@ def test_attention_nan_inf_in_values_propagate_as_in_reference(c, value, data):
     torch.testing.assert_close(out.double(), ref, equal_nan=True, **tolerance(c["dtype"]))
 
 
-@pytest.mark.xfail(strict=True, reason="torch_native (backend/attention/torch_native.py:38/56) relies on CPU "
-                   "F.scaled_dot_product_attention, which returns zeros instead of NaN for a row whose scores "
-                   "hold a NaN (NaN in q: any kv_len; NaN/+inf in k: kv_len 1): a silently wrong result")
 def test_attention_nan_inf_in_queries_and_keys_propagate():
     bad = []
     for where, value, lq, lkv, dtype in itertools.product("qk", [math.nan, math.inf, -math.inf], [1, 3], [1, 4],

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -34,8 +36,24 @@ def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
     return cols <= rows + (lkv - lq)
 
 
+def _finite_on_cpu(*tensors: torch.Tensor) -> bool:
+    """False for CPU inputs holding NaN/Inf: torch's CPU SDPA kernels return zeros instead of
+    NaN for such rows, so they take a plain softmax. (A host check is free on the CPU; CUDA
+    tensors skip it so the call never synchronises.)"""
+    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+        return True
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """``[B, H, L, D]`` layout; ``is_causal`` only when Lq == Lkv (top-left == bottom-right)."""
+    if not _finite_on_cpu(q, k):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # plain softmax: NaN stays NaN
+        if is_causal:
+            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
     group = q.shape[1] // k.shape[1]
     if group > 1 and _HAS_ENABLE_GQA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
