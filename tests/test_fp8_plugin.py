@@ -3,7 +3,7 @@
 * Launch planning as pure functions (``astrai_fp8.planning``): every crossover of the
   tile rules, the NN swap, the shared-memory fallback.
 * One module-scoped build (``ci/build-wheels`` for CUDA 13.0, asked for sm_86 + sm_89 +
-  sm_90a; sm_86 is skipped) feeds the rest: the manifest against cuobjdump, the SASS of
+  sm_90a + sm_120; sm_86 is skipped) feeds the rest: the manifest against cuobjdump, the SASS of
   the GEMM (native ``QMMA.16832.F32.E4M3.E4M3`` on sm_89; on sm_90a the same ``mma.sync``
   becomes ``F2FP...UNPACK_B`` + ``HMMA.16816``, the emulation the manifest's
   ``native_sm`` documents), the ptxas register report (no spills), the C++
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
 from astrai_fp8 import planning  # noqa: E402
 
-ARCHS = "86;89;90a"  # sm_86 must be skipped (FP8 needs sm_89+); sm_89 native, sm_90a emulated; PTX compute_90
+ARCHS = "86;89;90a;120"  # sm_86 must be skipped (FP8 needs sm_89+); sm_89 / sm_120 native, sm_90a emulated
 H200 = dict(sms=132, smem_per_sm=233472, smem_per_block=232448)
 L20 = dict(sms=92, smem_per_sm=102400, smem_per_block=101376)
 
@@ -184,7 +184,7 @@ def test_manifest_matches_the_binary(plugin_manifest, so):
     tool = _cuobjdump()
     elf = subprocess.run([tool, "--list-elf", str(so)], capture_output=True, text=True, check=True).stdout
     ptx = subprocess.run([tool, "--list-ptx", str(so)], capture_output=True, text=True, check=True).stdout
-    assert set(re.findall(r"\.(sm_\d+[af]?)\.cubin", elf)) == set(plugin_manifest["sass_archs"]) == {"sm_89", "sm_90a"}
+    assert set(re.findall(r"\.(sm_\d+[af]?)\.cubin", elf)) == set(plugin_manifest["sass_archs"]) == {"sm_89", "sm_90a", "sm_120"}
     assert {"compute_" + a for a in re.findall(r"\.sm_(\d+[af]?)\.ptx", ptx)} == set(plugin_manifest["ptx_archs"])
     parsed = parse_manifest(plugin_manifest)
     assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm"}
@@ -196,8 +196,9 @@ def test_manifest_matches_the_binary(plugin_manifest, so):
 
 
 @pytest.mark.slow
-def test_sm89_gemm_is_native_qmma(so):
-    kernels = _sass(so, "sm_89")
+@pytest.mark.parametrize("arch", ["sm_89", "sm_120"])
+def test_gemm_is_native_qmma_on_sm89_and_sm120(so, arch):
+    kernels = _sass(so, arch)
     assert len(kernels) == 28  # (3 tiles for CC + 2 tiles x (CX, XX)) x 4 format pairs
     for name, body in kernels.items():
         assert re.search(r"QMMA\.16832\.F32\.E[45]M[32]\.E[45]M[32]", body), name
@@ -226,7 +227,7 @@ def test_ptxas_report_has_no_spills(wheelhouse):
     kernels = next(p for p in report["packages"] if p["name"] == "astrai-fp8")["kernels"]
     ours = [k for k in kernels if "sm90" not in k["kernel"]
             and re.search(r"fp8_(gemm|quantize|quantize_transpose)_kernel<", k["kernel"])]
-    for arch in ("sm_89", "sm_90a"):
+    for arch in ("sm_89", "sm_90a", "sm_120"):
         # GEMM + quantize (3 inputs x 2 formats x 2 kernels)
         assert len([k for k in ours if k["arch"] == arch]) == 28 + 12, arch
     spills = [k for k in ours if k["spill_stores"] or k["spill_loads"]]
@@ -326,4 +327,4 @@ def test_valid_arguments_reach_cuda_only_after_validation(compiled):
     with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
         compiled.quantize(**Q_OK)
     info = compiled.build_info()
-    assert info["sass_archs"] == ["sm_89", "sm_90a"] and info["cuda_version"] == "13.0"
+    assert info["sass_archs"] == ["sm_89", "sm_90a", "sm_120"] and info["cuda_version"] == "13.0"
