@@ -61,6 +61,8 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
 
     const int kv_len = KV::kv_len(p, b);
+    // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
+    const typename KV::Request req = KV::request(p, b);
     const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
     const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
     const int t_begin = min(n_tiles, split * per_split);
@@ -79,14 +81,16 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     const T* vg = static_cast<const T*>(p.v);
     const int ld_c = tid % C::kChunks, ld_r = tid / C::kChunks;
     constexpr int kPasses = C::kBN / C::kRowsPerPass;
-    const typename KV::Request req = KV::request(p, b);
-    // Page-table reads run one tile ahead of the copies that need them.
-    typename KV::Handle hnd[kPasses];
-    auto fetch_tile = [&](int tile) {
+    // Page ids run ahead of the copies: hnd holds the ids of the tile copied next; a paged
+    // source reads them one more tile ahead (hnd_ahead), so a page-table read has two
+    // iterations to land before its copies are issued.
+    constexpr bool kAhead = KV::kPaged;
+    typename KV::Handle hnd[kPasses], hnd_ahead[kAhead ? kPasses : 1];
+    auto fetch_tile = [&](int tile, typename KV::Handle* h) {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int pos = tile * C::kBN + ld_r + pass * C::kRowsPerPass;
-            hnd[pass] = pos < kv_len ? KV::fetch(p, req, pos) : 0;
+            h[pass] = pos < kv_len ? KV::fetch(p, req, pos) : 0;
         }
     };
     auto load_kv = [&](int tile, int stage) {
@@ -95,16 +99,34 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             const int r = ld_r + pass * C::kRowsPerPass;
             const int pos = tile * C::kBN + r;
             const bool ok = pos < kv_len;
-            int64_t ko = 0, vo = 0;
-            if (ok) KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
+            // Branch-free: every pass's address math is independent, so the passes
+            // interleave; a position past the end reads nothing (zero fill) from offset 0.
+            int64_t ko, vo;
+            KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
+            ko = ok ? ko : 0;
+            vo = ok ? vo : 0;
             const uint32_t off = Tile::offset(r, ld_c);
             cp_async_16(sK + stage * C::kTileBytes + off, kg + ko + ld_c * 8, ok);
             cp_async_16(sV + stage * C::kTileBytes + off, vg + vo + ld_c * 8, ok);
         }
     };
+    // After the copies of tile j - 1: make hnd the ids of tile j (relative indices).
+    auto advance = [&](int j) {
+        if (j >= my_tiles) return;
+        if constexpr (kAhead) {
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) hnd[pass] = hnd_ahead[pass];
+            if (j + 1 < my_tiles) fetch_tile(t_begin + j + 1, hnd_ahead);
+        } else {
+            fetch_tile(t_begin + j, hnd);
+        }
+    };
 
     // Q first, in its own group: it lands before any K/V tile overwrites its slot.
-    if (my_tiles > 0) fetch_tile(t_begin);
+    if (my_tiles > 0) fetch_tile(t_begin, hnd);
+    if constexpr (kAhead) {
+        if (my_tiles > 1) fetch_tile(t_begin + 1, hnd_ahead);
+    }
     cp_async_wait<0>();
     __syncthreads();
     uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
@@ -118,7 +140,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < my_tiles) {
             load_kv(t_begin + s, s);
-            if (s + 1 < my_tiles) fetch_tile(t_begin + s + 1);
+            advance(s + 1);
         }
         cp_async_commit();
     }
@@ -135,7 +157,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
         const int next = i + C::kStages - 1;
         if (next < my_tiles) {
             load_kv(t_begin + next, next % C::kStages);
-            if (next + 1 < my_tiles) fetch_tile(t_begin + next + 1);
+            advance(next + 1);
         }
         cp_async_commit();
 
