@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
+import itertools
+import math
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .backend import fp8 as fp8_backend
@@ -110,7 +115,7 @@ Recipe = DelayedScaling | DynamicScaling
 # -- state ------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class TensorScaling:
     """Scaling state of one tensor role of one weight (``input``, ``weight``, ``grad_output``).
 
@@ -118,8 +123,10 @@ class TensorScaling:
     step); ``amax_history[1:]`` are earlier steps, newest first. ``scale`` is the
     dequantization scale the next quantization uses (delayed) or the last one used
     (dynamic); ``scale_inv`` its reciprocal, the multiplier handed to the quantizer.
-    Updates replace these tensors rather than writing into them, so a backward pass
-    still reads the scales its forward used.
+    Roles updated at the same moment (``input`` and ``weight``) are rows of one stacked
+    history (``_RoleGroup``), and these tensors are views of their rows. Updates replace
+    the tensors rather than writing into them, so a backward pass still reads the scales
+    its forward used.
     """
 
     fmt: str
@@ -127,74 +134,247 @@ class TensorScaling:
     scale: torch.Tensor
     scale_inv: torch.Tensor
     updates: int = 0  # end-of-step updates applied so far
-
-    @classmethod
-    def create(cls, fmt: str, history_len: int, device: torch.device) -> TensorScaling:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        return cls(fmt, torch.zeros(history_len, dtype=torch.float32, device=device), one, one)
-
-    def to(self, device: torch.device) -> None:
-        self.amax_history = self.amax_history.to(device)
-        self.scale = self.scale.to(device)
-        self.scale_inv = self.scale_inv.to(device)
+    # Host-side bookkeeping of the weight cache (``_quantize_weight``): ``epoch`` changes
+    # whenever the delayed scale may have changed; ``_tokens`` are the weight contents
+    # recorded in the step in progress, ``_window`` those of the steps the scale is
+    # computed from (None: a role whose contents are not tracked).
+    epoch: int = field(default=0, repr=False)
+    _slot: torch.Tensor | None = field(default=None, repr=False)  # amax_history[:1]
+    _tokens: set[int] = field(default_factory=set, repr=False)
+    _window: deque[frozenset[int]] | None = field(default=None, repr=False)
+    _window_union: frozenset[int] | None = field(default=None, repr=False)
 
     def scale_for(self, x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, multiplier)`` to quantize ``x`` with."""
         if isinstance(recipe, DynamicScaling):
-            amax = torch.linalg.vector_norm(x.detach(), float("inf")).to(torch.float32)
-            self._set_scale(_scale_from_amax(amax, torch.ones_like(amax), self.fmt, recipe.margin))
+            # max|x| is one of the elements: exact in float32 whatever x's dtype
+            amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+            scale = torch.where(_usable(amax), amax * _factor(self.fmt, recipe.margin), 1.0)
+            self.scale, self.scale_inv = scale, scale.reciprocal()
         return self.scale, self.scale_inv
 
-    def _set_scale(self, scale: torch.Tensor) -> None:
-        self.scale, self.scale_inv = scale, scale.reciprocal()
+    def record(self, amax: torch.Tensor, token: int | None = None) -> None:
+        """Fold ``amax`` into the step's slot; ``token`` names the weight content it is of."""
+        torch.maximum(self._slot, amax, out=self._slot)
+        if token is not None:
+            self._tokens.add(token)
 
-    def record(self, amax: torch.Tensor) -> None:
-        slot = self.amax_history[:1]
-        torch.maximum(slot, amax, out=slot)
+    def _close_step(self) -> None:
+        """After an update: bump ``epoch`` unless the scale provably kept its value.
 
-    def end_step(self, recipe: Recipe) -> None:
-        """Roll the history and compute the next scale (delayed scaling only)."""
-        if isinstance(recipe, DynamicScaling):
-            return
-        hist = self.amax_history
-        amax = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
-        self._set_scale(_scale_from_amax(amax, self.scale, self.fmt, recipe.margin))
-        self.amax_history = torch.roll(hist, 1)
-        self.amax_history[0] = 0.0
+        The update computes the scale from the amaxes in the window (the history for
+        ``"max"``, the newest slot for ``"most_recent"``; zero slots never win the max). For
+        a tracked role each slot's amax is a function of the weight contents recorded in
+        it, so when the set of contents in the window is the one of the previous update,
+        the new scale equals the previous one: the same amax gives the same scale, and an
+        unusable amax keeps the previous scale either way.
+        """
         self.updates += 1
+        if self._window is None:
+            self.epoch += 1
+            return
+        self._window.appendleft(frozenset(self._tokens))
+        self._tokens = set()
+        union = frozenset().union(*self._window)
+        if union != self._window_union:
+            self.epoch += 1
+        self._window_union = union
 
 
-def _scale_from_amax(amax: torch.Tensor, previous: torch.Tensor, fmt: str, margin: int) -> torch.Tensor:
-    candidate = amax * (2.0 ** margin / FP8_MAX[fmt])
-    good = (amax > 0) & torch.isfinite(amax)
-    return torch.where(good, candidate, previous)
+def _factor(fmt: str, margin: int) -> float:
+    return 2.0 ** margin / FP8_MAX[fmt]
 
 
-@dataclass
+def _usable(amax: torch.Tensor) -> torch.Tensor:
+    """``amax > 0`` and finite (an amax is never negative; NaN compares false)."""
+    return (amax > 0) & (amax < math.inf)
+
+
+class _RoleGroup:
+    """Roles whose delayed-scaling update happens at the same moment, stacked: one
+    ``[R, L]`` history and one ``[R]`` scale, so an update is a handful of tensor ops for
+    all of them (amax, scale, reciprocal, shifted history) instead of a dozen per role."""
+
+    def __init__(self, fmt: str, rows: int, recipe: Recipe, device: torch.device,
+                 tracked: tuple[bool, ...]):
+        length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
+        window = length if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max" else 1
+        self.fmt = fmt
+        self.hist = torch.zeros(rows, length, dtype=torch.float32, device=device)
+        self.scale = torch.ones(rows, dtype=torch.float32, device=device)
+        self.scale_inv = self.scale  # 1 / 1
+        self._zeros = torch.zeros(rows, 1, dtype=torch.float32, device=device)
+        self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
+        self.roles = [TensorScaling(fmt, self.hist, self.scale, self.scale_inv,
+                                    _window=deque(maxlen=window) if track else None)
+                      for track in tracked]
+        self._publish(_rows(self.hist, self.scale, self.scale_inv), 0)
+
+    def _publish(self, rows: tuple, start: int, scales: bool = True) -> None:
+        """Point the roles at their rows of ``_rows(...)`` from ``start`` on (views)."""
+        hists, slots, scale_rows, inv_rows = rows
+        for i, role in enumerate(self.roles, start):
+            role.amax_history, role._slot = hists[i], slots[i]
+            if scales:
+                role.scale, role.scale_inv = scale_rows[i], inv_rows[i]
+
+    def to(self, device: torch.device) -> None:
+        self.hist, self.scale, self.scale_inv, self._zeros = (
+            t.to(device) for t in (self.hist, self.scale, self.scale_inv, self._zeros))
+        self._batch = None
+        self._publish(_rows(self.hist, self.scale, self.scale_inv), 0, scales=False)
+        for role in self.roles:  # the scales last used (dynamic) or published (delayed)
+            role.scale, role.scale_inv = role.scale.to(device), role.scale_inv.to(device)
+
+    def end_step(self, recipe: DelayedScaling) -> None:
+        """Roll the histories and compute the next scales (see ``_delayed_update``)."""
+        scale, inv, self.hist = _delayed_update(self.hist, self.scale, recipe, self.fmt, self._zeros)
+        self.scale, self.scale_inv, self._batch = scale, inv, None
+        self._published(_rows(self.hist, scale, inv), 0)
+
+    def _published(self, rows: tuple, start: int) -> None:
+        self._publish(rows, start)
+        for role in self.roles:
+            role._close_step()
+
+
+def _rows(hist: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor) -> tuple:
+    """Per-row views of stacked histories ``[..., L]`` and scales ``[...]``, rows in order:
+    ``(histories, slot 0 of each, scales, multipliers)``; a handful of view ops for any
+    number of rows, no kernels."""
+    if hist.dim() > 2:
+        hist, scale, inv = hist.flatten(0, -2), scale.flatten(), inv.flatten()
+    return hist.unbind(0), hist[:, :1].unbind(0), scale.unbind(0), inv.unbind(0)
+
+
+def _delayed_update(hist: torch.Tensor, prev: torch.Tensor, recipe: DelayedScaling, fmt: str,
+                    zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv, history)`` after a step, for histories stacked along the
+    leading dimensions (``[..., L]``): ``amax = max(history)`` or ``history[0]``,
+    ``scale = amax * 2**margin / fp8_max`` unless the amax is zero or not finite (then
+    ``prev`` stays), and the history shifted by one with slot 0 cleared. Every op is
+    elementwise or a max, so stacking more rows changes no value."""
+    amax = hist.amax(-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
+    scale = torch.where(_usable(amax), amax * _factor(fmt, recipe.margin), prev)
+    return scale, scale.reciprocal(), torch.cat((zeros, hist[..., :-1]), -1)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Groups updated together last time: their histories and scales are rows of these."""
+
+    groups: tuple[_RoleGroup, ...]
+    hist: torch.Tensor  # [S, R, L]
+    scale: torch.Tensor  # [S, R]
+    zeros: torch.Tensor  # [S, R, 1]
+
+
+def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
+    """End the step of many role groups: one stacked update per (recipe, format, device,
+    shape) instead of one per group, so a region's bookkeeping costs about ten kernels
+    whatever the number of linears in it. Delayed scaling only; values as group by group.
+    The histories stay rows of one tensor, so the next update of the same groups needs
+    no stacking copy."""
+    buckets: dict[tuple, list[_RoleGroup]] = {}
+    for group, recipe in pairs:
+        if isinstance(recipe, DelayedScaling):
+            key = (recipe, group.fmt, group.hist.device, group.hist.shape)
+            buckets.setdefault(key, []).append(group)
+    for (recipe, fmt, _, _), groups in buckets.items():
+        if len(groups) == 1:
+            groups[0].end_step(recipe)
+            continue
+        members = tuple(groups)
+        batch = groups[0]._batch
+        if batch is not None and batch.groups == members and all(g._batch is batch for g in groups):
+            hist, prev, zeros = batch.hist, batch.scale, batch.zeros
+        else:
+            hist = torch.stack([g.hist for g in groups])
+            prev = torch.stack([g.scale for g in groups])
+            zeros = hist.new_zeros((*hist.shape[:-1], 1))
+        scale, inv, hist = _delayed_update(hist, prev, recipe, fmt, zeros)
+        batch = _Batch(members, hist, scale, zeros)
+        rows = _rows(hist, scale, inv)
+        start = 0
+        for group, h, s, i in zip(groups, hist.unbind(0), scale.unbind(0), inv.unbind(0)):
+            group.hist, group.scale, group.scale_inv, group._batch = h, s, i, batch
+            group._published(rows, start)
+            start += len(group.roles)
+
+
+@dataclass(eq=False)
+class _WeightCache:
+    """The FP8 copy of a weight, valid while the weight's contents and scale are."""
+
+    key: tuple  # data pointer, version counter, dtype, shape, strides, device
+    storage: StorageWeakRef  # the storage the key's pointer is into (alive: not reused)
+    token: int  # names this content in the scaling bookkeeping
+    epoch: int  # the weight role's epoch it was quantized at
+    q: torch.Tensor
+    q_t: torch.Tensor | None  # the [K, N] copy, made on first need
+    amax: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+_tokens = itertools.count(1)
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    # in-place updates (optimizer steps, copy_, load_state_dict) bump the version counter;
+    # a new tensor behind the parameter (``.data =``, ``.to()``) moves the pointer
+    return (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.stride(),
+            weight.device)
+
+
+@dataclass(eq=False)
 class Fp8LinearState:
-    """FP8 state of one linear weight: a ``TensorScaling`` per tensor role."""
+    """FP8 state of one linear weight: a ``TensorScaling`` per tensor role, plus the FP8
+    copy of the weight kept between calls while the weight is unchanged."""
 
     recipe: Recipe
-    input: TensorScaling
-    weight: TensorScaling
-    grad_output: TensorScaling
+    forward_roles: _RoleGroup = field(repr=False)
+    backward_roles: _RoleGroup = field(repr=False)
     _backward_pending: bool = field(default=False, repr=False)
+    _weight_cache: _WeightCache | None = field(default=None, repr=False)
+
+    @property
+    def input(self) -> TensorScaling:
+        return self.forward_roles.roles[0]
+
+    @property
+    def weight(self) -> TensorScaling:
+        return self.forward_roles.roles[1]
+
+    @property
+    def grad_output(self) -> TensorScaling:
+        return self.backward_roles.roles[0]
+
+    def __repr__(self) -> str:
+        return (f"Fp8LinearState(recipe={self.recipe!r}, input={self.input!r}, "
+                f"weight={self.weight!r}, grad_output={self.grad_output!r})")
 
     @classmethod
     def create(cls, recipe: Recipe, device: torch.device) -> Fp8LinearState:
-        length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         fmt = recipe.fp8_format
-        return cls(recipe, TensorScaling.create(fmt.forward, length, device),
-                   TensorScaling.create(fmt.forward, length, device),
-                   TensorScaling.create(fmt.backward, length, device))
+        return cls(recipe, _RoleGroup(fmt.forward, 2, recipe, device, tracked=(False, True)),
+                   _RoleGroup(fmt.backward, 1, recipe, device, tracked=(False,)))
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (its memory, and any doubt: the next call quantizes)."""
+        self._weight_cache = None
+
+    def to(self, device: torch.device) -> None:
+        self.forward_roles.to(device)
+        self.backward_roles.to(device)
+        self._weight_cache = None
 
     def end_forward_step(self) -> None:
-        self.input.end_step(self.recipe)
-        self.weight.end_step(self.recipe)
+        _end_steps([(self.forward_roles, self.recipe)])
 
     def end_backward_step(self) -> None:
         self._backward_pending = False
-        self.grad_output.end_step(self.recipe)
+        _end_steps([(self.backward_roles, self.recipe)])
 
 
 _STATE_ATTR = "_astrai_fp8_state"
@@ -211,12 +391,11 @@ def fp8_state(obj: torch.nn.Module | torch.Tensor) -> Fp8LinearState | None:
 
 def _state_for(weight: torch.Tensor, recipe: Recipe) -> Fp8LinearState:
     state = getattr(weight, _STATE_ATTR, None)
-    if state is None or state.recipe != recipe:  # a different recipe starts afresh
-        state = Fp8LinearState.create(recipe, weight.device)
+    if state is None or (state.recipe is not recipe and state.recipe != recipe):
+        state = Fp8LinearState.create(recipe, weight.device)  # a different recipe starts afresh
         setattr(weight, _STATE_ATTR, state)
-    elif state.input.scale.device != weight.device:  # the module moved since
-        for role in (state.input, state.weight, state.grad_output):
-            role.to(weight.device)
+    elif state.forward_roles.hist.device != weight.device:  # the module moved since
+        state.to(weight.device)
     return state
 
 
@@ -231,11 +410,49 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, runtime: Run
     return q, q_t, scale
 
 
-def _forward(x2d, weight, bias, state, runtime, save_x_t: bool = False, save_w_t: bool = False):
+def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, runtime: Runtime, want_t: bool,
+                     cache: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(q, q_t or None, scale)`` of the weight, from the cache while it is valid.
+
+    Valid while the weight holds the same contents (``_weight_key``, its storage alive)
+    and, under delayed scaling, its scale provably kept its value (``epoch``); a dynamic
+    scale is a function of the contents alone. A hit costs no kernel but the step's amax
+    record (once per step). In-place writes that bypass the version counter
+    (``weight.data.copy_(...)``) are invisible: ``Fp8LinearState.clear_weight_cache``.
+    """
+    role, recipe = state.weight, state.recipe
+    delayed = isinstance(recipe, DelayedScaling)
+    entry = state._weight_cache
+    key = _weight_key(weight)
+    same = entry is not None and entry.key == key and not entry.storage.expired()
+    if same and entry.epoch == role.epoch:
+        if want_t and entry.q_t is None:
+            entry.q_t = entry.q.t().contiguous()  # the bytes the two-layout quantize writes
+        if delayed:
+            if entry.token not in role._tokens:
+                role.record(entry.amax, entry.token)
+        else:
+            role.scale, role.scale_inv = entry.scale, entry.scale_inv
+        return entry.q, entry.q_t, entry.scale
+    scale, multiplier = role.scale_for(weight, recipe)
+    q, q_t, amax = fp8_backend.quantize(weight, multiplier, role.fmt, 2 if want_t else 0,
+                                        runtime=runtime)
+    token = entry.token if same else next(_tokens)
+    role.record(amax, token if delayed else None)
+    state._weight_cache = None
+    if cache:
+        state._weight_cache = _WeightCache(key, StorageWeakRef(weight.untyped_storage()), token,
+                                           role.epoch, q, q_t if want_t else None, amax, scale,
+                                           multiplier)
+    return q, (q_t if want_t else None), scale
+
+
+def _forward(x2d, weight, bias, state, runtime, cache: bool, save_x_t: bool = False,
+             save_w_t: bool = False):
     """The forward GEMM; also returns the FP8 operands the backward will read (their
     transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
     xq, xq_t, sx = _quantize(x2d, state.input, state.recipe, runtime, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize(weight, state.weight, state.recipe, runtime, 2 if save_w_t else 0)
+    wq, wq_t, sw = _quantize_weight(weight, state, runtime, save_w_t, cache)
     y = fp8_backend.gemm(xq, wq.t(), sx * sw, bias, runtime=runtime)
     return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
 
@@ -250,15 +467,15 @@ class _Fp8Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, runtime, out_dtype, k_major):
+    def forward(ctx, x2d, weight, bias, state, runtime, out_dtype, k_major, cache):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, runtime,
+        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, runtime, cache,
                                                save_x_t=k_major and need_dw,
                                                save_w_t=k_major and need_dx)
         ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
         ctx.state, ctx.runtime, ctx.k_major = state, runtime, k_major
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(out_dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -267,23 +484,51 @@ class _Fp8Linear(torch.autograd.Function):
         state, runtime, k_major = ctx.state, ctx.runtime, ctx.k_major
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        grad_y = grad_y.contiguous()
+        if not grad_y.is_contiguous():
+            grad_y = grad_y.contiguous()
         dx = dw = db = None
         if need_dx or need_dw:
             layout = (2 if need_dx else 1) if k_major and need_dw else 0
             gq, gq_t, sg = _quantize(grad_y, state.grad_output, state.recipe, runtime, layout)
             if not state._backward_pending:  # one history update per backward pass
-                state._backward_pending = True
-                torch.autograd.Variable._execution_engine.queue_callback(state.end_backward_step)
+                _end_with_backward(state)
             if need_dx:  # [M, N] @ [N, K]
                 w_op = w_saved.t() if k_major else w_saved
-                dx = fp8_backend.gemm(gq, w_op, sg * sw, runtime=runtime).to(x_dtype)
+                dx = fp8_backend.gemm(gq, w_op, sg * sw, runtime=runtime)
+                dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
             if need_dw:  # [N, M] @ [M, K]
                 g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
-                dw = fp8_backend.gemm(g_op, x_op, sg * sx, runtime=runtime).to(w_dtype)
-        if need_db:
-            db = grad_y.to(torch.float32).sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+                dw = fp8_backend.gemm(g_op, x_op, sg * sx, runtime=runtime)
+                dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
+        if need_db:  # float32 accumulation without a float32 copy of dy
+            db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+_pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
+_pending_lock = threading.Lock()
+
+
+def _end_with_backward(state: Fp8LinearState) -> None:
+    """Have ``state``'s gradient step end when this backward pass ends: one callback per
+    pass updates every state it used together (``_end_steps``)."""
+    state._backward_pending = True
+    task = torch._C._current_graph_task_id()
+    with _pending_lock:
+        states = _pending.get(task)
+        if states is None:
+            states = _pending[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_end_backward_pass, task))
+        states.append(state)
+
+
+def _end_backward_pass(task: int) -> None:
+    with _pending_lock:
+        states = _pending.pop(task, [])
+    for state in states:
+        state._backward_pending = False
+    _end_steps([(state.backward_roles, state.recipe) for state in states])
 
 
 def _fp8_capable(x, weight, bias) -> bool:
@@ -299,20 +544,24 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     state = _state_for(weight, region.recipe)
     region.touch(state)
     out_dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.get_autocast_dtype(x.device.type)
-    x2d = x.reshape(-1, x.shape[-1])
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        out_dtype = torch.get_autocast_dtype(device_type)
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     runtime = current_runtime()
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
-        k_major = fp8_backend.wants_k_major(probe_device(x.device), state.recipe.fp8_format.backward,
-                                            state.recipe.fp8_format.forward, runtime=runtime)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major)
+        fmt = state.recipe.fp8_format
+        k_major = fp8_backend.wants_k_major(probe_device(x.device), fmt.backward, fmt.forward,
+                                            runtime=runtime)
+        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major, region.cache_weights)
     else:
         with torch.no_grad():
-            y = _forward(x2d, weight, bias, state, runtime)[0].to(out_dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+            y = _forward(x2d, weight, bias, state, runtime, region.cache_weights)[0]
+            if y.dtype != out_dtype:
+                y = y.to(out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # -- the autocast region ----------------------------------------------------------------
@@ -323,6 +572,7 @@ class _Region:
     enabled: bool
     recipe: Recipe
     touched: dict[int, Fp8LinearState]  # shared by a thread's nested regions
+    cache_weights: bool = True
 
     def touch(self, state: Fp8LinearState) -> None:
         self.touched.setdefault(id(state), state)
@@ -363,16 +613,22 @@ def is_fp8_autocast_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[None]:
+def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
+                 cache_weights: bool = True) -> Iterator[None]:
     """Run ``F.linear`` / ``nn.Linear`` in FP8 inside the block (see the module docstring).
 
     Regions nest: the innermost decides (``enabled=False`` inside switches FP8 off for
     its block). Delayed-scaling forward states update once, when the outermost region of
     the thread exits; gradient states at the end of each backward pass.
     Linears FP8 can't take (float64, zero-size, mismatched shapes) run unchanged.
+    ``cache_weights`` keeps each weight's FP8 copy between calls while the weight and its
+    scale are unchanged (inference, gradient accumulation); False quantizes every call
+    and keeps no copy.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    if not isinstance(cache_weights, bool):
+        raise TypeError(f"cache_weights must be a bool, got {type(cache_weights).__name__}")
     if recipe is None:
         recipe = DelayedScaling()
     elif not isinstance(recipe, (DelayedScaling, DynamicScaling)):
@@ -380,7 +636,7 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator
     stack = _stack()
     outermost = not stack
     touched = {} if outermost else stack[0].touched
-    stack.append(_Region(enabled, recipe, touched))
+    stack.append(_Region(enabled, recipe, touched, cache_weights))
     mode = _LinearMode() if outermost else None
     try:
         if mode is not None:
@@ -391,5 +647,4 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator
     finally:
         stack.pop()
         if outermost:
-            for state in touched.values():
-                state.end_forward_step()
+            _end_steps([(state.forward_roles, state.recipe) for state in touched.values()])

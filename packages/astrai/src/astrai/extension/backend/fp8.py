@@ -114,13 +114,39 @@ def _quantize_candidates(runtime: Runtime) -> list:
     return [_PluginOp("fp8_quantize", runtime), _Always("torch")]
 
 
+class _Candidates:
+    """The candidate list, built only when the resolver decides (a cache miss): a repeated
+    call then costs the resolver's dict lookup and no objects."""
+
+    def __init__(self, build, runtime: Runtime):
+        self._build, self._runtime, self._list = build, runtime, None
+
+    def _get(self) -> list:
+        if self._list is None:
+            self._list = self._build(self._runtime)
+        return self._list
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+
+_NAMES = {dtype: _dtype_name(dtype) for dtype in (*FP8_FORMATS, *QUANTIZE_INPUT_DTYPES)}
+_FMT_NAMES = {fmt: _NAMES[dtype] for fmt, dtype in FP8_DTYPES.items()}
+
+
 def choose_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, *, runtime: Runtime | None = None,
                 backend: str | None = None) -> str:
     """The GEMM implementation the policy picks for these facts (no tensors needed)."""
     runtime = runtime or current_runtime()
-    call = Fp8Call(device, (_dtype_name(FP8_DTYPES[a_fmt]), _dtype_name(FP8_DTYPES[b_fmt])))
+    call = Fp8Call(device, (_FMT_NAMES[a_fmt], _FMT_NAMES[b_fmt]))
     key = (device.key, device.sm, a_fmt, b_fmt)
-    return runtime.resolver.resolve("fp8_gemm", _gemm_candidates(runtime), call, key,
+    return runtime.resolver.resolve("fp8_gemm", _Candidates(_gemm_candidates, runtime), call, key,
                                     explicit=backend).name
 
 
@@ -128,11 +154,11 @@ def choose_quantize(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, *,
                     runtime: Runtime | None = None, backend: str | None = None) -> str:
     """The quantize implementation the policy picks for these facts."""
     runtime = runtime or current_runtime()
-    dtype_name = _dtype_name(x_dtype)
+    dtype_name = _NAMES.get(x_dtype) or _dtype_name(x_dtype)
     call = Fp8Call(device, (dtype_name,))
     key = (device.key, device.sm, dtype_name, fmt)
-    return runtime.resolver.resolve("fp8_quantize", _quantize_candidates(runtime), call, key,
-                                    explicit=backend).name
+    return runtime.resolver.resolve("fp8_quantize", _Candidates(_quantize_candidates, runtime), call,
+                                    key, explicit=backend).name
 
 
 def wants_k_major(device: DeviceInfo, a_fmt: str, b_fmt: str, *, runtime: Runtime | None = None) -> bool:
@@ -217,6 +243,11 @@ def _choose_quantize_while_compiling(runtime: Runtime | None, device: str, x_dty
 # -- the calls --------------------------------------------------------------------------
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` cut from autograd; ``t`` itself where autograd records nothing anyway (no view op)."""
+    return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
+
+
 def _plugin_broken(runtime: Runtime, op: str, device: DeviceInfo) -> bool:
     """True when the registry has just marked ``op`` unusable (its module failed to import)."""
     if runtime.registry.op_status(op, device).usable:
@@ -234,7 +265,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
     of its dequantization scale). Layouts as ``ops.fp8_quantize``.
     """
     check_quantize_args(x, scale, fmt, out_layout)
-    x, scale = x.detach(), scale.detach()  # not differentiable: the strategy layer owns autograd
+    x, scale = _detached(x), _detached(scale)  # not differentiable: the strategy layer owns autograd
     if torch.compiler.is_compiling():
         chosen = _choose_quantize_while_compiling(runtime, str(x.device), x.dtype, fmt, backend)
     else:
@@ -260,8 +291,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     bf16 first on every path, as the kernel's epilogue reads it.
     """
     check_gemm_args(a, b, scale, bias)
-    a, b, scale = a.detach(), b.detach(), scale.detach()
-    bias = None if bias is None else bias.detach()
+    a, b, scale = _detached(a), _detached(b), _detached(scale)
+    bias = None if bias is None else _detached(bias)
     if torch.compiler.is_compiling():
         chosen, sm = _choose_gemm_while_compiling(runtime, str(a.device), FP8_FORMATS[a.dtype],
                                                   FP8_FORMATS[b.dtype], backend)
@@ -271,7 +302,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
         chosen, sm = choose_gemm(device, FP8_FORMATS[a.dtype], FP8_FORMATS[b.dtype], runtime=runtime,
                                  backend=backend), device.sm
     bias16 = None if bias is None else bias.to(torch.bfloat16)
-    scale0 = scale.reshape(())
+    scale0 = scale if scale.dim() == 0 else scale.reshape(())
     if chosen == "plugin":
         if sm in K_MAJOR_ONLY_SM:
             a, b = fp8_torch.k_major(a, b)

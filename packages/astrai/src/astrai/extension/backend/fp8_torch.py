@@ -38,7 +38,8 @@ def quantize(x: torch.Tensor, multiplier: torch.Tensor, fmt: str = "e4m3",
     """
     dtype = FP8_DTYPES[fmt]
     limit = FP8_MAX[fmt]
-    x = x.detach()
+    if x.requires_grad and torch.is_grad_enabled():
+        x = x.detach()
     # max|x| in one read (exact in any dtype: it is one of the elements); NaN propagates
     amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
     # a 1-element *1-D* multiplier takes part in type promotion, so a bf16/fp16 x is
@@ -91,6 +92,20 @@ def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return _dense_rows(a), _dense_rows(b.t()).t()
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 on ``device`` (the unit ``scale_b``), made once per device rather than
+    once per call (a fill kernel each time); made fresh while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=torch.float32, device=device)
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES.setdefault(device, torch.ones((), dtype=torch.float32, device=device))
+    return one
+
+
 def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -108,8 +123,10 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
         a2 = _pad_to(a2, m, k_pad)
     if k_pad != k or n_pad != n:
         b2 = _pad_to(b2.t(), n_pad, k_pad).t()
-    one = torch.ones((), dtype=torch.float32, device=a.device)
-    scale_a = scale.to(device=a.device, dtype=torch.float32).reshape(())
+    one = _one(a.device)
+    scale_a = scale.to(device=a.device, dtype=torch.float32)
+    if scale_a.dim() != 0:
+        scale_a = scale_a.reshape(())
     bias2 = None
     if bias is not None:
         bias2 = bias.to(out_dtype)

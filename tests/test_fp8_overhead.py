@@ -1,0 +1,310 @@
+"""What the fp8_autocast linear issues per call (op-count bounds, so host-cost regressions
+fail) and the FP8 weight cache: invisible in every value, invalidated by weight updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from astrai.extension.backend import fp8 as fp8_backend
+from astrai.extension.backend import fp8_torch
+from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
+
+_NO_KERNEL = {"empty", "empty_strided", "lift_fresh"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Counter(TorchDispatchMode):
+    """aten ops the strategy layer issues; each torch fallback primitive (quantize, the
+    emulated GEMM) counts as one kernel, as the plugin / cuBLASLt call it stands for."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.kernels = self.muted = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.muted:
+            self.ops += 1
+            if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+                self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    c = _Counter()
+
+    def primitive(fn):
+        def inner(*args, **kwargs):
+            if c.muted == 0:
+                c.ops += 1
+                c.kernels += 1
+            c.muted += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                c.muted -= 1
+        return inner
+
+    monkeypatch.setattr(fp8_torch, "quantize", primitive(fp8_torch.quantize))
+    monkeypatch.setattr(fp8_torch, "emulated_gemm", primitive(fp8_torch.emulated_gemm))
+    return c
+
+
+def _count(counter: _Counter, fn) -> tuple[int, int]:
+    counter.ops = counter.kernels = 0
+    with counter:
+        fn()
+    return counter.ops, counter.kernels
+
+
+def _mlp(linears: int) -> torch.nn.Sequential:
+    layers = [torch.nn.Linear(32, 32)]
+    for _ in range(linears - 1):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(32, 32)]
+    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+
+
+# -- op-count bounds ---------------------------------------------------------------------
+# Measured with torch 2.13 (CPU), ops / kernels, each fallback primitive as one kernel:
+#   inference forward (weight cached)   6 / 5      before this layout: 20 / 6 (one of them
+#                                                   the weight's quantize, a full pass)
+#   region exit                        14 / 8 for one linear, 20 / 8 for any number
+#                                                   before: 28 / 24 per linear
+#   training forward                    7 / 6      before: 20 / 6
+#   backward pass                      26 / 19     before: 40 / 24 (both include the
+#                                                   accumulation into three .grad)
+# The bounds leave a little room for other torch versions.
+
+
+def test_inference_forward_issues_a_handful_of_kernels(counter):
+    """Steady-state no_grad forward, weight cached: quantize x, two amax records, the
+    GEMM scale product, the GEMM."""
+    lin = _mlp(1)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    recipe = DelayedScaling(amax_history_len=4)
+    with torch.no_grad():
+        for _ in range(3):  # past the steps where the weight's scale still changes
+            with fp8_autocast(recipe=recipe):
+                lin(x)
+        with fp8_autocast(recipe=recipe):
+            ops, kernels = _count(counter, lambda: lin(x))
+    assert kernels <= 5, kernels
+    assert ops <= 7, ops
+
+
+def test_region_exit_costs_the_same_for_any_number_of_linears(counter):
+    """The delayed-scaling update of every linear of a region is one stacked update."""
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    exits = {}
+    for linears in (1, 2, 8):
+        model = _mlp(linears)
+        with torch.no_grad():
+            for _ in range(2):
+                with fp8_autocast(recipe=recipe):
+                    model(x)
+            region = fp8_autocast(recipe=recipe)
+            region.__enter__()
+            model(x)
+            exits[linears] = _count(counter, lambda r=region: r.__exit__(None, None, None))
+    assert all(kernels <= 8 for _, kernels in exits.values()), exits
+    assert exits[2] == exits[8], exits  # constant in the number of linears
+    assert exits[8][0] <= 22, exits
+
+
+def test_training_step_op_counts(counter):
+    lin = _mlp(1)[0]
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(8, 32, dtype=torch.bfloat16)
+    recipe = DelayedScaling(amax_history_len=4)
+    for _ in range(2):
+        with fp8_autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(gy)
+    with torch.no_grad():
+        lin.weight.add_(1e-3)  # an optimizer step: the weight is quantized afresh
+    with fp8_autocast(recipe=recipe):
+        fwd_ops, fwd_kernels = _count(counter, lambda: lin(x))
+        y = lin(x)
+    bwd_ops, bwd_kernels = _count(counter, lambda: y.backward(gy))
+    assert fwd_kernels <= 6 and fwd_ops <= 8, (fwd_ops, fwd_kernels)
+    # quantize dy + record, dgrad, wgrad (a scale product each), bias gradient, the
+    # accumulation into three .grad, the end-of-pass update
+    assert bwd_kernels <= 19 and bwd_ops <= 27, (bwd_ops, bwd_kernels)
+
+
+# -- the weight cache ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def quantize_calls(monkeypatch):
+    calls = []
+    quantize = fp8_backend.quantize
+
+    def spy(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return quantize(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_backend, "quantize", spy)
+    return calls
+
+
+def _snapshot(lin: torch.nn.Linear) -> list[torch.Tensor]:
+    state = fp8_state(lin)
+    return [t.clone() for role in (state.input, state.weight, state.grad_output)
+            for t in (role.amax_history, role.scale, role.scale_inv)]
+
+
+def _updates():
+    """In-place and replacing weight updates, one per step (None: unchanged)."""
+    def add(lin):
+        with torch.no_grad():
+            lin.weight.add_(0.25)
+
+    def scale_down(lin):
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+
+    def load(lin):
+        lin.load_state_dict({"weight": torch.randn_like(lin.weight) * 3, "bias": lin.bias.detach()})
+
+    def replace(lin):
+        lin.weight.data = torch.randn_like(lin.weight) * 0.1
+
+    return [None, None, add, None, None, None, None, scale_down, load, None, None, replace, None, None]
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3),
+                                    DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent"),
+                                    DynamicScaling()], ids=["max", "most_recent", "dynamic"])
+def test_cached_weights_change_no_value(recipe):
+    """Two copies of a linear, one with the cache and one without, through inference steps,
+    in-place updates, load_state_dict and a replaced .data: every output, gradient and
+    scaling state stays bit-identical."""
+    torch.manual_seed(0)
+    cached = torch.nn.Linear(24, 16)
+    plain = torch.nn.Linear(24, 16)
+    plain.load_state_dict(cached.state_dict())
+    for step, update in enumerate(_updates()):
+        if update is not None:
+            torch.manual_seed(step)
+            update(cached)
+            torch.manual_seed(step)
+            update(plain)
+        x = torch.randn(5, 24) * (1 + step % 4)
+        outs = []
+        for lin, cache in ((cached, True), (plain, False)):
+            xi = x.clone().requires_grad_(step % 3 == 0)
+            with fp8_autocast(recipe=recipe, cache_weights=cache):
+                y = lin(xi)
+            if xi.requires_grad:
+                y.sum().backward()
+                outs.append((y.detach(), xi.grad, lin.weight.grad))
+                lin.zero_grad()
+            else:
+                outs.append((y,))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), step
+        for a, b in zip(_snapshot(cached), _snapshot(plain)):
+            assert torch.equal(a, b), step
+    assert fp8_state(plain)._weight_cache is None
+
+
+def test_unchanged_weight_is_quantized_once_and_in_place_updates_invalidate(quantize_calls):
+    recipe = DelayedScaling(amax_history_len=2)
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+
+    def weight_quantizations(steps: int) -> int:
+        before = len(quantize_calls)
+        for _ in range(steps):
+            with torch.no_grad(), fp8_autocast(recipe=recipe):
+                lin(x)
+        return sum(shape == (8, 16) for shape in quantize_calls[before:])
+
+    # scale 1, then the weight's own scale; from then on the scale provably stays
+    assert weight_quantizations(6) == 2
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place: the version counter moves
+    assert weight_quantizations(1) == 1  # new contents, old scale
+    assert weight_quantizations(5) == 2  # twice more while the scale settles on the new amax
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight * 0.5)
+    assert weight_quantizations(1) == 1
+
+
+def test_dynamic_scaling_reuses_the_cached_weight_and_its_scale(quantize_calls):
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    outs = []
+    for _ in range(3):
+        with torch.no_grad(), fp8_autocast(recipe=DynamicScaling()):
+            outs.append(lin(x))
+    assert sum(shape == (8, 16) for shape in quantize_calls) == 1
+    assert torch.equal(outs[0], outs[2])
+    expected = float(lin.weight.detach().abs().max()) / 448.0
+    assert fp8_state(lin).weight.scale.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_writes_behind_the_version_counter_need_clear_weight_cache(quantize_calls):
+    """``weight.data.copy_`` bypasses the version counter (documented): clearing the cache
+    makes the next call quantize the new contents."""
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    recipe = DynamicScaling()
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        lin(x)
+    lin.weight.data.mul_(3.0)
+    fp8_state(lin).clear_weight_cache()
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        y = lin(x)
+    fresh = torch.nn.Linear(16, 8)
+    fresh.load_state_dict(lin.state_dict())
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        assert torch.equal(y, fresh(x))
+
+
+def test_cache_weights_false_keeps_no_copy_and_is_checked():
+    lin = torch.nn.Linear(16, 8)
+    with fp8_autocast(cache_weights=False):
+        lin(torch.randn(2, 16))
+    assert fp8_state(lin)._weight_cache is None
+    with fp8_autocast():
+        lin(torch.randn(2, 16))
+    assert fp8_state(lin)._weight_cache is not None
+    with pytest.raises(TypeError, match="cache_weights"), fp8_autocast(cache_weights=1):
+        pass
+
+
+def test_one_region_updates_like_one_region_per_linear():
+    """The stacked end-of-step update gives every linear the values its own update would."""
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+    together = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    apart = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    apart.load_state_dict(together.state_dict())
+    for step in range(5):
+        x = torch.randn(4, 8) * (step + 1)
+        with fp8_autocast(recipe=recipe):
+            y1 = together(x)
+        y2 = x
+        for lin in apart:
+            with fp8_autocast(recipe=recipe):
+                y2 = lin(y2)
+        (y1.square().sum() + y2.square().sum()).backward()
+        assert torch.equal(y1, y2)
+        for a, b in zip(together, apart):
+            assert torch.equal(a.weight.grad, b.weight.grad)
+            for s, t in zip(_snapshot(a), _snapshot(b)):
+                assert torch.equal(s, t)
+        together.zero_grad()
+        apart.zero_grad()
