@@ -308,3 +308,19 @@ def test_one_region_updates_like_one_region_per_linear():
                 assert torch.equal(s, t)
         together.zero_grad()
         apart.zero_grad()
+
+
+def test_nothing_made_during_a_graph_capture_is_kept(monkeypatch):
+    """Kernels captured into a CUDA graph run only on replay: neither the FP8 weight nor
+    cuBLASLt's unit scale may be cached from inside a capture (simulated here)."""
+    from astrai.extension import fp8 as fp8_layer
+
+    cpu = torch.device("cpu")
+    assert fp8_torch._one(cpu) is fp8_torch._one(cpu) and fp8_torch._one(cpu).item() == 1.0
+    monkeypatch.setattr(fp8_layer, "capturing", lambda device: True)
+    monkeypatch.setattr(fp8_torch, "capturing", lambda device: True)
+    assert fp8_torch._one(cpu) is not fp8_torch._one(cpu)
+    lin = torch.nn.Linear(16, 8)
+    with torch.no_grad(), fp8_autocast():
+        lin(torch.randn(2, 16))
+    assert fp8_state(lin)._weight_cache is None

@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .backend import fp8 as fp8_backend
-from .backend.fp8_torch import FP8_MAX, QUANTIZE_INPUT_DTYPES
+from .backend.fp8_torch import FP8_MAX, QUANTIZE_INPUT_DTYPES, capturing
 from .device import probe_device
 from .runtime import Runtime, current_runtime
 
@@ -440,7 +440,7 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, runtime: Runti
     token = entry.token if same else next(_tokens)
     role.record(amax, token if delayed else None)
     state._weight_cache = None
-    if cache:
+    if cache and not capturing(weight.device):  # a captured quantize runs only on replay
         state._weight_cache = _WeightCache(key, StorageWeakRef(weight.untyped_storage()), token,
                                            role.epoch, q, q_t if want_t else None, amax, scale,
                                            multiplier)

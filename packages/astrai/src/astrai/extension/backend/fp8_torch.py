@@ -95,10 +95,17 @@ def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
+def capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on ``device``'s current stream: kernels
+    are recorded then, not run, so nothing made there may outlive the capture."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _one(device: torch.device) -> torch.Tensor:
     """A float32 1 on ``device`` (the unit ``scale_b``), made once per device rather than
-    once per call (a fill kernel each time); made fresh while torch.compile traces."""
-    if torch.compiler.is_compiling():
+    once per call (a fill kernel each time); made fresh while torch.compile traces or a
+    CUDA graph captures (its fill would run only on replay)."""
+    if torch.compiler.is_compiling() or capturing(device):
         return torch.ones((), dtype=torch.float32, device=device)
     one = _ONES.get(device)
     if one is None:
