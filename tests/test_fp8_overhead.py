@@ -275,11 +275,23 @@ def test_writes_behind_the_version_counter_need_clear_weight_cache(quantize_call
 
 def test_cache_weights_false_keeps_no_copy_and_is_checked():
     lin = torch.nn.Linear(16, 8)
-    with fp8_autocast(cache_weights=False):
+    with torch.no_grad(), fp8_autocast(cache_weights=False):
         lin(torch.randn(2, 16))
     assert fp8_state(lin)._weight_cache is None
-    with fp8_autocast():
+    with torch.no_grad(), fp8_autocast():
         lin(torch.randn(2, 16))
+    assert fp8_state(lin)._weight_cache is not None
+
+
+def test_training_calls_cache_only_when_asked():
+    """A training step may update weights through ``param.data`` (invisible to the cache):
+    by default only calls that record no gradient cache."""
+    lin = torch.nn.Linear(16, 8)
+    with fp8_autocast():
+        lin(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    assert fp8_state(lin)._weight_cache is None
+    with fp8_autocast(cache_weights=True):
+        lin(torch.randn(2, 16, requires_grad=True)).sum().backward()
     assert fp8_state(lin)._weight_cache is not None
     with pytest.raises(TypeError, match="cache_weights"), fp8_autocast(cache_weights=1):
         pass

@@ -555,10 +555,10 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
         fmt = state.recipe.fp8_format
         k_major = fp8_backend.wants_k_major(probe_device(x.device), fmt.backward, fmt.forward,
                                             runtime=runtime)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major, region.cache_weights)
+        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major, region.cache_weights is True)
     else:
         with torch.no_grad():
-            y = _forward(x2d, weight, bias, state, runtime, region.cache_weights)[0]
+            y = _forward(x2d, weight, bias, state, runtime, region.cache_weights is not False)[0]
             if y.dtype != out_dtype:
                 y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
@@ -572,7 +572,7 @@ class _Region:
     enabled: bool
     recipe: Recipe
     touched: dict[int, Fp8LinearState]  # shared by a thread's nested regions
-    cache_weights: bool = True
+    cache_weights: bool | None = None
 
     def touch(self, state: Fp8LinearState) -> None:
         self.touched.setdefault(id(state), state)
@@ -614,7 +614,7 @@ def is_fp8_autocast_enabled() -> bool:
 
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
-                 cache_weights: bool = True) -> Iterator[None]:
+                 cache_weights: bool | None = None) -> Iterator[None]:
     """Run ``F.linear`` / ``nn.Linear`` in FP8 inside the block (see the module docstring).
 
     Regions nest: the innermost decides (``enabled=False`` inside switches FP8 off for
@@ -622,13 +622,15 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
     the thread exits; gradient states at the end of each backward pass.
     Linears FP8 can't take (float64, zero-size, mismatched shapes) run unchanged.
     ``cache_weights`` keeps each weight's FP8 copy between calls while the weight and its
-    scale are unchanged (inference, gradient accumulation); False quantizes every call
-    and keeps no copy.
+    scale are unchanged. The default (None) caches only calls that record no gradient
+    (inference), where weights change only through tracked writes; in training an optimizer
+    or framework may write through ``param.data``, which the cache cannot see, so there it
+    is opt-in (True, e.g. for gradient accumulation). False never caches.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    if not isinstance(cache_weights, bool):
-        raise TypeError(f"cache_weights must be a bool, got {type(cache_weights).__name__}")
+    if cache_weights is not None and not isinstance(cache_weights, bool):
+        raise TypeError(f"cache_weights must be a bool or None, got {type(cache_weights).__name__}")
     if recipe is None:
         recipe = DelayedScaling()
     elif not isinstance(recipe, (DelayedScaling, DynamicScaling)):
