@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_cases import Paged, ragged_plan  # noqa: E402
+from graph_timing import graph_time_ms  # noqa: E402
 
 from astrai.extension.ops import attention as ops  # noqa: E402
 
@@ -27,35 +27,8 @@ HBM_READ_TBS = 4.6  # measured HBM read limit of the H200 (design anchors)
 
 
 def time_us(fn, reps: int = 20, rounds: int = 7) -> float:
-    """Median per-call time of ``fn`` replayed from a CUDA graph of ``reps`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        run = g.replay
-    except Exception:  # not capturable: eager timing
-        def run():
-            for _ in range(reps):
-                fn()
-    run()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
-
+    """Median per-call microseconds of ``fn`` from a CUDA graph of ``reps`` calls (eager if not capturable)."""
+    return graph_time_ms(fn, calls=reps, rounds=rounds, eager_fallback=True) * 1e3
 
 def sdpa(backend, q, k, v, causal):
     with sdpa_kernel(backend):

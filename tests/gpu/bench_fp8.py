@@ -19,38 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from graph_timing import graph_time_ms
 
 LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
 MS = [1, 16, 128, 1024, 4096, 8192]
 
-
-def graph_ms(fn, inner: int = 10, reps: int = 10) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
 
 
 def _abi(t):
@@ -69,11 +45,11 @@ def bench_gemm(module, shapes):
         flop = 2.0 * m * n * k
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         args = (_abi(x), _abi(w), _abi(one), None, _abi(out), False, True)
-        ours = graph_ms(lambda: module.gemm(*args, torch.cuda.current_stream().cuda_stream,
+        ours = graph_time_ms(lambda: module.gemm(*args, torch.cuda.current_stream().cuda_stream,
                                             mainloop="mma_sync"))
-        cublas = graph_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
+        cublas = graph_time_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
                                                    out_dtype=torch.bfloat16))
-        bf16 = graph_ms(lambda: torch.mm(xb, wb.t()))
+        bf16 = graph_time_ms(lambda: torch.mm(xb, wb.t()))
         props = torch.cuda.get_device_properties(0)
         smem_sm = props.shared_memory_per_multiprocessor
         smem_block = getattr(props, "shared_memory_per_block_optin", smem_sm - 1024)
@@ -96,14 +72,14 @@ def bench_quantize(ops, shapes):
     for m, k, layout in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         s = torch.tensor(10.0, device="cuda")
-        ours = graph_ms(lambda: ops.fp8_quantize(x, s, "e4m3", layout))
+        ours = graph_time_ms(lambda: ops.fp8_quantize(x, s, "e4m3", layout))
 
         def ref():
             q = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
             amax = x.abs().amax()
             return (q if layout != 1 else q.t().contiguous()), amax
 
-        theirs = graph_ms(ref)
+        theirs = graph_time_ms(ref)
         nbytes = m * k * (2 + (2 if layout == 2 else 1))
         row = {"m": m, "k": k, "out_layout": layout, "ours_ms": ours, "torch_ms": theirs,
                "ours_gbps": nbytes / ours / 1e6, "torch_gbps": nbytes / theirs / 1e6,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sm90_capi  # noqa: E402
+from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
 
 PEAK_TFLOPS = 1979.0  # H200 SXM dense FP8 (datasheet)
 HBM_TBPS = 4.8        # H200 HBM3e (datasheet)
@@ -28,31 +28,9 @@ LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
 MS = [1, 16, 128, 1024, 4096, 8192]
 
 
-def graph_time_ms(fn, inner: int = 10, reps: int = 15) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / inner)
-    del g
-    return statistics.median(times)
+
+def graph_time_ms(fn) -> float:
+    return _graph_time_ms(fn, calls=10, rounds=15, warmup=2)
 
 
 def run_shape(lib, M: int, N: int, K: int) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from graph_timing import graph_time_ms  # noqa: E402
 from reference import rotary_tables  # noqa: E402
 
 from astrai.extension.backend.rotary import rotary_torch  # noqa: E402
@@ -42,29 +42,9 @@ CASES = [  # name, (B, L, H, D), layout
 ]
 
 
+
 def graph_time_us(fn, reps: int, rounds: int) -> float:
-    """Median per-call time of ``fn`` replayed from a CUDA graph of ``reps`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+    return graph_time_ms(fn, calls=reps, rounds=rounds) * 1e3
 
 
 def eager_time_us(fn, reps: int) -> float:
