@@ -83,10 +83,10 @@ def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int):
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over contiguous K/V (split-KV). See the module docstring."""
     _check_tensors("attn_decode", q, q=q, k=k, v=v, mask=mask)
-    return torch.ops.astrai.attn_decode(q, k, v, mask)
+    return _attn_decode_op(q, k, v, mask)
 
 
-@torch.library.custom_op("astrai::attn_decode", mutates_args=())
+@_plugin.plugin_op("astrai::attn_decode")
 def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     module = _plugin.require("attn_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -99,7 +99,7 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out
 
 
-@_attn_decode_op.register_fake
+@_attn_decode_op.op.register_fake
 def _(q, k, v, mask):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -110,10 +110,10 @@ def attn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                  is_causal: bool = False) -> torch.Tensor:
     """Prefill attention over contiguous K/V (split-Q). See the module docstring."""
     _check_tensors("attn_prefill", q, q=q, k=k, v=v, mask=mask)
-    return torch.ops.astrai.attn_prefill(q, k, v, mask, bool(is_causal))
+    return _attn_prefill_op(q, k, v, mask, bool(is_causal))
 
 
-@torch.library.custom_op("astrai::attn_prefill", mutates_args=())
+@_plugin.plugin_op("astrai::attn_prefill")
 def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      is_causal: bool) -> torch.Tensor:
     module = _plugin.require("attn_prefill", q.device)
@@ -124,7 +124,7 @@ def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out
 
 
-@_attn_prefill_op.register_fake
+@_attn_prefill_op.op.register_fake
 def _(q, k, v, mask, is_causal):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -136,10 +136,10 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Decode attention over a paged KV cache (split-KV). See the module docstring."""
     _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
                    kv_indices=kv_indices, kv_lens=kv_lens)
-    return torch.ops.astrai.attn_paged_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens)
+    return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens)
 
 
-@torch.library.custom_op("astrai::attn_paged_decode", mutates_args=())
+@_plugin.plugin_op("astrai::attn_paged_decode")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
     module = _plugin.require("attn_paged_decode", q.device)
@@ -155,7 +155,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-@_attn_paged_decode_op.register_fake
+@_attn_paged_decode_op.op.register_fake
 def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -170,11 +170,11 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
                    q_tile_to_index=q_tile_to_index)
-    return torch.ops.astrai.attn_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
+    return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                                q_tile_to_batch, q_tile_to_index, bool(is_causal))
 
 
-@torch.library.custom_op("astrai::attn_paged_prefill", mutates_args=())
+@_plugin.plugin_op("astrai::attn_paged_prefill")
 def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                            q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
@@ -188,6 +188,6 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-@_attn_paged_prefill_op.register_fake
+@_attn_paged_prefill_op.op.register_fake
 def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

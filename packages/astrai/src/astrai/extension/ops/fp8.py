@@ -108,7 +108,7 @@ def _quantize_outputs(x: torch.Tensor, fmt: str, out_layout: int):
     return q, q_t, amax
 
 
-@torch.library.custom_op("astrai::fp8_quantize", mutates_args=())
+@_plugin.plugin_op("astrai::fp8_quantize")
 def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
                      out_layout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     module = _plugin.require("fp8_quantize", x.device)
@@ -122,7 +122,7 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     return q, q_t, amax
 
 
-@_fp8_quantize_op.register_fake
+@_fp8_quantize_op.op.register_fake
 def _fp8_quantize_fake(x: torch.Tensor, scale: torch.Tensor, fmt: str, out_layout: int):
     return _quantize_outputs(x, fmt, out_layout)
 
@@ -187,7 +187,7 @@ def _gemm_shape(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool) 
     return (a.shape[1] if trans_a else a.shape[0]), (b.shape[0] if trans_b else b.shape[1])
 
 
-@torch.library.custom_op("astrai::fp8_gemm", mutates_args=())
+@_plugin.plugin_op("astrai::fp8_gemm")
 def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  trans_a: bool, trans_b: bool) -> torch.Tensor:
     module = _plugin.require("fp8_gemm", a.device)
@@ -200,7 +200,7 @@ def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: to
     return out
 
 
-@_fp8_gemm_op.register_fake
+@_fp8_gemm_op.op.register_fake
 def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                    trans_a: bool, trans_b: bool) -> torch.Tensor:
     m, n = _gemm_shape(a, b, trans_a, trans_b)

@@ -63,11 +63,11 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     _check(x, cos, sin)
     if x.device.type != "cuda":
         raise ValueError(f"rotary_emb: x must be a CUDA tensor, got one on {x.device}")
-    run = _rotary_emb_impl if _plugin.dispatch_directly(x) else _rotary_emb_op
-    return run(x, cos, sin)
+    return _rotary_emb_op(x, cos, sin)
 
 
-def _rotary_emb_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+@_plugin.plugin_op("astrai::rotary_emb")
+def _rotary_emb_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     module = _plugin.require(OP, x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -80,9 +80,6 @@ def _rotary_emb_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out
 
 
-_rotary_emb_op = torch.library.custom_op("astrai::rotary_emb", mutates_args=())(_rotary_emb_impl)
-
-
-@_rotary_emb_op.register_fake
+@_rotary_emb_op.op.register_fake
 def _rotary_emb_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
