@@ -1,24 +1,28 @@
 """Hopper FP8 GEMM (wgmma + TMA) side by side with cuBLASLt (torch._scaled_mm) on an H200.
 
-    python tests/gpu/bench_fp8_sm90.py [--json out.json] [--quick]
+    python tests/gpu/bench_fp8_sm90.py [--json out.json] [--quick] [--write-table sm90_table.json]
 
 Per shape (M x N x K; N x K are the LLM weight shapes, M the tokens): TFLOP/s of both, the
 ratio ours / cuBLASLt with the same accumulation (promote <-> use_fast_accum=False,
 fast <-> use_fast_accum=True), and the two floors: FLOPs at the dense FP8 peak and bytes
 (A + B read once, the bf16 output written once) at the HBM bandwidth. Times are medians of
-CUDA-graph replays of 10 back-to-back calls.
+CUDA-graph replays of 10 back-to-back calls. ``--write-table`` turns the run into the
+plugin's measured preference table (``astrai_fp8.sm90_table``), stamped with the commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
 import sm90_capi  # noqa: E402
 from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
 
@@ -112,6 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="M in {1, 1024, 8192} only")
+    ap.add_argument("--write-table", type=Path, help="write the measured preference table here")
     ap.add_argument("--cluster-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -153,9 +158,31 @@ def main() -> None:
             rf = cf / r["cublas_fast_tflops"] if r["cublas_fast_tflops"] else None
             print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | P {cp:7.1f} {rp or 0:5.2f} | F {cf:7.1f} {rf or 0:5.2f}",
                   flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "torch": torch.__version__, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.write_table:
+        write_table(result, args.write_table)
+
+
+def _commit() -> str:
+    """The short commit of the tree measured, marked when it had uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "packages/astrai-fp8/csrc").stdout.strip()
+    return head + ("+kernel-changes" if dirty else "")
+
+
+def write_table(result: dict, path: Path) -> None:
+    sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
+    from astrai_fp8 import sm90_table
+
+    table = sm90_table.from_bench(result, commit=_commit(),
+                                  date=datetime.date.today().isoformat())
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    wins = sum(c["ratio"] > 1.0 for c in table["classes"])
+    print(f"table: {path} ({len(table['classes'])} classes, plugin faster in {wins})")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ PTX archs) comes from ``build_info.json``, written by the build next to the modu
 
 ``native_sm`` tells the core where the GEMM runs on native FP8 tensor-core instructions:
 the ``mma.sync`` m16n8k32 mainloop is native on sm_89 and sm_120 and an fp16 emulation on
-sm_90 / sm_100, where the core prefers cuBLASLt. A Hopper ``wgmma`` mainloop, once built
-in, adds 90 here (see ``_gemm_native_sm``).
+sm_90 / sm_100. A build with ``sm_90a`` code holds the Hopper ``wgmma`` mainloop, which
+makes 90 native too (``_gemm_native_sm``); such a manifest also carries ``prefer`` for 90,
+the measured table of ``sm90_table.json`` (``astrai_fp8.sm90_table``), so that the core
+runs the plugin's GEMM on sm_90 only for the shape classes where it beats cuBLASLt.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 from importlib.resources import files
 from typing import Any
+
+from . import sm90_table
 
 __all__ = ["build_info", "manifest"]
 
@@ -25,6 +29,8 @@ MODULE = "astrai_fp8._fp8_ops"
 
 # Archs whose mma.sync e4m3/e5m2 is a native QMMA (checked in the SASS by the tests).
 MMA_SYNC_NATIVE_SM = (89, 120)
+# The Hopper wgmma + TMA mainloop (csrc/gemm/sm90) is compiled only for this target.
+WGMMA_SASS = "sm_90a"
 
 
 def build_info() -> dict[str, Any]:
@@ -32,9 +38,20 @@ def build_info() -> dict[str, Any]:
     return json.loads(files(__name__).joinpath("build_info.json").read_text(encoding="utf-8"))
 
 
+def _has_wgmma(info: dict[str, Any]) -> bool:
+    """The GEMM module holds sm_90a machine code, hence the wgmma mainloop."""
+    module = info.get("modules", {}).get(MODULE.rsplit(".", 1)[-1], {})
+    return WGMMA_SASS in module.get("sass_archs", info["sass_archs"])
+
+
 def _gemm_native_sm(info: dict[str, Any]) -> list[int]:
-    """Where fp8_gemm is native. The wgmma mainloop (sm_90a) extends this list."""
-    return list(MMA_SYNC_NATIVE_SM)
+    """Where fp8_gemm is native: the mma.sync archs, plus 90 with the wgmma mainloop."""
+    return sorted({*MMA_SYNC_NATIVE_SM, *((90,) if _has_wgmma(info) else ())})
+
+
+def _gemm_prefer(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The measured tables per arch (manifest key ``prefer``): sm_90's, with the wgmma build."""
+    return {"90": sm90_table.load()} if _has_wgmma(info) else None
 
 
 def manifest() -> dict[str, Any]:
@@ -60,6 +77,7 @@ def manifest() -> dict[str, Any]:
                 "dtypes": ["float8_e4m3fn", "float8_e5m2"],
                 "min_sm": 89,
                 "native_sm": _gemm_native_sm(info),
+                "prefer": _gemm_prefer(info),
             },
         },
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -66,6 +66,9 @@ class OpSpec:
     head_dims: tuple[int, ...] | None = None
     min_sm: int | None = None
     native_sm: tuple[int, ...] | None = None
+    # optional per-arch measured tables, kept raw: the op's policy validates them, so a
+    # malformed one costs only the preference, never the plugin (docs/plugins.md)
+    prefer: object = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def _op(name: str, raw: object) -> OpSpec:
     return OpSpec(name=name, module=_get(raw, "module", str, where), abi=_get(raw, "abi", int, where),
                   dtypes=tuple(_str_list(raw, "dtypes", where)),
                   head_dims=_int_list(raw, "head_dims", where), min_sm=min_sm,
-                  native_sm=_int_list(raw, "native_sm", where))
+                  native_sm=_int_list(raw, "native_sm", where), prefer=raw.get("prefer"))
 
 
 class UnsupportedApiVersion(ManifestError):

@@ -2,7 +2,8 @@
 
 Callers describe a call with a hashable ``key`` (op, device, dtype, shape class) and
 hand over the candidates in default priority order. Each candidate has a ``name`` and
-``check(call) -> str | None`` (None: it can run the call; otherwise the reason it can't).
+``check(call) -> str | None`` (None: it can run the call; otherwise the reason it can't)
+and, optionally, ``why_capable(call) -> str | None``: the trace's reason when it wins.
 
 - ``explicit`` (an ``attn_backend(...)`` selection) is strict: that candidate or an error.
 - ``preferred`` (the ``ASTR_BACKEND`` environment variable) is tried first, then the rest.
@@ -94,7 +95,8 @@ class Resolver:
             reason = candidate.check(call)
             if reason is None and winner is None:
                 winner = candidate
-                trace.append(TraceEntry(name, True, "capable"))
+                why = getattr(candidate, "why_capable", None)  # optional: why it was chosen
+                trace.append(TraceEntry(name, True, (why(call) if why else None) or "capable"))
             elif reason is None:
                 trace.append(TraceEntry(name, True, f"capable, lower priority than {winner.name}"))
             else:

@@ -3,10 +3,13 @@
 GEMM (``scale * a @ b + bias`` -> bf16), in priority order:
 
 1. ``plugin``    the astrai-fp8 kernel, when the registry says ``fp8_gemm`` is usable on
-                 the device *and* its manifest marks the GEMM native there (``native_sm``).
-                 On sm_90 the mma.sync kernel is an fp16 emulation: a build without the
-                 Hopper wgmma mainloop is never chosen there, and the trace says so. With
-                 it, operands are handed over K-major (see ``K_MAJOR_ONLY_SM``).
+                 the device *and* its manifest marks the GEMM native there (``native_sm``)
+                 *and*, where the manifest ships a measured table for the arch (``prefer``,
+                 see ``fp8_prefer``), the nearest measured shape class says it beats
+                 cuBLASLt; the trace carries the measured ratio either way. On sm_90 the
+                 mma.sync kernel is an fp16 emulation: a build without the Hopper wgmma
+                 mainloop is never chosen there, and the trace says so. With it, operands
+                 are handed over K-major (see ``K_MAJOR_ONLY_SM``).
 2. ``scaled_mm`` ``torch._scaled_mm`` (cuBLASLt) on CUDA sm_89+ (not for e5m2 x e5m2,
                  which cuBLASLt lacks).
 3. ``emulated``  dequantize to float32 and matmul: any device, the same function.
@@ -14,7 +17,8 @@ GEMM (``scale * a @ b + bias`` -> bf16), in priority order:
 Quantize: ``plugin`` (``fp8_quantize`` usable for the input dtype) > ``torch`` (a saturating
 cast, ``backend.fp8_torch.quantize``).
 
-Decisions go through the runtime's resolver, keyed by (device, arch, formats/dtype), so
+Decisions go through the runtime's resolver, keyed by (device, arch, formats/dtype and, for
+the GEMM, the shape class: M rounded up to a power of two, N, K), so
 a repeated call costs a dict lookup and ``current_runtime().explain("fp8_gemm")`` shows
 every candidate's verdict. ``backend=`` forces one implementation (strict: it raises if
 that one can't run the call).
@@ -29,7 +33,7 @@ import torch
 from ..device import DeviceInfo, probe_device
 from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime, current_runtime
-from . import fp8_torch
+from . import fp8_prefer, fp8_torch
 from .fp8_torch import FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
 
 GEMM_BACKENDS = ("plugin", "scaled_mm", "emulated")
@@ -41,6 +45,9 @@ _MIN_SM_SCALED_MM = 89
 # does for cuBLASLt everywhere); ``wants_k_major`` lets callers produce them that way.
 K_MAJOR_ONLY_SM = frozenset({90})
 _E5M2 = "float8_e5m2"
+# The accumulation both GEMM paths run (the plugin promotes every 128 of K, cuBLASLt runs
+# with use_fast_accum=False): the measured table's mode the policy compares.
+GEMM_MODE = "promote"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -53,6 +60,14 @@ class Fp8Call:
 
     device: DeviceInfo
     dtypes: tuple[str, ...]  # torch dtype names the plugin must list: GEMM (a, b); quantize (x,)
+    shape: tuple[int, int, int] | None = None  # GEMM shape class (M bucket, N, K), if known
+    mode: str = GEMM_MODE
+
+
+def shape_class(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """The GEMM's decision class: M rounded up to a power of two (token counts vary per
+    call; weight shapes do not), N and K as they are."""
+    return (1 << max(int(m) - 1, 0).bit_length(), int(n), int(k))
 
 
 # -- candidates -------------------------------------------------------------------------
@@ -80,7 +95,19 @@ class _PluginOp:
             native = ", ".join(f"sm_{sm}" for sm in status.spec.native_sm) or "no arch"
             return (f"{status.reason} runs {self.op} emulated on sm_{call.device.sm} "
                     f"(native only on {native}); not used there")
+        verdict = self._measured(status, call)
+        if verdict is not None and not verdict.plugin_faster:
+            return f"{status.reason}: {verdict.reason}"
         return None
+
+    def _measured(self, status, call: Fp8Call) -> fp8_prefer.Verdict | None:
+        return fp8_prefer.verdict(status.spec.prefer, call.device.sm, call.shape, call.mode)
+
+    def why_capable(self, call: Fp8Call) -> str | None:
+        """The trace's reason when the plugin wins: the measured ratio, where there is one."""
+        status = self.runtime.registry.op_status(self.op, call.device)
+        verdict = self._measured(status, call) if status.usable else None
+        return None if verdict is None else f"{status.reason}: {verdict.reason}"
 
 
 class _ScaledMm:
@@ -141,11 +168,16 @@ _FMT_NAMES = {fmt: _NAMES[dtype] for fmt, dtype in FP8_DTYPES.items()}
 
 
 def choose_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, *, runtime: Runtime | None = None,
-                backend: str | None = None) -> str:
-    """The GEMM implementation the policy picks for these facts (no tensors needed)."""
+                backend: str | None = None, shape: tuple[int, int, int] | None = None) -> str:
+    """The GEMM implementation the policy picks for these facts (no tensors needed).
+
+    ``shape`` (M, N, K) lets a measured preference table decide; without it a table keeps
+    cuBLASLt.
+    """
     runtime = runtime or current_runtime()
-    call = Fp8Call(device, (_FMT_NAMES[a_fmt], _FMT_NAMES[b_fmt]))
-    key = (device.key, device.sm, a_fmt, b_fmt)
+    cls = None if shape is None else shape_class(*shape)
+    call = Fp8Call(device, (_FMT_NAMES[a_fmt], _FMT_NAMES[b_fmt]), cls)
+    key = (device.key, device.sm, a_fmt, b_fmt, cls)
     return runtime.resolver.resolve("fp8_gemm", _Candidates(_gemm_candidates, runtime), call, key,
                                     explicit=backend).name
 
@@ -229,9 +261,16 @@ def check_gemm_args(a: object, b: object, scale: object, bias: object) -> None:
 
 @torch._dynamo.assume_constant_result
 def _choose_gemm_while_compiling(runtime: Runtime | None, device: str, a_fmt: str, b_fmt: str,
-                                 backend: str | None) -> tuple[str, int | None]:
+                                 backend: str | None, shape: tuple[int, int, int] | None
+                                 ) -> tuple[str, int | None]:
     info = probe_device(torch.device(device))
-    return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend), info.sm
+    return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend, shape=shape), info.sm
+
+
+def _static_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int] | None:
+    """(M, N, K) when all three are plain ints (not symbolic sizes of a dynamic trace)."""
+    dims = (a.shape[0], b.shape[1], a.shape[1])
+    return dims if all(type(d) is int for d in dims) else None
 
 
 @torch._dynamo.assume_constant_result
@@ -295,12 +334,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     bias = None if bias is None else _detached(bias)
     if torch.compiler.is_compiling():
         chosen, sm = _choose_gemm_while_compiling(runtime, str(a.device), FP8_FORMATS[a.dtype],
-                                                  FP8_FORMATS[b.dtype], backend)
+                                                  FP8_FORMATS[b.dtype], backend, _static_shape(a, b))
     else:
         runtime = runtime or current_runtime()
         device = probe_device(a.device)
         chosen, sm = choose_gemm(device, FP8_FORMATS[a.dtype], FP8_FORMATS[b.dtype], runtime=runtime,
-                                 backend=backend), device.sm
+                                 backend=backend, shape=(a.shape[0], b.shape[1], a.shape[1])), device.sm
     bias16 = None if bias is None else bias.to(torch.bfloat16)
     scale0 = scale if scale.dim() == 0 else scale.reshape(())
     if chosen == "plugin":
