@@ -78,10 +78,29 @@ def test_wave_math_prefers_narrow_tiles_when_wide_ones_quantise_badly():
 
 
 def test_small_problems_use_one_cta_per_tile():
-    p = _plan(16, 8192, 8192, "promote")
-    assert p.grid == p.num_tiles == 64 and p.tiles_m == 1
+    p = _plan(16, 8192, 8192, "promote")  # swap-AB: 64 tiles of 128 rows over N
+    assert p.grid == p.num_tiles == 64 and (p.tiles_m, p.tiles_n) == (64, 1)
     p = _plan(1, 1, 16, "fast")
     assert (p.grid, p.k_blocks) == (1, 1)
+
+
+@pytest.mark.parametrize("M, bn", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)])
+@pytest.mark.parametrize("accum", ["promote", "fast"])
+def test_small_m_swaps_a_and_b_with_the_narrowest_tile_that_covers_m(M, bn, accum):
+    for N, K in ((8192, 8192), (28672, 8192), (1000, 1008)):
+        c = _cfg(_plan(M, N, K, accum))
+        assert (c.swap, c.bn, c.promote) == (True, bn, accum == "promote"), (M, N, K)
+    p = _plan(M, 28672, 8192, accum)
+    assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid) == (224, 1, 224, 132)
+
+
+def test_swap_ab_stops_above_64_rows():
+    for M in (65, 128, 1024):
+        p = _plan(M, 8192, 8192)
+        assert not _cfg(p).swap
+        assert any("only for M <= 64" in line for line in p.trace)
+    p = sp.plan(sp.ProblemShape(130, 1000, 1024), H200, force_config=8)  # forced: M over bn
+    assert (p.ok, p.tiles_m, p.tiles_n) == (True, 8, 9)
 
 
 def test_k_tail_counts_a_partial_block():
@@ -198,6 +217,8 @@ void* probes[] = {
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E4M3, K4::E4M3>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, 2, K4::E4M3, K4::E4M3>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E5M2, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<16, 12, true, 1, K4::E4M3, K4::E4M3, true>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, false, 1, K4::E4M3, K4::E5M2, true>>,
 };
 }
 """
@@ -234,9 +255,9 @@ def _kernels(sass: str) -> dict[str, str]:
 def test_sass_is_native_hopper_fp8(built):
     _, sass = built
     kernels = _kernels(sass)
-    assert len(kernels) == 7
+    assert len(kernels) == 9
     for name, body in kernels.items():
-        assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E4M3", body), name
+        assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E[45]M[23]", body), name
         assert "UTMALDG" in body, name
         if "Li2ELNS" in name:  # ClusterM = 2: B through multicast, remote empty arrivals
             assert "UTMALDG.2D.MULTICAST" in body and "UCGABAR_WAIT" in body, name
@@ -247,13 +268,13 @@ def test_sass_is_native_hopper_fp8(built):
         assert "HMMA" not in body, name
         assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
     widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
-    assert widths == {"128", "192", "256"}
+    assert widths == {"16", "64", "128", "192", "256"}  # 16 / 64: the swap-AB configs
     assert sum("MULTICAST" in body for body in kernels.values()) == 3
 
 
 def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
     log, _ = built
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 7 and all(f == ("0", "0", "0") for f in frames), log
+    assert len(frames) == 9 and all(f == ("0", "0", "0") for f in frames), log
     assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
     assert "C7508" not in log, log  # setmaxnreg ignored

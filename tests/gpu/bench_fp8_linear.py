@@ -8,7 +8,9 @@ Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
               does per call: quantize x and W, the FP8 GEMM, the bookkeeping
   gemm        the FP8 GEMM alone as the policy runs it (the ceiling for the fp8 column)
 and the share of the fp8 time spent outside the GEMM. Times are medians of event-timed
-repetitions over rotating inputs. The FP8 backend the policy chose, with its reason, is
+repetitions over rotating inputs. Where the time goes: ``host`` is the CPU time to issue one
+call (nothing waited for), ``piped`` the time per call of 20 back-to-back calls (the GPU
+work when the host keeps ahead, the host time when it does not). The FP8 backend the policy chose, with its reason, is
 printed and stored. Last, a 2-layer MLP trained 200 steps in bf16 and under fp8_autocast:
 the loss curves (20-step means) side by side.
 """
@@ -54,6 +56,37 @@ def timed_ms(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def host_ms(fn, device: str, reps: int = 20) -> float:
+    """Median CPU milliseconds to issue one call, the GPU idle before it."""
+    times = []
+    for _ in range(reps):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def piped_ms(fn, device: str, calls: int = 20) -> float:
+    """Milliseconds per call over ``calls`` back-to-back calls (median of 3 rounds)."""
+    if device == "cpu":
+        return timed_ms(fn, device, reps=3)
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / calls)
+    return statistics.median(out)
+
+
 def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
     dtype = torch.bfloat16
     lin = torch.nn.Linear(k, n, bias=True, device=device, dtype=dtype)
@@ -96,6 +129,8 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
         ms = timed_ms(fn, device, reps)
         res[name + "_ms"] = ms
         res[name + "_tflops"] = flop / ms / 1e9
+        res[name + "_host_ms"] = host_ms(fn, device, reps)
+        res[name + "_piped_ms"] = piped_ms(fn, device)
         for p in lin.parameters():
             p.grad = None
         for t in xs:
@@ -160,6 +195,14 @@ def main() -> None:
         print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {r['bf16_fwd_tflops']:9.1f} {r['fp8_fwd_tflops']:9.1f} "
               f"{r['gemm_fwd_tflops']:9.1f} {r['fwd_speedup']:5.2f} {r['fp8_fwd_outside_gemm']:7.0%} | "
               f"{r['bf16_step_tflops']:9.1f} {r['fp8_step_tflops']:9.1f} {r['step_speedup']:5.2f}")
+    print(f"\n{'M':>6} {'N':>6} {'K':>6} | host ms per call: {'bf16 fwd':>8} {'fp8 fwd':>8} {'gemm':>8} "
+          f"{'bf16 st':>8} {'fp8 st':>8} | piped ms: {'bf16 fwd':>8} {'fp8 fwd':>8} {'gemm':>8} "
+          f"{'bf16 st':>8} {'fp8 st':>8}")
+    names = ("bf16_fwd", "fp8_fwd", "gemm_fwd", "bf16_step", "fp8_step")
+    for r in rows:
+        print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {'':>17}"
+              + " ".join(f"{r[n + '_host_ms']:8.3f}" for n in names) + f" | {'':>9}"
+              + " ".join(f"{r[n + '_piped_ms']:8.3f}" for n in names))
     print("\nloss (20-step means) bf16:", " ".join(f"{v:.4f}" for v in curves["bf16_means"]))
     print("loss (20-step means) fp8: ", " ".join(f"{v:.4f}" for v in curves["fp8_means"]))
     print(f"max relative difference: {curves['max_rel_diff']:.3f}")

@@ -29,7 +29,7 @@ from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
 PEAK_TFLOPS = 1979.0  # H200 SXM dense FP8 (datasheet)
 HBM_TBPS = 4.8        # H200 HBM3e (datasheet)
 LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
-MS = [1, 16, 128, 1024, 4096, 8192]
+MS = [1, 16, 64, 128, 1024, 4096, 8192]
 
 
 
@@ -74,6 +74,7 @@ def run_shape(lib, M: int, N: int, K: int) -> dict:
     return row
 
 
+PIPE_CONFIG = 14  # promoted sums with two wgmma chains in turn (forced only until timed)
 CLUSTER = {"fast": 4, "promote": 5}  # the 2-CTA multicast configs (not chosen by default yet)
 
 
@@ -116,6 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="M in {1, 1024, 8192} only")
+    ap.add_argument("--pipe", action="store_true", help="also time the pipelined promotion (config 14)")
+    ap.add_argument("--no-cluster", action="store_true", help="skip the forced 2-CTA cluster configs")
     ap.add_argument("--write-table", type=Path, help="write the measured preference table here")
     ap.add_argument("--cluster-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -145,7 +148,7 @@ def main() -> None:
               f"{f(r['ratio_fast'], 5, 2)} | {f(r['floor_flop_ms'], 7, 4)} {f(r['floor_byte_ms'], 7, 4)} "
               f"{f(r['ours_promote_ms'], 8, 4)}", flush=True)
     big = [(r["M"], r["N"], r["K"]) for r in rows if r["M"] >= 1024]
-    found = cluster_rows(big)
+    found = {} if args.no_cluster else cluster_rows(big)
     if found:
         print("\n2-CTA cluster configs (B multicast), TFLOP/s and ratio to cuBLASLt")
         for r in rows:
@@ -158,6 +161,17 @@ def main() -> None:
             rf = cf / r["cublas_fast_tflops"] if r["cublas_fast_tflops"] else None
             print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | P {cp:7.1f} {rp or 0:5.2f} | F {cf:7.1f} {rf or 0:5.2f}",
                   flush=True)
+    if args.pipe:
+        print("\nconfig 14 (promoted sums, two wgmma chains in turn), TFLOP/s and ratio to cuBLASLt")
+        for r in rows:
+            if r["M"] < 1024:
+                continue
+            ms = time_forced(lib, r["M"], r["N"], r["K"], PIPE_CONFIG)
+            r["pipe_promote_ms"] = ms
+            tf = 2.0 * r["M"] * r["N"] * r["K"] / (ms * 1e-3) / 1e12
+            ratio = r["cublas_promote_ms"] / ms if r["cublas_promote_ms"] else 0
+            print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | P {tf:7.1f} {ratio:5.2f} "
+                  f"(planner's promote {r['ratio_promote']:.2f})", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

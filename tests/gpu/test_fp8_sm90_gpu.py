@@ -65,7 +65,7 @@ def _run(lib, a, b, scale, bias, accum="promote", out_f32=False, ldc_pad=0):
 
 @pytest.mark.parametrize("N, K", LLM_NK)
 @pytest.mark.parametrize("M", [1, 16, 128, 1024, 4096, 8192])
-def test_llm_shapes(lib, M, N, K):
+def test_llm_shapes(lib, M, N, K):  # M <= 64 runs the planner's swap-AB configs
     a, b, scale, bias = _operands(M, N, K, bias=M % 3 != 0, seed=M + N + K)
     ref = _reference(a, b, scale, bias)
     for accum in ("promote", "fast"):
@@ -74,7 +74,9 @@ def test_llm_shapes(lib, M, N, K):
 
 ODD = [(1088, 1088, 1088), (77, 300, 272), (129, 257, 144), (1, 1, 16), (3000, 5000, 4000),
        (1000, 999, 1008), (256, 8, 48), (64, 200, 16)]
-CLUSTER_CONFIGS = (4, 5, 6, 7)  # 2-CTA clusters: not chosen by default yet (planning.h)
+CLUSTER_CONFIGS = (4, 5, 6, 7)  # 2-CTA clusters: run only when forced (planning.h)
+SWAP_CONFIGS = (8, 9, 10, 11, 12, 13)  # swap-AB (bn 16 / 32 / 64, promote / fast)
+PIPE_CONFIG = 14  # promoted sums, two wgmma chains in turn
 
 
 def _odd_case(lib, M, N, K, force) -> float:
@@ -88,9 +90,33 @@ def _odd_case(lib, M, N, K, force) -> float:
 
 
 @pytest.mark.parametrize("M, N, K", ODD)
-@pytest.mark.parametrize("force", range(4))
+@pytest.mark.parametrize("force", [0, 1, 2, 3, PIPE_CONFIG])
 def test_odd_sizes_and_k_tails_every_config(lib, M, N, K, force):
     assert _odd_case(lib, M, N, K, force) < BF16_TOL
+
+
+SMALL_M_ODD = [(1, 1, 16), (1, 300, 272), (5, 129, 144), (16, 8192, 1040), (17, 1000, 1008),
+               (33, 257, 4000), (64, 200, 16), (77, 300, 272)]
+
+
+@pytest.mark.parametrize("M, N, K", SMALL_M_ODD)
+@pytest.mark.parametrize("force", SWAP_CONFIGS)
+def test_swap_ab_configs(lib, M, N, K, force):
+    """Forced swap-AB configs, also where M exceeds bn (several tile columns over M),
+    with ragged N (a partial 128-row tile over N) and K tails; nothing written past N."""
+    assert _odd_case(lib, M, N, K, force) < BF16_TOL
+
+
+@pytest.mark.parametrize("M", [1, 7, 16, 24, 48, 64])
+@pytest.mark.parametrize("fa, fb", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_small_m_planned_with_formats_and_padding(lib, M, fa, fb):
+    """The planner's swap-AB choice (M <= 64) with every mixed format pairing (the kernel's
+    operands swap, so their formats must too), fp32 output and a padded ldc."""
+    a, b, scale, bias = _operands(M, 2304, 1024, fa, fb, seed=M)
+    ref = _reference(a, b, scale, bias)
+    for accum in ("promote", "fast"):
+        assert _rel(_run(lib, a, b, scale, bias, accum, ldc_pad=8), ref) < BF16_TOL, accum
+        assert _rel(_run(lib, a, b, scale, bias, accum, out_f32=True), ref) < 2e-3, accum
 
 
 def test_cluster_configs_in_a_subprocess(lib):
@@ -116,6 +142,18 @@ def _cluster_check() -> None:
             assert rel < BF16_TOL, (force, M, N, K, rel)
             worst = max(worst, rel)
     print(f"cluster configs ok, worst rel {worst:.2e}")
+
+
+@pytest.mark.parametrize("K", [128, 256, 384, 8192, 28672])
+def test_pipelined_promotion_matches_the_plain_one(lib, K):
+    """Config 14 (two chains in turn) adds the same 128-long chunks in the same order as
+    config 2 (plain promotion): bit-identical outputs, for odd and even k-block counts."""
+    import sm90_capi
+    a, b, scale, bias = _operands(1024, 1024, K, seed=K)
+    outs = [sm90_capi.gemm(lib, a, b, scale, bias=bias, out_f32=True, force_config=f) for f in (2, PIPE_CONFIG)]
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    assert _rel(outs[1], _reference(a, b, scale, bias)) < 1e-3
 
 
 @pytest.mark.parametrize("fa, fb", [(E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)])

@@ -34,11 +34,13 @@ class TileConfig:
     cluster: int  # CTAs along M sharing B through TMA multicast (1 or 2)
     rate: float   # relative per-SM throughput of a full tile, measured on an H200
     enabled: bool = True  # considered by default; a disabled config runs only when forced
+    swap: bool = False    # swap-AB: 128-row tiles over N, bn columns over M (small M only)
 
     @property
     def name(self) -> str:
         acc = "promote" if self.promote else "fast"
-        return f"sm90 128x{self.bn}x128 s{self.stages} {acc} cluster {self.cluster}"
+        kind = "sm90 swap-AB" if self.swap else "sm90"
+        return f"{kind} 128x{self.bn}x128 s{self.stages} {acc} cluster {self.cluster}"
 
 
 # Kept in step with kTileConfigs in planning.h and the instantiations in dispatch.cuh.
@@ -47,12 +49,23 @@ TILE_CONFIGS = (
     TileConfig(1, 192, 5, True, 1, 0.935),
     TileConfig(2, 128, 6, True, 1, 0.833),
     TileConfig(3, 128, 6, False, 1, 0.955),
-    # 2-CTA clusters with B multicast: built and tested, not yet timed on the H200; their
-    # rates are estimates and they run only when forced until a measurement enables them
+    # 2-CTA clusters with B multicast: timed on the H200 (docs/kernels/fp8-hopper.md), no
+    # faster than the single-CTA configs at any benchmarked shape; they run only when forced
     TileConfig(4, 256, 4, False, 2, 1.05, enabled=False),
     TileConfig(5, 192, 5, True, 2, 0.98, enabled=False),
     TileConfig(6, 128, 6, False, 2, 1.00, enabled=False),
     TileConfig(7, 128, 6, True, 2, 0.87, enabled=False),
+    # swap-AB for M <= bn (decode-sized M): memory-bound, so deep rings; the tile's MMA
+    # work is bn / 128 of a square tile, hence the cost model's preference needs no rate
+    TileConfig(8, 16, 12, True, 1, 1.00, swap=True),
+    TileConfig(9, 16, 12, False, 1, 1.00, swap=True),
+    TileConfig(10, 32, 11, True, 1, 1.00, swap=True),
+    TileConfig(11, 32, 11, False, 1, 1.00, swap=True),
+    TileConfig(12, 64, 9, True, 1, 1.00, swap=True),
+    TileConfig(13, 64, 9, False, 1, 1.00, swap=True),
+    # promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): not yet timed,
+    # runs only when forced
+    TileConfig(14, 128, 6, True, 1, 0.90, enabled=False),
 )
 
 
@@ -139,7 +152,9 @@ def plan_config(s: ProblemShape, d: DeviceLimits, c: TileConfig) -> Plan:
     if smem_bytes(c) > d.smem_optin:
         p.trace.append(head + f"needs {smem_bytes(c)} B shared memory, device allows {d.smem_optin}")
         return p
-    tm, tn = _ceil_div(_ceil_div(s.M, TILE_M), c.cluster), _ceil_div(s.N, c.bn)
+    # swap-AB: the kernel's rows run over N and its bn-wide columns over M
+    rows, cols = (s.N, s.M) if c.swap else (s.M, s.N)
+    tm, tn = _ceil_div(_ceil_div(rows, TILE_M), c.cluster), _ceil_div(cols, c.bn)
     tiles = tm * tn
     if tiles > INT32_MAX:
         p.trace.append(head + "too many tiles")
@@ -172,6 +187,9 @@ def plan(s: ProblemShape, d: DeviceLimits = H200, accum: str = "promote",
         if force_config < 0 and c.promote != (accum == "promote"):
             continue
         if force_config < 0 and not c.enabled:
+            continue
+        if force_config < 0 and c.swap and s.M > c.bn:
+            trace.append(f"sm90 swap-AB 128x{c.bn}: only for M <= {c.bn}")
             continue
         p = plan_config(s, d, c)
         trace += p.trace

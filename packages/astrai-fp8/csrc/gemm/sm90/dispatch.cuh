@@ -69,15 +69,20 @@ inline constexpr bool built_for_sm90() {
 template <class Cfg>
 std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     if constexpr (!built_for_sm90()) return kNoSm90Code;
+    // swap-AB: the weight b [N, K] is the kernel's A operand, the activations its B
+    constexpr bool S = Cfg::kSwapAB;
+    const void* ka = S ? a.b : a.a;
+    const void* kb = S ? a.a : a.b;
+    const int64_t km = S ? a.N : a.M, kn = S ? a.M : a.N;
     CUtensorMap map_a, map_b;
-    std::string err = encode_fp8_k_major(&map_a, a.a, a.M, a.K, a.lda, Cfg::kBM);
+    std::string err = encode_fp8_k_major(&map_a, ka, km, a.K, S ? a.ldb : a.lda, Cfg::kBM);
     if (err.empty())
-        err = encode_fp8_k_major(&map_b, a.b, a.N, a.K, a.ldb, Cfg::kBN / Cfg::kClusterM);
+        err = encode_fp8_k_major(&map_b, kb, kn, a.K, S ? a.lda : a.ldb, Cfg::kBN / Cfg::kClusterM);
     if (!err.empty()) return err;
 
     GemmParams p{};
-    p.M = static_cast<int>(a.M);
-    p.N = static_cast<int>(a.N);
+    p.M = static_cast<int>(km);  // the kernel's dimensions; the epilogue transposes when S
+    p.N = static_cast<int>(kn);
     p.K = static_cast<int>(a.K);
     p.tiles_m = plan.tiles_m;
     p.tiles_n = plan.tiles_n;
@@ -134,6 +139,14 @@ std::string launch_config(const GemmArgs& a, const Plan& plan, cudaStream_t stre
         case 5: return launch<GemmConfig<192, 5, true, 2, KA, KB>>(a, plan, stream);
         case 6: return launch<GemmConfig<128, 6, false, 2, KA, KB>>(a, plan, stream);
         case 7: return launch<GemmConfig<128, 6, true, 2, KA, KB>>(a, plan, stream);
+        // swap-AB: the kernel's A operand is b, so the formats swap too
+        case 8: return launch<GemmConfig<16, 12, true, 1, KB, KA, true>>(a, plan, stream);
+        case 9: return launch<GemmConfig<16, 12, false, 1, KB, KA, true>>(a, plan, stream);
+        case 10: return launch<GemmConfig<32, 11, true, 1, KB, KA, true>>(a, plan, stream);
+        case 11: return launch<GemmConfig<32, 11, false, 1, KB, KA, true>>(a, plan, stream);
+        case 12: return launch<GemmConfig<64, 9, true, 1, KB, KA, true>>(a, plan, stream);
+        case 13: return launch<GemmConfig<64, 9, false, 1, KB, KA, true>>(a, plan, stream);
+        case 14: return launch<GemmConfig<128, 6, 2, 1, KA, KB>>(a, plan, stream);
         default: return "unknown tile config " + std::to_string(plan.config);
     }
 }

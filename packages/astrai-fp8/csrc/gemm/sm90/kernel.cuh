@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const float scale = p.scale != nullptr ? *p.scale : 1.f;
         float acc[Cfg::kAccRegs];
         float sum[Cfg::kPromote ? Cfg::kAccRegs : 1];
+        float acc2[Cfg::kPromotePipe ? Cfg::kAccRegs : 1];
         RingState ring;
         for (int t = first; t < p.num_tiles; t += stride) {
             int tg, tn;
@@ -62,12 +63,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const int tm = tg * CM + static_cast<int>(rank);
             const int row_base = tm * Cfg::kBM + cw * Cfg::kRowsPerWG;
             const int col_base = tn * Cfg::kBN;
-            if constexpr (Cfg::kPromote) {
+            if constexpr (Cfg::kPromotePipe) {
+                ml.mma_tile_pipelined(acc, acc2, sum, cw, p.k_blocks, ring);
+                Epilogue<Cfg::kBN, Cfg::kSwapAB>::store(p, sum, row_base, col_base, scale);
+            } else if constexpr (Cfg::kPromote) {
                 ml.mma_tile(acc, sum, cw, p.k_blocks, ring);
-                Epilogue<Cfg::kBN>::store(p, sum, row_base, col_base, scale);
+                Epilogue<Cfg::kBN, Cfg::kSwapAB>::store(p, sum, row_base, col_base, scale);
             } else {
                 ml.mma_tile(acc, acc, cw, p.k_blocks, ring);
-                Epilogue<Cfg::kBN>::store(p, acc, row_base, col_base, scale);
+                Epilogue<Cfg::kBN, Cfg::kSwapAB>::store(p, acc, row_base, col_base, scale);
             }
         }
     }

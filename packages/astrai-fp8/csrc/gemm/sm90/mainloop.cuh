@@ -110,6 +110,54 @@ struct Mainloop {
         fence_regs(acc);
     }
 
+    // One step of the pipelined promotion: k-block `kb` into `next` while the previous
+    // block's chain (in `done`, stage `prev`) completes and is added into `out`.
+    __device__ __forceinline__ void pipe_step(float (&next)[R], float (&done)[R], float (&out)[R],
+                                              int wg, int& prev, RingState& ring) const {
+        const int s = ring.stage;
+        mbar_wait(full(s), ring.phase);
+        issue(next, s, wg, true);
+        wgmma_wait<1>();  // `done`'s wgmmas have completed; `next`'s may still run
+        fence_regs(done);
+        release(prev);
+#pragma unroll
+        for (int i = 0; i < R; ++i) out[i] += done[i];
+        prev = s;
+        ring.advance<Cfg::kStages>();
+    }
+
+    // Promotion with two chains in turn (kPromotePipe): same sums as mma_tile's promote
+    // path, but the tensor core always has the next k-block queued while one is added.
+    __device__ __forceinline__ void mma_tile_pipelined(float (&a0)[R], float (&a1)[R],
+                                                       float (&out)[R], int wg, int k_blocks,
+                                                       RingState& ring) const {
+#pragma unroll
+        for (int i = 0; i < R; ++i) out[i] = 0.f;
+        int prev = ring.stage;
+        mbar_wait(full(prev), ring.phase);
+        issue(a0, prev, wg, true);
+        ring.advance<Cfg::kStages>();
+        int kb = 1;
+        for (; kb + 1 < k_blocks; kb += 2) {
+            pipe_step(a1, a0, out, wg, prev, ring);
+            pipe_step(a0, a1, out, wg, prev, ring);
+        }
+        if (kb < k_blocks) {
+            pipe_step(a1, a0, out, wg, prev, ring);
+            wgmma_wait<0>();
+            fence_regs(a1);
+            release(prev);
+#pragma unroll
+            for (int i = 0; i < R; ++i) out[i] += a1[i];
+        } else {
+            wgmma_wait<0>();
+            fence_regs(a0);
+            release(prev);
+#pragma unroll
+            for (int i = 0; i < R; ++i) out[i] += a0[i];
+        }
+    }
+
     // Consumer warpgroup `wg` (0 or 1): the tile's sum over K into `out` (fp32).
     // `acc` is the wgmma chain's register block; with kPromote, `out` is a separate sum.
     __device__ __forceinline__ void mma_tile(float (&acc)[R], float (&out)[R], int wg,

@@ -33,22 +33,34 @@ struct TileConfig {
     int cluster;  // CTAs along M sharing B through TMA multicast (1 or 2)
     double rate;  // relative per-SM throughput of a full tile (measured on an H200)
     bool enabled; // considered by default; a disabled config runs only when forced
+    bool swap;    // swap-AB: 128-row tiles over N, bn columns over M (small M only)
 };
 
 // Kept in step with the instantiations in dispatch.cuh and the Python mirror.
 inline constexpr TileConfig kTileConfigs[] = {
-    {0, 256, 4, false, 1, 1.00, true},
-    {1, 192, 5, true, 1, 0.935, true},
-    {2, 128, 6, true, 1, 0.833, true},
-    {3, 128, 6, false, 1, 0.955, true},
-    // 2-CTA clusters with B multicast: built and tested, not yet timed on the H200; their
-    // rates are estimates and they run only when forced until a measurement enables them
-    {4, 256, 4, false, 2, 1.05, false},
-    {5, 192, 5, true, 2, 0.98, false},
-    {6, 128, 6, false, 2, 1.00, false},
-    {7, 128, 6, true, 2, 0.87, false},
+    {0, 256, 4, false, 1, 1.00, true, false},
+    {1, 192, 5, true, 1, 0.935, true, false},
+    {2, 128, 6, true, 1, 0.833, true, false},
+    {3, 128, 6, false, 1, 0.955, true, false},
+    // 2-CTA clusters with B multicast: timed on the H200 (docs/kernels/fp8-hopper.md), no
+    // faster than the single-CTA configs at any benchmarked shape; they run only when forced
+    {4, 256, 4, false, 2, 1.05, false, false},
+    {5, 192, 5, true, 2, 0.98, false, false},
+    {6, 128, 6, false, 2, 1.00, false, false},
+    {7, 128, 6, true, 2, 0.87, false, false},
+    // swap-AB for M <= bn (decode-sized M): memory-bound, so deep rings; the tile's MMA
+    // work is bn / 128 of a square tile, hence the cost model's preference needs no rate
+    {8, 16, 12, true, 1, 1.00, true, true},
+    {9, 16, 12, false, 1, 1.00, true, true},
+    {10, 32, 11, true, 1, 1.00, true, true},
+    {11, 32, 11, false, 1, 1.00, true, true},
+    {12, 64, 9, true, 1, 1.00, true, true},
+    {13, 64, 9, false, 1, 1.00, true, true},
+    // promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): not yet timed,
+    // runs only when forced
+    {14, 128, 6, true, 1, 0.90, false, false},
 };
-inline constexpr int kNumTileConfigs = 8;
+inline constexpr int kNumTileConfigs = 15;
 inline constexpr int kTileM = 128;
 inline constexpr int kTileK = 128;
 inline constexpr int kGroupM = 8;
@@ -89,14 +101,17 @@ struct Plan {
 // The plan for one tile config, or ok == false with the reason in `trace`.
 inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const TileConfig& c) {
     Plan p;
-    p.trace = "sm90 128x" + std::to_string(c.bn) + "x128 s" + std::to_string(c.stages) +
+    p.trace = std::string(c.swap ? "sm90 swap-AB " : "sm90 ") + "128x" + std::to_string(c.bn) +
+              "x128 s" + std::to_string(c.stages) +
               (c.promote ? " promote" : " fast") + " cluster " + std::to_string(c.cluster) + ": ";
     if (smem_bytes(c) > d.smem_optin) {
         p.trace += "needs " + std::to_string(smem_bytes(c)) + " B shared memory, device allows " +
                    std::to_string(d.smem_optin) + "\n";
         return p;
     }
-    const int64_t tm = ceil_div(ceil_div(s.M, kTileM), c.cluster), tn = ceil_div(s.N, c.bn);
+    // swap-AB: the kernel's rows run over N and its bn-wide columns over M
+    const int64_t rows = c.swap ? s.N : s.M, cols = c.swap ? s.M : s.N;
+    const int64_t tm = ceil_div(ceil_div(rows, kTileM), c.cluster), tn = ceil_div(cols, c.bn);
     const int64_t tiles = tm * tn;
     if (tiles > INT32_MAX) {
         p.trace += "too many tiles\n";
@@ -134,6 +149,11 @@ inline Plan plan(const ProblemShape& s, const DeviceLimits& d, Accum accum,
         if (force_config >= 0 && c.id != force_config) continue;
         if (force_config < 0 && c.promote != (accum == Accum::Promote)) continue;
         if (force_config < 0 && !c.enabled) continue;
+        if (force_config < 0 && c.swap && s.M > c.bn) {
+            trace += std::string("sm90 swap-AB 128x") + std::to_string(c.bn) + ": only for M <= " +
+                     std::to_string(c.bn) + "\n";
+            continue;
+        }
         Plan p = plan_config(s, d, c);
         trace += p.trace;
         if (p.ok && (!best.ok || p.cost < best.cost)) best = p;

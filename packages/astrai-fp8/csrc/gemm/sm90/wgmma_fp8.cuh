@@ -16,6 +16,147 @@ namespace astrai::fp8::sm90 {
 template <int N, Fp8Kind A, Fp8Kind B>
 struct Wgmma;
 
+#define ASTRAI_SM90_WGMMA_N16(TA, TB)                                          \
+    asm volatile(                                                                \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                        \
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32." TA "." TB " "              \
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "  \
+        "%8, %9, p, 1, 1;\n}\n"                                             \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])  \
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <>
+struct Wgmma<16, Fp8Kind::E4M3, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 8;
+    __device__ __forceinline__ static void mma(float (&d)[8], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N16("e4m3", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<16, Fp8Kind::E4M3, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 8;
+    __device__ __forceinline__ static void mma(float (&d)[8], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N16("e4m3", "e5m2");
+    }
+};
+
+template <>
+struct Wgmma<16, Fp8Kind::E5M2, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 8;
+    __device__ __forceinline__ static void mma(float (&d)[8], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N16("e5m2", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<16, Fp8Kind::E5M2, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 8;
+    __device__ __forceinline__ static void mma(float (&d)[8], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N16("e5m2", "e5m2");
+    }
+};
+
+#undef ASTRAI_SM90_WGMMA_N16
+
+#define ASTRAI_SM90_WGMMA_N32(TA, TB)                                          \
+    asm volatile(                                                                \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                        \
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32." TA "." TB " "              \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
+        "%16, %17, p, 1, 1;\n}\n"                                             \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <>
+struct Wgmma<32, Fp8Kind::E4M3, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 16;
+    __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N32("e4m3", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<32, Fp8Kind::E4M3, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 16;
+    __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N32("e4m3", "e5m2");
+    }
+};
+
+template <>
+struct Wgmma<32, Fp8Kind::E5M2, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 16;
+    __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N32("e5m2", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<32, Fp8Kind::E5M2, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 16;
+    __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N32("e5m2", "e5m2");
+    }
+};
+
+#undef ASTRAI_SM90_WGMMA_N32
+
+#define ASTRAI_SM90_WGMMA_N64(TA, TB)                                          \
+    asm volatile(                                                                \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                        \
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32." TA "." TB " "              \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+        "%32, %33, p, 1, 1;\n}\n"                                             \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <>
+struct Wgmma<64, Fp8Kind::E4M3, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 32;
+    __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N64("e4m3", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<64, Fp8Kind::E4M3, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 32;
+    __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N64("e4m3", "e5m2");
+    }
+};
+
+template <>
+struct Wgmma<64, Fp8Kind::E5M2, Fp8Kind::E4M3> {
+    static constexpr int kRegs = 32;
+    __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N64("e5m2", "e4m3");
+    }
+};
+
+template <>
+struct Wgmma<64, Fp8Kind::E5M2, Fp8Kind::E5M2> {
+    static constexpr int kRegs = 32;
+    __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t scale_d) {
+        ASTRAI_SM90_WGMMA_N64("e5m2", "e5m2");
+    }
+};
+
+#undef ASTRAI_SM90_WGMMA_N64
+
 #define ASTRAI_SM90_WGMMA_N128(TA, TB)                                          \
     asm volatile(                                                                \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                        \

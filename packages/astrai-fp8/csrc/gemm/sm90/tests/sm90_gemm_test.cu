@@ -324,7 +324,8 @@ int main(int argc, char** argv) {
                 if (mode == "bench") {
                     for (Accum acc : {P, F}) cases.push_back({M, nk[0], nk[1], acc, false});
                 } else if (M >= 1024) {
-                    for (int f = 0; f < kNumTileConfigs; ++f) cases.push_back({M, nk[0], nk[1], kTileConfigs[f].promote ? P : F, false, false, Fp8Kind::E4M3, Fp8Kind::E4M3, 0, f});
+                    for (int f = 0; f < kNumTileConfigs; ++f)
+                        if (!kTileConfigs[f].swap) cases.push_back({M, nk[0], nk[1], kTileConfigs[f].promote ? P : F, false, false, Fp8Kind::E4M3, Fp8Kind::E4M3, 0, f});
                 }
             }
         cases.push_back({8192, 8192, 8192, P, false});
