@@ -1,7 +1,8 @@
 // Policies that plug into the one kernel body per kind.
 //
 // Q schedules turn a block index into (request, request-local row range); a 64-row host Q
-// tile is shared by blocks_per_tile blocks (HB for 4-warp blocks, HB / 2 for 8-warp ones):
+// tile is shared by blocks_per_tile blocks (HB * 64 / rows per block). Causal launches take
+// the host tiles last-first, so the longest rows of each head start first:
 //   DenseQSchedule   grid (num_q_tiles * bpt, kv_heads * head_groups, batch)
 //   PackedQSchedule  grid (num_q_tiles * bpt, kv_heads * head_groups, 1) over a packed
 //                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index.
@@ -25,13 +26,19 @@ struct QWork {
     int64_t o_off;
 };
 
+// The block's index along the Q tiles: reversed for causal launches.
+__device__ __forceinline__ int q_block_index(const AttentionParams& p) {
+    return p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+}
+
 struct DenseQSchedule {
     __device__ static QWork get(const AttentionParams& p) {
         const int bpt = p.blocks_per_tile;
+        const int bx = q_block_index(p);
         const int b = blockIdx.z;
         QWork w;
         w.b = b;
-        w.row_base = (blockIdx.x / bpt) * kQTileRows + (blockIdx.x % bpt) * (kQTileRows / bpt);
+        w.row_base = (bx / bpt) * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
         w.q_len = p.q_len;
         w.q_off = int64_t(b) * p.q_stride_b;
         w.o_off = int64_t(b) * p.o_stride_b;
@@ -42,12 +49,13 @@ struct DenseQSchedule {
 struct PackedQSchedule {
     __device__ static QWork get(const AttentionParams& p) {
         const int bpt = p.blocks_per_tile;
-        const int host_tile = blockIdx.x / bpt;
+        const int bx = q_block_index(p);
+        const int host_tile = bx / bpt;
         const int b = p.q_tile_to_batch[host_tile];
         const int start = p.qo_indptr[b];
         QWork w;
         w.b = b;
-        w.row_base = p.q_tile_to_index[host_tile] * kQTileRows + (blockIdx.x % bpt) * (kQTileRows / bpt);
+        w.row_base = p.q_tile_to_index[host_tile] * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
         w.q_len = p.qo_indptr[b + 1] - start;
         w.q_off = int64_t(start) * p.q_stride_l;
         w.o_off = int64_t(start) * p.o_stride_l;

@@ -11,7 +11,8 @@
 //   O += P V with P re-packed from the S accumulators as the A operand.
 // K/V tiles stream through a cp.async ring (3 stages for D <= 128, Q staged in its last
 // slot; 2 for D = 256), swizzled for conflict-free ldmatrix; page-table reads run one tile
-// ahead of the copies.
+// ahead of the copies. Causal launches walk the Q tiles last-first: the longest rows start
+// first and the short ones fill the tail.
 #pragma once
 
 #include "common.h"
@@ -31,7 +32,13 @@ struct PrefillMmaConfig {
     static constexpr int kStages = D <= 128 ? 3 : 2;
     static constexpr bool kQInRegs = D <= 128;  // D = 256 re-reads Q from shared memory
     static constexpr int kChunks = D / 8;       // 16-byte chunks per row
-    static constexpr int kRowsPerPass = kThreads / kChunks;
+    // K/V copies: 8 neighbouring threads copy one 128-byte line of a row per instruction
+    // (a warp: 4 rows x one line each) and a thread keeps its row for all D / 64 lines,
+    // so a tile costs kPasses page lookups per thread (kPasses = 2..4).
+    static constexpr int kThreadsPerRow = 8;
+    static constexpr int kLines = kChunks / kThreadsPerRow;  // 128-byte lines per row
+    static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+    static constexpr int kPasses = kBN / kRowsPerPass;
     static constexpr int kTileBytes = kBN * D * 2;
     static constexpr int kQBytes = kRows * D * 2;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
@@ -85,29 +92,33 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
 
     const T* kg = static_cast<const T*>(p.k);
     const T* vg = static_cast<const T*>(p.v);
-    const int ld_c = tid % C::kChunks, ld_r = tid / C::kChunks;
-    constexpr int kPasses = C::kBN / C::kRowsPerPass;
+    const int ld_r = tid / C::kThreadsPerRow, ld_c = tid % C::kThreadsPerRow;
     const typename KV::Request req = KV::request(p, qw.b);
     // Page-table reads run one tile ahead of the copies that need them.
-    typename KV::Handle hnd[kPasses];
+    typename KV::Handle hnd[C::kPasses];
     auto fetch_tile = [&](int tile) {
 #pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
+        for (int pass = 0; pass < C::kPasses; ++pass) {
             const int pos = tile * C::kBN + ld_r + pass * C::kRowsPerPass;
             hnd[pass] = pos < kv_end ? KV::fetch(p, req, pos) : 0;
         }
     };
     auto load_kv = [&](int tile, int stage) {
+        const uint32_t k_st = sK + stage * C::kStageBytes;
 #pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
+        for (int pass = 0; pass < C::kPasses; ++pass) {
             const int r = ld_r + pass * C::kRowsPerPass;
             const int pos = tile * C::kBN + r;
             const bool ok = pos < kv_end;
             int64_t ko = 0, vo = 0;
             if (ok) KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
-            const uint32_t off = Tile::offset(r, ld_c);
-            cp_async_16(sK + stage * C::kStageBytes + off, kg + ko + ld_c * 8, ok);
-            cp_async_16(sK + stage * C::kStageBytes + C::kTileBytes + off, vg + vo + ld_c * 8, ok);
+#pragma unroll
+            for (int line = 0; line < C::kLines; ++line) {
+                const int c = line * C::kThreadsPerRow + ld_c;
+                const uint32_t off = Tile::offset(r, c);
+                cp_async_16(k_st + off, kg + ko + c * 8, ok);
+                cp_async_16(k_st + C::kTileBytes + off, vg + vo + c * 8, ok);
+            }
         }
     };
     if (n_tiles > 0) fetch_tile(0);
@@ -122,12 +133,12 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
 
     cp_async_wait<C::kStages - 1>();  // Q has landed
     __syncthreads();
-    const uint32_t q_lane = sQ;  // fragment base: row warp*16 + (lane & 15), chunk + (lane >> 4)
+    // Q fragment of k-step ks: rows warp * 16 + (lane & 15), chunk 2 * ks + (lane >> 4).
+    auto q_frag = [&](int ks) { return sQ + Tile::offset(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)); };
     uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
     if constexpr (C::kQInRegs) {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            ldmatrix_x4(qf[ks], q_lane + Tile::offset(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qf[ks], q_frag(ks));
     }
 
     const int slot = warp / wph;
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
 #pragma unroll
                 for (int x = 0; x < 4; ++x) qa[x] = qf[ks][x];
             } else {
-                ldmatrix_x4(qa, q_lane + Tile::offset(warp * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+                ldmatrix_x4(qa, q_frag(ks));
             }
 #pragma unroll
             for (int np = 0; np < C::kBN / 16; ++np) {
@@ -195,6 +206,16 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
 
         float alpha[2];
         online_softmax<C::kBN / 8>(st, s, p.scale_log2, alpha);
+        // P leaves the fp32 scores as the 16-bit A operand of P V right away, so the scores'
+        // registers are free before the V fragments are read.
+        uint32_t pa[C::kBN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < C::kBN / 16; ++kk) {
+            pa[kk][0] = Elem<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = Elem<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = Elem<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = Elem<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[j][0] *= alpha[0];
@@ -204,17 +225,13 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
         }
 #pragma unroll
         for (int kk = 0; kk < C::kBN / 16; ++kk) {
-            const uint32_t pa[4] = {Elem<T>::pack2(s[2 * kk][0], s[2 * kk][1]),
-                                    Elem<T>::pack2(s[2 * kk][2], s[2 * kk][3]),
-                                    Elem<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    Elem<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 uint32_t vb[4];
                 ldmatrix_x4_trans(vb, v_st + Tile::offset(16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7),
                                                           2 * dp + (lane >> 4)));
-                mma_sync<T>(o[2 * dp], pa, {vb[0], vb[1]});
-                mma_sync<T>(o[2 * dp + 1], pa, {vb[2], vb[3]});
+                mma_sync<T>(o[2 * dp], pa[kk], {vb[0], vb[1]});
+                mma_sync<T>(o[2 * dp + 1], pa[kk], {vb[2], vb[3]});
             }
         }
     }
@@ -225,14 +242,14 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     finalize_rows(st, inv_l);
     T* out = static_cast<T*>(p.o) + qw.o_off + int64_t(head0 + slot) * p.o_stride_h;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
         if (row >= qw.q_len) continue;
         T* dst = out + int64_t(row) * p.o_stride_l + 2 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-                Elem<T>::pack2(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
+                Elem<T>::pack2(o[j][2 * h] * inv_l[h], o[j][2 * h + 1] * inv_l[h]);
     }
 #endif
 }
