@@ -42,8 +42,8 @@ inline constexpr TileConfig kTileConfigs[] = {
     {1, 192, 5, true, 1, 0.935, true, false},
     {2, 128, 6, true, 1, 0.833, true, false},
     {3, 128, 6, false, 1, 0.955, true, false},
-    // 2-CTA clusters with B multicast: timed on the H200 (docs/kernels/fp8-hopper.md), no
-    // faster than the single-CTA configs at any benchmarked shape; they run only when forced
+    // 2-CTA clusters with B multicast, timed on the H200 (docs/kernels/fp8-hopper.md): fast
+    // 128x256 0-5 % over config 0 at 10 of 12 shapes, promoted mixed; forced only for now
     {4, 256, 4, false, 2, 1.05, false, false},
     {5, 192, 5, true, 2, 0.98, false, false},
     {6, 128, 6, false, 2, 1.00, false, false},
@@ -56,8 +56,8 @@ inline constexpr TileConfig kTileConfigs[] = {
     {11, 32, 11, false, 1, 1.00, true, true},
     {12, 64, 9, true, 1, 1.00, true, true},
     {13, 64, 9, false, 1, 1.00, true, true},
-    // promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): not yet timed,
-    // runs only when forced
+    // promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): 0.84-1.19x the
+    // planner's promoted choice on the H200, 1.01x on average; forced only for now
     {14, 128, 6, true, 1, 0.90, false, false},
 };
 inline constexpr int kNumTileConfigs = 15;
