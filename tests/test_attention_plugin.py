@@ -212,6 +212,13 @@ def test_validation_names_the_argument(build):
         (lambda: dec.attn_decode(q, kv, kv, q, _t(P, [2, 99], dtype=7)), r"mask: expected shape"),
         (lambda: dec.attn_decode(q, kv, kv, q, None, 65), r"num_splits"),
         (lambda: dec.attn_decode(q, kv, kv, q, None, 4), r"ws_o"),
+        # the optional arrival counters of the in-kernel split merge: 2 x 8 units
+        (lambda: dec.attn_decode(q, kv, kv, q, None, 4, _t(P, [4 * 2 * 32 * 128], dtype=0),
+                                 _t(P, [4 * 2 * 32], dtype=0), 0, _t(P, [15], dtype=5)), r"ws_count: needs at least 16"),
+        (lambda: pdec.attn_paged_decode(q, _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), q,
+                                        _t(P, [3], dtype=5), _t(P, [10], dtype=5), _t(P, [2], dtype=5), 4,
+                                        _t(P, [4 * 2 * 32 * 128], dtype=0), _t(P, [4 * 2 * 32], dtype=0), 0,
+                                        _t(P, [16], dtype=0)), r"ws_count: expected dtype int32"),
         (lambda: dec.attn_decode(_t(P + 2, [2, 1, 32, 128]), kv, kv, q), r"q: data pointer"),
         (lambda: dec.attn_decode(q, _t(P, [2, 100, 8, 128], strides=[100 * 8 * 130, 8 * 130, 130, 1]), kv, q),
          r"k: stride"),

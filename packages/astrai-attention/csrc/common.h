@@ -65,6 +65,10 @@ struct AttentionParams {
     int num_splits = 1;
     float* ws_o = nullptr;
     float* ws_lse = nullptr;
+    // Optional arrival counters, one per decode unit (request, kv head, head group), all 0
+    // at launch and left 0: with them the mma decode kernel merges its own splits (the
+    // last block of a unit does) and no combine kernel runs.
+    int* ws_count = nullptr;
 };
 
 }  // namespace astrai::attn

@@ -1,8 +1,14 @@
 // Module astrai_attention._attn_decode: decode over contiguous K/V (split-KV).
 //
-//   attn_decode(q, k, v, out, mask=None, num_splits=1, ws_o=None, ws_lse=None, stream=0)
+//   attn_decode(q, k, v, out, mask=None, num_splits=1, ws_o=None, ws_lse=None, stream=0,
+//               ws_count=None, pdl=False)
 //     q, out [B, 1, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, S] or [B, 1, S]
 //     tensors are (data_ptr, shape, strides, dtype_code) tuples (ABI 1)
+//   ws_count: optional int32 [>= B * Hkv * head_groups] arrival counters, all 0 (left 0):
+//     with num_splits > 1 the kernel merges its own splits and no combine kernel runs
+//   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
+//     blocks start while the stream's previous kernel drains); off by default (slower
+//     in the measurements: dispatchers.cuh)
 //   decode_plan(batch, q_heads, kv_heads, head_dim, kv_len_hint, num_sms) -> num_splits
 #include <pybind11/pybind11.h>
 
@@ -16,7 +22,8 @@ namespace astrai::attn {
 namespace py = pybind11;
 
 void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
-                 int64_t num_splits, py::handle ws_o_a, py::handle ws_lse_a, py::handle stream_a) {
+                 int64_t num_splits, py::handle ws_o_a, py::handle ws_lse_a, py::handle stream_a,
+                 py::handle ws_count_a, bool pdl) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k", k_a);
     const TensorArg v = bind::tensor_arg("v", v_a);
@@ -48,11 +55,14 @@ void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_
     if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
     if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
     set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
+    std::optional<TensorArg> ws_count;
+    if (!ws_count_a.is_none()) ws_count = bind::tensor_arg("ws_count", ws_count_a);
     p.batch = int(B); p.q_len = 1; p.kv_len = int(S);
     p.head_groups = decode_head_groups(p.group);
     check_grid(B * Hkv * p.head_groups, num_splits, 1);
+    set_decode_counters(p, ws_count ? &*ws_count : nullptr, B * Hkv * p.head_groups);
     if (B == 0) return;
-    dispatch_decode<ContigKV>(p, q.dtype, int(D), stream);
+    dispatch_decode<ContigKV>(p, q.dtype, int(D), stream, pdl);
 }
 
 }  // namespace astrai::attn
@@ -62,7 +72,8 @@ PYBIND11_MODULE(_attn_decode, m) {
     astrai::bind::init_module(m);
     m.def("attn_decode", &astrai::attn::attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask") = py::none(), py::arg("num_splits") = 1, py::arg("ws_o") = py::none(),
-          py::arg("ws_lse") = py::none(), py::arg("stream") = 0,
+          py::arg("ws_lse") = py::none(), py::arg("stream") = 0, py::arg("ws_count") = py::none(),
+          py::arg("pdl") = false,
           "Decode attention over contiguous K/V into out (split-KV; num_splits > 1 needs ws_o/ws_lse).");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),

@@ -7,8 +7,13 @@
 // heads fills G of them). Each tile of kBN = 16 * kWarps K/V rows streams through a
 // kStages-deep cp.async ring; warp w scores rows w*16 .. w*16+15 of every tile with its own
 // online softmax, and the warps merge through shared memory at the end. With one split the
-// block writes the output; otherwise it writes a normalized partial and its log2-sum-exp
-// for decode_combine_kernel.
+// block writes the output; otherwise it writes a normalized partial and its log2-sum-exp.
+// The partials are merged by decode_combine_kernel (what the ops do), or, with p.ws_count
+// set, in the same launch: each block counts its arrival on its unit's counter, and the
+// last of the unit's num_splits blocks merges them and resets the counter to 0 for the next
+// launch. The in-kernel merge measured slower on an H200 (one SM reads all of a unit's
+// partials after a fence and an atomic round trip, where the combine grid spreads them
+// over B x Hq blocks), so it is an option of the modules, not the default.
 #pragma once
 
 #include "common.h"
@@ -41,6 +46,96 @@ struct DecodeMmaConfig {
     static_assert(kSmemBytes <= 99 * 1024, "must fit the sm_86/89 shared-memory limit");
 };
 
+// Turns the log2-sum-exps lse[s * ld] (s < S <= 64) of one output row into normalized
+// split weights exp2(lse_s - max) / sum in place: one warp, lanes over the splits. A row
+// that no split saw (all -inf) gets zero weights.
+__device__ __forceinline__ void split_weights_warp(float* lse, int ld, int S, int lane) {
+    static_assert(kMaxDecodeSplits <= 64, "two splits per lane");
+    const float a = lane < S ? lse[lane * ld] : -INFINITY;
+    const float c = lane + 32 < S ? lse[(lane + 32) * ld] : -INFINITY;
+    const float m = warp_reduce_max(fmaxf(a, c));
+    const float base = m == -INFINITY ? 0.f : m;
+    const float ea = exp2f(a - base), ec = exp2f(c - base);
+    const float l = warp_reduce_sum(ea + ec);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (lane < S) lse[lane * ld] = ea * inv;
+    if (lane + 32 < S) lse[(lane + 32) * ld] = ec * inv;
+}
+
+// The last-arriving block of a unit merges the unit's num_splits partials (rows head0 ..
+// head0 + nh - 1 of request b) into the output: the partials stream into shared memory by
+// cp.async (L2, not L1: other blocks wrote them) in chunks of as many splits as fit, the
+// log2-sum-exps land beside the first chunk, and each thread accumulates whole float4
+// columns with the normalized weights exp2(lse_s - max) / sum.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void decode_merge_splits(const AttentionParams& p, uint8_t* smem, int smem_bytes, int b,
+                                                    int head0, int nh) {
+    constexpr int kHeads = 16;
+    constexpr int kOwn = (kHeads * D / 4 + kThreads - 1) / kThreads;  // float4 columns per thread
+    const int tid = threadIdx.x;
+    const int S = p.num_splits;
+    const int64_t split_rows = int64_t(p.batch) * p.q_heads;
+    const int64_t bh0 = int64_t(b) * p.q_heads + head0;
+    float* sW = reinterpret_cast<float*>(smem);  // [kMaxDecodeSplits][kHeads] lse, then weights
+    float* sP = sW + kMaxDecodeSplits * kHeads;  // [chunk][nh][D] partials
+    const int cols = nh * D / 4;                 // float4 columns of one split's partial
+    const int chunk = min(S, max(1, (smem_bytes - kMaxDecodeSplits * kHeads * 4) / (cols * 16)));
+    auto issue = [&](int s0, int n) {
+        for (int i = tid; i < n * cols; i += kThreads) {
+            const int s = i / cols, c = i - s * cols;
+            cp_async_16(smem_u32(sP) + 16u * i, p.ws_o + ((s0 + s) * split_rows + bh0) * D + 4 * c, true);
+        }
+        cp_async_commit();
+    };
+    issue(0, chunk);
+    for (int i = tid; i < S * nh; i += kThreads) {
+        const int s = i / nh, r = i - s * nh;
+        sW[s * kHeads + r] = __ldcg(p.ws_lse + s * split_rows + bh0 + r);
+    }
+    __syncthreads();
+    for (int row = tid / 32; row < nh; row += kThreads / 32) split_weights_warp(sW + row, kHeads, S, tid % 32);
+    float4 acc[kOwn];
+#pragma unroll
+    for (int k = 0; k < kOwn; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* sP4 = reinterpret_cast<const float4*>(sP);
+    for (int s0 = 0; s0 < S; s0 += chunk) {
+        const int n = min(chunk, S - s0);
+        if (s0 > 0) {
+            __syncthreads();  // the previous chunk has been read
+            issue(s0, n);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < kOwn; ++k) {
+            const int c = tid + k * kThreads;
+            if (c < cols) {
+                const int row = c / (D / 4);
+                for (int s = 0; s < n; ++s) {
+                    const float w = sW[(s0 + s) * kHeads + row];
+                    const float4 v = sP4[s * cols + c];
+                    acc[k].x = fmaf(w, v.x, acc[k].x);
+                    acc[k].y = fmaf(w, v.y, acc[k].y);
+                    acc[k].z = fmaf(w, v.z, acc[k].z);
+                    acc[k].w = fmaf(w, v.w, acc[k].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kOwn; ++k) {
+        const int c = tid + k * kThreads;
+        if (c < cols) {
+            const int row = c / (D / 4), d = 4 * (c % (D / 4));
+            T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(head0 + row) * p.o_stride_h + d;
+            uint2 packed;
+            packed.x = Elem<T>::pack2(acc[k].x, acc[k].y);
+            packed.y = Elem<T>::pack2(acc[k].z, acc[k].w);
+            *reinterpret_cast<uint2*>(dst) = packed;
+        }
+    }
+}
+
 template <typename T, int D, class KV>
 __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
@@ -59,6 +154,12 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     const int b = unit / (p.head_groups * p.kv_heads);
     const int head0 = kvh * p.group + hgrp * C::kHeads;
     const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q,
+    // the cache, the page table, kv_lens) is read, and nothing it reads is written, before
+    // that grid has completed.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 
     const int kv_len = KV::kv_len(p, b);
     // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
@@ -122,19 +223,12 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
         }
     };
 
-    // Q first, in its own group: it lands before any K/V tile overwrites its slot.
+    // Q is group 0; the first kStages - 1 K/V tiles follow without waiting for it (Q sits
+    // in the last V slot, which only tile kStages - 1 overwrites, after the loop's first
+    // barrier), so Q's round trip overlaps the K/V requests instead of preceding them.
     if (my_tiles > 0) fetch_tile(t_begin, hnd);
     if constexpr (kAhead) {
         if (my_tiles > 1) fetch_tile(t_begin + 1, hnd_ahead);
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
-    if constexpr (C::kQInRegs) {
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            ldmatrix_x4(qf[ks], sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
-        __syncthreads();
     }
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
@@ -143,6 +237,16 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             advance(s + 1);
         }
         cp_async_commit();
+    }
+    cp_async_wait<C::kStages - 1>();  // group 0 (Q) has landed
+    __syncthreads();
+    uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
+    if constexpr (C::kQInRegs) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            ldmatrix_x4(qf[ks], sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
+        // No barrier here: Q's slot is next written after the main loop's first barrier
+        // (or, with no tile, after the one before the warp merge).
     }
 
     const uint8_t* mask = p.mask ? p.mask + int64_t(b) * p.mask_stride_b : nullptr;
@@ -212,7 +316,9 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
         }
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p.num_splits > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // The next kernel (the combine, or the stream's next PDL launch) may be scheduled now;
+    // it waits in griddepcontrol.wait until this grid has completed.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     cp_async_wait<0>();
     __syncthreads();  // the ring is reused for the warp merge below
@@ -260,31 +366,74 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             if (d == 0) p.ws_lse[bh] = l > 0.f ? m + __log2f(l) : -INFINITY;
         }
     }
+    if (p.num_splits == 1 || p.ws_count == nullptr) return;
+
+    // Arrival: the barrier orders every thread's partial stores before thread 0's fence
+    // (cumulative), so the unit's last arrival sees all num_splits partials.
+    __shared__ int s_last;
+    __syncthreads();
+    if (tid == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // release the block's partials
+        const bool last = atomicAdd(p.ws_count + unit, 1) == p.num_splits - 1;
+        if (last) {
+            p.ws_count[unit] = 0;  // every split has arrived: ready for the next launch
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire the other partials
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    decode_merge_splits<T, D, C::kThreads>(p, smem, C::kRingBytes, b, head0, nh);
 #endif
 }
 
-// Merges the num_splits partials of one (request, query head) per block.
+// Merges the num_splits partials of one (request, query head) per block; D < 128 ? D : 128
+// threads. Every thread's partial loads (up to 32 splits at a time) are issued before the
+// weights are known, beside the log2-sum-exp loads, so a merge of <= 32 splits costs one
+// L2 round trip.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const AttentionParams p) {
+    constexpr int kThreads = D < 128 ? D : 128;
+    constexpr int kCols = D / kThreads;  // output columns per thread
+    constexpr int kChunk = 32;           // splits loaded per round
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the stream's next PDL launch
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (PDL): wait for the splits
 #endif
+    __shared__ float sw[kMaxDecodeSplits];
+    const int tid = threadIdx.x;
     const int bh = blockIdx.x;
     const int b = bh / p.q_heads, h = bh % p.q_heads;
+    const int S = p.num_splits;
     const int64_t stride = int64_t(p.batch) * p.q_heads;
-    float m = -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.ws_lse[s * stride + bh]);
-    const float base = m == -INFINITY ? 0.f : m;
-    T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(h) * p.o_stride_h;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.f, l = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float f = exp2f(p.ws_lse[s * stride + bh] - base);
-            acc += f * p.ws_o[(s * stride + bh) * D + d];
-            l += f;
+    float v[kCols][kChunk];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+            for (int c = 0; c < kCols; ++c)
+                v[c][j] = s0 + j < S ? p.ws_o[((s0 + j) * stride + bh) * D + tid + c * kThreads] : 0.f;
+    };
+    load(0);
+    for (int s = tid; s < S; s += kThreads) sw[s] = p.ws_lse[s * stride + bh];
+    __syncthreads();
+    if (tid < 32) split_weights_warp(sw, 1, S, tid);
+    __syncthreads();
+    float acc[kCols] = {};
+    for (int s0 = 0; s0 < S; s0 += kChunk) {
+        if (s0 > 0) load(s0);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            if (s0 + j < S) {
+                const float w = sw[s0 + j];
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) acc[c] = fmaf(w, v[c][j], acc[c]);
+            }
         }
-        dst[d] = Elem<T>::from_float(l > 0.f ? acc / l : 0.f);
     }
+    T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(h) * p.o_stride_h;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dst[tid + c * kThreads] = Elem<T>::from_float(acc[c]);
 }
 
 }  // namespace astrai::attn

@@ -104,6 +104,19 @@ inline void set_workspace(AttentionParams& p, int64_t num_splits, const TensorAr
     p.ws_lse = reinterpret_cast<float*>(ws_lse->ptr);
 }
 
+// Optional decode arrival counters: int32 with >= `units` (batch x kv_heads x head groups)
+// elements, all 0 (the kernel leaves them 0). Unused without a split.
+inline void set_decode_counters(AttentionParams& p, const TensorArg* ws_count, int64_t units) {
+    if (!ws_count || p.num_splits == 1) return;
+    expect_dtype(*ws_count, DType::Int32);
+    ASTRAI_CHECK(ws_count->numel() >= units, "ws_count: needs at least ", units,
+                 " int32 elements (batch x kv_heads x head groups), got ", ws_count->numel());
+    ASTRAI_CHECK(ws_count->ndim() <= 1 || ws_count->numel() <= 1 || ws_count->stride(-1) == 1,
+                 "ws_count: must be contiguous");
+    expect_data(*ws_count, 4);
+    p.ws_count = reinterpret_cast<int*>(ws_count->ptr);
+}
+
 // log2(page) for a power-of-two page size, else -1 (the kernels then divide).
 inline int page_shift_of(int64_t page) {
     if (page <= 0 || (page & (page - 1)) != 0) return -1;

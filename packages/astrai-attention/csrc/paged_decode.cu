@@ -1,10 +1,16 @@
 // Module astrai_attention._attn_paged_decode: decode over a paged KV cache (split-KV).
 //
 //   attn_paged_decode(q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_lens,
-//                     num_splits=1, ws_o=None, ws_lse=None, stream=0)
+//                     num_splits=1, ws_o=None, ws_lse=None, stream=0, ws_count=None,
+//                     pdl=False)
 //     q, out [B, 1, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; kv_indptr int32 [B+1];
 //     kv_indices int32 [nnz_pages]; kv_lens int32 [B] (tokens; the caller guarantees
 //     kv_lens[b] <= (kv_indptr[b+1] - kv_indptr[b]) * page)
+//   ws_count: optional int32 [>= B * Hkv * head_groups] arrival counters, all 0 (left 0):
+//     with num_splits > 1 the kernel merges its own splits and no combine kernel runs
+//   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
+//     blocks start while the stream's previous kernel drains); off by default (slower
+//     in the measurements: dispatchers.cuh)
 //   decode_plan(...) as in _attn_decode
 #include <pybind11/pybind11.h>
 
@@ -19,7 +25,7 @@ namespace py = pybind11;
 
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
-                       py::handle ws_lse_a, py::handle stream_a) {
+                       py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -61,11 +67,14 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
     if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
     set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
+    std::optional<TensorArg> ws_count;
+    if (!ws_count_a.is_none()) ws_count = bind::tensor_arg("ws_count", ws_count_a);
     p.batch = int(B); p.q_len = 1;
     p.head_groups = decode_head_groups(p.group);
     check_grid(B * Hkv * p.head_groups, num_splits, 1);
+    set_decode_counters(p, ws_count ? &*ws_count : nullptr, B * Hkv * p.head_groups);
     if (B == 0) return;
-    dispatch_decode<PagedKV>(p, q.dtype, int(D), stream);
+    dispatch_decode<PagedKV>(p, q.dtype, int(D), stream, pdl);
 }
 
 }  // namespace astrai::attn
@@ -76,7 +85,8 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
     m.def("attn_paged_decode", &astrai::attn::attn_paged_decode, py::arg("q"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("out"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("kv_lens"),
           py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
-          py::arg("stream") = 0, "Decode attention over a paged KV cache into out (split-KV).");
+          py::arg("stream") = 0, py::arg("ws_count") = py::none(), py::arg("pdl") = false,
+          "Decode attention over a paged KV cache into out (split-KV).");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
           "Split count of a decode launch (pure function of shapes).");
