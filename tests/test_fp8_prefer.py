@@ -276,3 +276,19 @@ def test_from_bench_keeps_the_less_favourable_of_two_runs():
     again = dict(row, cublas_promote_ms=0.9)
     table = sm90_table.from_bench({"rows": [row, again]}, commit="c", date="d")
     assert [c["ratio"] for c in table["classes"]] == [0.9]
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_compiled_gemm_with_symbolic_or_static_sizes(dynamic):
+    """Under torch.compile the decision is made at trace time without the shape (sizes may
+    be symbolic), for dynamic and static graphs alike, with no graph break."""
+    b = (torch.randn(32, 8) * 4).to(torch.float8_e4m3fn)
+
+    def fn(a, b):
+        return backend.gemm(a, b, torch.tensor(0.5))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for m in (16, 24):
+        a = (torch.randn(m, 32) * 4).to(torch.float8_e4m3fn)
+        torch.testing.assert_close(compiled(a, b), fn(a, b), atol=0, rtol=0)

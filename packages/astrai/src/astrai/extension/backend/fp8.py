@@ -259,18 +259,14 @@ def check_gemm_args(a: object, b: object, scale: object, bias: object) -> None:
 # runtime's context variables or the resolver's lock, and a graph fixes the backend anyway.
 
 
+# The shape is not passed here: under dynamic shapes the sizes are symbolic (dynamo offers
+# no way to tell them from ints inside the trace), so a measured preference table keeps
+# cuBLASLt in compiled graphs; the trace says "needs the call's M, N, K".
 @torch._dynamo.assume_constant_result
 def _choose_gemm_while_compiling(runtime: Runtime | None, device: str, a_fmt: str, b_fmt: str,
-                                 backend: str | None, shape: tuple[int, int, int] | None
-                                 ) -> tuple[str, int | None]:
+                                 backend: str | None) -> tuple[str, int | None]:
     info = probe_device(torch.device(device))
-    return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend, shape=shape), info.sm
-
-
-def _static_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int] | None:
-    """(M, N, K) when all three are plain ints (not symbolic sizes of a dynamic trace)."""
-    dims = (a.shape[0], b.shape[1], a.shape[1])
-    return dims if all(type(d) is int for d in dims) else None
+    return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend), info.sm
 
 
 @torch._dynamo.assume_constant_result
@@ -334,7 +330,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     bias = None if bias is None else _detached(bias)
     if torch.compiler.is_compiling():
         chosen, sm = _choose_gemm_while_compiling(runtime, str(a.device), FP8_FORMATS[a.dtype],
-                                                  FP8_FORMATS[b.dtype], backend, _static_shape(a, b))
+                                                  FP8_FORMATS[b.dtype], backend)
     else:
         runtime = runtime or current_runtime()
         device = probe_device(a.device)
