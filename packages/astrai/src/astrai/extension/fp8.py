@@ -29,7 +29,6 @@ import contextlib
 import enum
 import functools
 import itertools
-import math
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -115,47 +114,62 @@ Recipe = DelayedScaling | DynamicScaling
 # -- state ------------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
 class TensorScaling:
     """Scaling state of one tensor role of one weight (``input``, ``weight``, ``grad_output``).
 
-    ``amax_history[0]`` collects the current step's amax (maximum over the calls of the
-    step); ``amax_history[1:]`` are earlier steps, newest first. ``scale`` is the
-    dequantization scale the next quantization uses (delayed) or the last one used
-    (dynamic); ``scale_inv`` its reciprocal, the multiplier handed to the quantizer.
-    Roles updated at the same moment (``input`` and ``weight``) are rows of one stacked
-    history (``_RoleGroup``), and these tensors are views of their rows. Updates replace
-    the tensors rather than writing into them, so a backward pass still reads the scales
-    its forward used.
+    ``amax_history`` (``[L]`` float32, a fresh tensor per read): ``[0]`` is the current
+    step's amax (maximum over the calls of the step so far), ``[1:]`` earlier steps,
+    newest first. ``scale`` is the dequantization scale the next quantization uses
+    (delayed) or the last one used (dynamic); ``scale_inv`` its reciprocal, the multiplier
+    handed to the quantizer. A quantization's amax is kept as a tensor (``record``: no
+    kernel for the first call of a step) and written into the history by the end-of-step
+    update; the completed steps of the roles updated together (``input`` and ``weight``)
+    are rows of one stacked tensor (``_RoleGroup``). Updates replace the scale tensors
+    rather than writing into them, so a backward pass still reads the scales its forward
+    used.
     """
 
-    fmt: str
-    amax_history: torch.Tensor
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
-    updates: int = 0  # end-of-step updates applied so far
-    # Host-side bookkeeping of the weight cache (``_quantize_weight``): ``epoch`` changes
-    # whenever the delayed scale may have changed; ``_tokens`` are the weight contents
-    # recorded in the step in progress, ``_window`` those of the steps the scale is
-    # computed from (None: a role whose contents are not tracked).
-    epoch: int = field(default=0, repr=False)
-    _slot: torch.Tensor | None = field(default=None, repr=False)  # amax_history[:1]
-    _tokens: set[int] = field(default_factory=set, repr=False)
-    _window: deque[frozenset[int]] | None = field(default=None, repr=False)
-    _window_union: frozenset[int] | None = field(default=None, repr=False)
+    def __init__(self, fmt: str, group: _RoleGroup, row: int, scale: torch.Tensor,
+                 scale_inv: torch.Tensor, window: deque[frozenset[int]] | None = None):
+        self.fmt = fmt
+        self.scale, self.scale_inv = scale, scale_inv
+        self.updates = 0  # end-of-step updates applied so far
+        # Host-side bookkeeping of the weight cache (``_quantize_weight``): ``epoch``
+        # changes whenever the delayed scale may have changed; ``_tokens`` are the weight
+        # contents recorded in the step in progress, ``_window`` those of the steps the
+        # scale is computed from (None: a role whose contents are not tracked).
+        self.epoch = 0
+        self._group, self._row = group, row
+        self._pending: torch.Tensor | None = None  # max of the step's amaxes so far
+        self._tokens: set[int] = set()
+        self._window = window
+        self._window_union: frozenset[int] | None = None
+
+    def __repr__(self) -> str:
+        return (f"TensorScaling(fmt={self.fmt!r}, amax_history={self.amax_history!r}, "
+                f"scale={self.scale!r}, scale_inv={self.scale_inv!r}, updates={self.updates})")
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        done = self._group.hist[self._row]  # completed steps, newest first
+        current = self._pending if self._pending is not None else done.new_zeros(())
+        return torch.cat((current.reshape(1), done[:-1]))
 
     def scale_for(self, x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, multiplier)`` to quantize ``x`` with."""
         if isinstance(recipe, DynamicScaling):
             # max|x| is one of the elements: exact in float32 whatever x's dtype
             amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-            scale = torch.where(_usable(amax), amax * _factor(self.fmt, recipe.margin), 1.0)
+            usable = amax.nan_to_num(0.0, 0.0)  # zero where amax is zero, inf or NaN
+            scale = torch.where(usable > 0, usable * _factor(self.fmt, recipe.margin), 1.0)
             self.scale, self.scale_inv = scale, scale.reciprocal()
         return self.scale, self.scale_inv
 
     def record(self, amax: torch.Tensor, token: int | None = None) -> None:
-        """Fold ``amax`` into the step's slot; ``token`` names the weight content it is of."""
-        torch.maximum(self._slot, amax, out=self._slot)
+        """Fold ``amax`` (a 0-d float32 tensor, never written to here) into the step's
+        amax; ``token`` names the weight content it is of."""
+        pending = self._pending
+        self._pending = amax if pending is None else torch.maximum(pending, amax)
         if token is not None:
             self._tokens.add(token)
 
@@ -170,6 +184,7 @@ class TensorScaling:
         unusable amax keeps the previous scale either way.
         """
         self.updates += 1
+        self._pending = None
         if self._window is None:
             self.epoch += 1
             return
@@ -185,78 +200,67 @@ def _factor(fmt: str, margin: int) -> float:
     return 2.0 ** margin / FP8_MAX[fmt]
 
 
-def _usable(amax: torch.Tensor) -> torch.Tensor:
-    """``amax > 0`` and finite (an amax is never negative; NaN compares false)."""
-    return (amax > 0) & (amax < math.inf)
-
-
 class _RoleGroup:
     """Roles whose delayed-scaling update happens at the same moment, stacked: one
-    ``[R, L]`` history and one ``[R]`` scale, so an update is a handful of tensor ops for
-    all of them (amax, scale, reciprocal, shifted history) instead of a dozen per role."""
+    ``[R, L]`` tensor of completed steps and one ``[R]`` scale, so an update is a handful
+    of tensor ops for all of them. After a batched update (``_end_steps``) these are rows
+    of the batch's tensors, read through ``hist`` / ``scale`` only when needed."""
 
     def __init__(self, fmt: str, rows: int, recipe: Recipe, device: torch.device,
                  tracked: tuple[bool, ...]):
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         window = length if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max" else 1
         self.fmt = fmt
-        self.hist = torch.zeros(rows, length, dtype=torch.float32, device=device)
-        self.scale = torch.ones(rows, dtype=torch.float32, device=device)
-        self.scale_inv = self.scale  # 1 / 1
-        self._zeros = torch.zeros(rows, 1, dtype=torch.float32, device=device)
+        self.device = device
+        self._own = (torch.zeros(rows, length, dtype=torch.float32, device=device),
+                     torch.ones(rows, dtype=torch.float32, device=device))
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
-        self.roles = [TensorScaling(fmt, self.hist, self.scale, self.scale_inv,
-                                    _window=deque(maxlen=window) if track else None)
-                      for track in tracked]
-        self._publish(_rows(self.hist, self.scale, self.scale_inv), 0)
+        self._index = 0
+        ones = self._own[1].unbind(0)
+        self.roles = [TensorScaling(fmt, self, i, one, one,
+                                    deque(maxlen=window) if track else None)
+                      for i, (one, track) in enumerate(zip(ones, tracked))]
 
-    def _publish(self, rows: tuple, start: int, scales: bool = True) -> None:
-        """Point the roles at their rows of ``_rows(...)`` from ``start`` on (views)."""
-        hists, slots, scale_rows, inv_rows = rows
-        for i, role in enumerate(self.roles, start):
-            role.amax_history, role._slot = hists[i], slots[i]
-            if scales:
-                role.scale, role.scale_inv = scale_rows[i], inv_rows[i]
+    @property
+    def hist(self) -> torch.Tensor:
+        """``[R, L]``: the completed steps' amaxes, newest first."""
+        return self._own[0] if self._batch is None else self._batch.hist[self._index]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._own[1] if self._batch is None else self._batch.scale[self._index]
 
     def to(self, device: torch.device) -> None:
-        self.hist, self.scale, self.scale_inv, self._zeros = (
-            t.to(device) for t in (self.hist, self.scale, self.scale_inv, self._zeros))
-        self._batch = None
-        self._publish(_rows(self.hist, self.scale, self.scale_inv), 0, scales=False)
+        self._own = (self.hist.to(device), self.scale.to(device))
+        self._zero, self._batch, self.device = self._zero.to(device), None, device
         for role in self.roles:  # the scales last used (dynamic) or published (delayed)
             role.scale, role.scale_inv = role.scale.to(device), role.scale_inv.to(device)
+            if role._pending is not None:
+                role._pending = role._pending.to(device)
 
     def end_step(self, recipe: DelayedScaling) -> None:
         """Roll the histories and compute the next scales (see ``_delayed_update``)."""
-        scale, inv, self.hist = _delayed_update(self.hist, self.scale, recipe, self.fmt, self._zeros)
-        self.scale, self.scale_inv, self._batch = scale, inv, None
-        self._published(_rows(self.hist, scale, inv), 0)
-
-    def _published(self, rows: tuple, start: int) -> None:
-        self._publish(rows, start)
-        for role in self.roles:
-            role._close_step()
+        _end_steps([(self, recipe)])
 
 
-def _rows(hist: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor) -> tuple:
-    """Per-row views of stacked histories ``[..., L]`` and scales ``[...]``, rows in order:
-    ``(histories, slot 0 of each, scales, multipliers)``; a handful of view ops for any
-    number of rows, no kernels."""
-    if hist.dim() > 2:
-        hist, scale, inv = hist.flatten(0, -2), scale.flatten(), inv.flatten()
-    return hist.unbind(0), hist[:, :1].unbind(0), scale.unbind(0), inv.unbind(0)
-
-
-def _delayed_update(hist: torch.Tensor, prev: torch.Tensor, recipe: DelayedScaling, fmt: str,
-                    zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scale, scale_inv, history)`` after a step, for histories stacked along the
-    leading dimensions (``[..., L]``): ``amax = max(history)`` or ``history[0]``,
-    ``scale = amax * 2**margin / fp8_max`` unless the amax is zero or not finite (then
-    ``prev`` stays), and the history shifted by one with slot 0 cleared. Every op is
-    elementwise or a max, so stacking more rows changes no value."""
-    amax = hist.amax(-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
-    scale = torch.where(_usable(amax), amax * _factor(fmt, recipe.margin), prev)
-    return scale, scale.reciprocal(), torch.cat((zeros, hist[..., :-1]), -1)
+def _delayed_update(hist: torch.Tensor, prev: torch.Tensor, amaxes: list[torch.Tensor],
+                    recipe: DelayedScaling, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv, history)`` after a step, for completed-step histories stacked
+    along the leading dimensions (``[..., L]``) and the step's amaxes (one 0-d tensor per
+    row, in order): the history gains the step as its newest slot and drops its oldest;
+    ``amax = max(history)`` or the step's own, ``scale = amax * 2**margin / fp8_max``
+    unless the amax is zero or not finite (then ``prev`` stays). Every op is elementwise
+    or a max, so stacking more rows changes no value. Ten ops, eight kernels."""
+    step = torch.stack(amaxes)
+    full = torch.cat((step.view(*prev.shape, 1), hist[..., :-1]), -1)
+    if recipe.amax_compute_algo == "max":
+        amax = full.amax(-1)
+    else:
+        amax = step if prev.dim() == 1 else step.view(prev.shape)
+    usable = amax.nan_to_num(0.0, 0.0)  # zero where amax is zero, inf or NaN (never negative)
+    scale = torch.where(usable > 0, usable * _factor(fmt, recipe.margin), prev)
+    return scale, scale.reciprocal(), full
 
 
 @dataclass(eq=False)
@@ -266,40 +270,52 @@ class _Batch:
     groups: tuple[_RoleGroup, ...]
     hist: torch.Tensor  # [S, R, L]
     scale: torch.Tensor  # [S, R]
-    zeros: torch.Tensor  # [S, R, 1]
 
 
 def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     """End the step of many role groups: one stacked update per (recipe, format, device,
-    shape) instead of one per group, so a region's bookkeeping costs about ten kernels
+    shape) instead of one per group, so a region's bookkeeping costs about ten ops
     whatever the number of linears in it. Delayed scaling only; values as group by group.
     The histories stay rows of one tensor, so the next update of the same groups needs
-    no stacking copy."""
+    no stacking copy; the roles get views of their scales (two ``unbind``), nothing else."""
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
         if isinstance(recipe, DelayedScaling):
-            key = (recipe, group.fmt, group.hist.device, group.hist.shape)
-            buckets.setdefault(key, []).append(group)
+            key = (recipe, group.fmt, group.device, len(group.roles))
+            bucket = buckets.get(key)
+            if bucket is None:
+                buckets[key] = [group]
+            else:
+                bucket.append(group)
     for (recipe, fmt, _, _), groups in buckets.items():
         if len(groups) == 1:
-            groups[0].end_step(recipe)
-            continue
-        members = tuple(groups)
-        batch = groups[0]._batch
-        if batch is not None and batch.groups == members and all(g._batch is batch for g in groups):
-            hist, prev, zeros = batch.hist, batch.scale, batch.zeros
+            group = groups[0]
+            hist, prev = group.hist, group.scale
         else:
-            hist = torch.stack([g.hist for g in groups])
-            prev = torch.stack([g.scale for g in groups])
-            zeros = hist.new_zeros((*hist.shape[:-1], 1))
-        scale, inv, hist = _delayed_update(hist, prev, recipe, fmt, zeros)
-        batch = _Batch(members, hist, scale, zeros)
-        rows = _rows(hist, scale, inv)
-        start = 0
-        for group, h, s, i in zip(groups, hist.unbind(0), scale.unbind(0), inv.unbind(0)):
-            group.hist, group.scale, group.scale_inv, group._batch = h, s, i, batch
-            group._published(rows, start)
-            start += len(group.roles)
+            batch = groups[0]._batch
+            if (batch is not None and len(batch.groups) == len(groups)
+                    and all(a is b for a, b in zip(batch.groups, groups))):
+                hist, prev = batch.hist, batch.scale
+            else:
+                hist = torch.stack([g.hist for g in groups])
+                prev = torch.stack([g.scale for g in groups])
+        zero = groups[0]._zero
+        amaxes = [zero if r._pending is None else r._pending for g in groups for r in g.roles]
+        scale, inv, hist = _delayed_update(hist, prev, amaxes, recipe, fmt)
+        flat_scale, flat_inv = (scale, inv) if scale.dim() == 1 else (scale.flatten(), inv.flatten())
+        scales, invs = flat_scale.unbind(0), flat_inv.unbind(0)
+        if len(groups) == 1:
+            groups[0]._own = (hist, scale)
+        else:
+            batch = _Batch(tuple(groups), hist, scale)
+            for index, group in enumerate(groups):
+                group._batch, group._index = batch, index
+        row = 0
+        for group in groups:
+            for role in group.roles:
+                role.scale, role.scale_inv = scales[row], invs[row]
+                role._close_step()
+                row += 1
 
 
 @dataclass(eq=False)
@@ -394,7 +410,7 @@ def _state_for(weight: torch.Tensor, recipe: Recipe) -> Fp8LinearState:
     if state is None or (state.recipe is not recipe and state.recipe != recipe):
         state = Fp8LinearState.create(recipe, weight.device)  # a different recipe starts afresh
         setattr(weight, _STATE_ATTR, state)
-    elif state.forward_roles.hist.device != weight.device:  # the module moved since
+    elif state.forward_roles.device != weight.device:  # the module moved since
         state.to(weight.device)
     return state
 
