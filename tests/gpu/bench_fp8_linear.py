@@ -10,8 +10,13 @@ Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
 and the share of the fp8 time spent outside the GEMM. Times are medians of event-timed
 repetitions over rotating inputs. Where the time goes: ``host`` is the CPU time to issue one
 call (nothing waited for), ``piped`` the time per call of 20 back-to-back calls (the GPU
-work when the host keeps ahead, the host time when it does not). The FP8 backend the policy chose, with its reason, is
-printed and stored. Last, a 2-layer MLP trained 200 steps in bf16 and under fp8_autocast:
+work when the host keeps ahead, the host time when it does not), and ``graph`` the time per call
+with 10 calls captured into one CUDA graph and replayed (the GPU work alone, no host cost;
+what a user at small M running CUDA graphs gets). Under capture the FP8 state does not
+advance between replays (the region's update is replayed on the captured tensors), which
+changes no GPU work. A function that cannot be captured gets ``None`` and the reason under
+``<name>_graph_error``. The FP8 backend the policy chose, with its reason, is printed and
+stored. Last, a 2-layer MLP trained 200 steps in bf16 and under fp8_autocast:
 the loss curves (20-step means) side by side.
 """
 
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,9 @@ from astrai.extension.backend import fp8 as backend
 from astrai.extension.device import probe_device
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.runtime import current_runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import graph_time_ms  # noqa: E402
 
 SHAPES_NK = [(8192, 8192), (28672, 8192), (8192, 28672)]
 MS = [1024, 4096, 8192]
@@ -131,6 +141,13 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
         res[name + "_tflops"] = flop / ms / 1e9
         res[name + "_host_ms"] = host_ms(fn, device, reps)
         res[name + "_piped_ms"] = piped_ms(fn, device)
+        res[name + "_graph_ms"] = None
+        if device != "cpu":
+            try:
+                res[name + "_graph_ms"] = graph_time_ms(fn)
+            except Exception as exc:  # noqa: BLE001 - reported, not hidden
+                res[name + "_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize()
         for p in lin.parameters():
             p.grad = None
         for t in xs:
@@ -202,6 +219,22 @@ def main() -> None:
         print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {'':>17}"
               + " ".join(f"{r[n + '_host_ms']:8.3f}" for n in names) + f" | {'':>9}"
               + " ".join(f"{r[n + '_piped_ms']:8.3f}" for n in names))
+    print(f"\n{'M':>6} {'N':>6} {'K':>6} | CUDA graph ms per call: {'bf16 fwd':>8} {'fp8 fwd':>8} "
+          f"{'x':>5} {'bf16 st':>8} {'fp8 st':>8} {'x':>5}")
+
+    def graph(r, name):
+        return r[name + "_graph_ms"]
+
+    for r in rows:
+        cells = []
+        for a, b in (("bf16_fwd", "fp8_fwd"), ("bf16_step", "fp8_step")):
+            ga, gb = graph(r, a), graph(r, b)
+            cells += ["n/a" if ga is None else f"{ga:8.3f}", "n/a" if gb is None else f"{gb:8.3f}",
+                      "" if ga is None or gb is None else f"{ga / gb:5.2f}"]
+        print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {'':>22}" + " ".join(f"{c:>8}" for c in cells))
+        for name in names:
+            if name + "_graph_error" in r:
+                print(f"    {name} not captured: {r[name + '_graph_error']}")
     print("\nloss (20-step means) bf16:", " ".join(f"{v:.4f}" for v in curves["bf16_means"]))
     print("loss (20-step means) fp8: ", " ".join(f"{v:.4f}" for v in curves["fp8_means"]))
     print(f"max relative difference: {curves['max_rel_diff']:.3f}")
