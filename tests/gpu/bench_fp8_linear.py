@@ -31,14 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from astrai.extension.backend import fp8 as backend
 from astrai.extension.device import probe_device
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.runtime import current_runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_time_ms  # noqa: E402
+from graph_timing import graph_time_ms
 
 SHAPES_NK = [(8192, 8192), (28672, 8192), (8192, 28672)]
 MS = [1024, 4096, 8192]
