@@ -136,7 +136,7 @@ def _ptxas_report(log: str) -> dict[str, dict[str, int]]:
 def test_no_spills_at_head_dim_up_to_128(build):
     _, log = build
     report = _ptxas_report(log)
-    mma = {k: v for k, v in report.items() if "mma_kernel" in k}
+    mma = {k: v for k, v in report.items() if re.search(r"(decode|prefill)_mma_kernel", k)}
     assert len(mma) >= 4 * 6, sorted(report)  # 4 ops x 2 dtypes x 3 head dims
     for name, r in mma.items():
         dim = int(re.search(r"Li(\d+)E", name).group(1))
@@ -145,8 +145,15 @@ def test_no_spills_at_head_dim_up_to_128(build):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
 
 
-def test_mma_kernels_use_tensor_cores(build):
-    build_dir, _ = build
+def test_wgmma_prefill_has_no_spills(build):
+    _, log = build
+    wgmma = {k: v for k, v in _ptxas_report(log).items() if "prefill_wgmma_kernel" in k}
+    assert len(wgmma) == 2 * 2, sorted(wgmma)  # prefill + paged prefill, bf16 + fp16
+    for name, r in wgmma.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+
+
+def _sass_bodies(build_dir) -> dict[str, str]:
     cuobjdump = _tool("cuobjdump")
     env = dict(os.environ, PATH=str(Path(_tool("nvdisasm")).parent) + os.pathsep + os.environ.get("PATH", ""))
     bodies: dict[str, str] = {}
@@ -158,7 +165,24 @@ def test_mma_kernels_use_tensor_cores(build):
         parts = re.split(r"Function : (\S+)", sass)
         for func, body in zip(parts[1::2], parts[2::2]):
             bodies[func] = bodies.get(func, "") + body
-    mma = {f: b for f, b in bodies.items() if "mma_kernel" in f}
+    return bodies
+
+
+def test_wgmma_prefill_uses_warpgroup_mma(build):
+    build_dir, _ = build
+    wgmma = {f: b for f, b in _sass_bodies(build_dir).items() if "prefill_wgmma_kernel" in f}
+    assert len(wgmma) == 2 * 2, sorted(wgmma)  # prefill + paged prefill, bf16 + fp16
+    for func, body in wgmma.items():
+        assert re.search(r"HGMMA\.64x64x16\.F32", body), f"{func}: no S = Q K^T wgmma"
+        assert re.search(r"HGMMA\.64x128x16\.F32.*tnspB", body), f"{func}: no P V wgmma with V transposed"
+        assert "HMMA" not in body, f"{func}: mma.sync left in the wgmma kernel"
+        assert "LDGSTS" in body, f"{func}: no cp.async"
+
+
+def test_mma_kernels_use_tensor_cores(build):
+    build_dir, _ = build
+    bodies = _sass_bodies(build_dir)
+    mma = {f: b for f, b in bodies.items() if re.search(r"(decode|prefill)_mma_kernel", f)}
     assert len(mma) >= 24, sorted(bodies)
     for func, body in mma.items():
         assert re.search(r"HMMA\.16816\.F32", body), f"{func}: no HMMA.16816"

@@ -387,13 +387,16 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
 #endif
 }
 
-// Merges the num_splits partials of one (request, query head) per block; D < 128 ? D : 128
-// threads. Every thread's partial loads (up to 32 splits at a time) are issued before the
-// weights are known, beside the log2-sum-exp loads, so a merge of <= 32 splits costs one
-// L2 round trip.
+// Threads of a decode_combine_kernel block (its launch must use exactly this many).
+constexpr int decode_combine_threads(int head_dim) { return head_dim < 128 ? head_dim : 128; }
+
+// Merges the num_splits partials of one (request, query head) per block, with
+// decode_combine_threads(D) threads. Every thread's partial loads (up to 32 splits at a
+// time) are issued before the weights are known, beside the log2-sum-exp loads, so a merge
+// of <= 32 splits costs one L2 round trip.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const AttentionParams p) {
-    constexpr int kThreads = D < 128 ? D : 128;
+    constexpr int kThreads = decode_combine_threads(D);
     constexpr int kCols = D / kThreads;  // output columns per thread
     constexpr int kChunk = 32;           // splits loaded per round
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -15,6 +15,7 @@
 #include "decode_split_kv_mma.cuh"
 #include "prefill_split_q.cuh"
 #include "prefill_split_q_mma.cuh"
+#include "prefill_wgmma.cuh"
 
 namespace astrai::attn {
 
@@ -78,7 +79,7 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     // The combine grid is scheduled while the split grid drains and waits in
     // griddepcontrol.wait, hiding a launch gap.
     if (p.num_splits > 1)
-        launch_pdl(decode_combine_kernel<T, D>, dim3(unsigned(p.batch) * p.q_heads), dim3(D < 128 ? D : 128), 0,
+        launch_pdl(decode_combine_kernel<T, D>, dim3(unsigned(p.batch) * p.q_heads), dim3(decode_combine_threads(D)), 0,
                    stream, has_pdl, p);
 }
 
@@ -93,17 +94,52 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
     ASTRAI_CHECK_LAUNCH();
 }
 
-// warps = 0: the heuristic (prefill_warps); 4 or 8 forces a layout (benchmarks).
+// Whether the current device is an sm_90 (Hopper) GPU; asked once per device.
+inline bool device_is_sm90() {
+    static std::atomic<uint64_t> known{0}, hopper{0};
+    int dev = 0;
+    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    const uint64_t bit = uint64_t(1) << (dev & 63);
+    if (!(known.load(std::memory_order_acquire) & bit)) {
+        int major = 0, minor = 0;
+        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        if (major == 9 && minor == 0) hopper.fetch_or(bit, std::memory_order_relaxed);
+        known.fetch_or(bit, std::memory_order_release);
+    }
+    return (hopper.load(std::memory_order_relaxed) & bit) != 0;
+}
+
+// The wgmma prefill (D = 128, HB >= 2, sm_90a): the 8-warp block's packing, two warpgroups.
+template <typename T, class QSched, class KV>
+void launch_prefill_wgmma(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
+    p.blocks_per_tile = prefill_blocks_per_tile(p.group, 8);
+    const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    using C = PrefillWgmmaConfig;
+    static std::atomic<uint64_t> done{0};
+    set_smem_limit(prefill_wgmma_kernel<T, QSched, KV>, C::kSmemBytes, done);
+    prefill_wgmma_kernel<T, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+    ASTRAI_CHECK_LAUNCH();
+}
+
+// layout = 0: the heuristic: the wgmma kernel where it applies (sm_90 device, sm_90a code,
+// D = 128, HB >= 2), else prefill_warps' mma.sync layout. 4 or 8 forces that many mma.sync
+// warps, kPrefillWgmma the wgmma kernel where it applies (benchmarks and tests).
+constexpr int kPrefillWgmma = 90;
 template <typename T, int D, class QSched, class KV>
-void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int warps = 0) {
+void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
 #ifdef ASTRAI_NO_MMA
-    (void)warps;
+    (void)layout;
     p.blocks_per_tile = p.head_block;
     const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
     prefill_scalar_kernel<T, D, QSched, KV><<<grid, 32 * kPrefillWarps, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 #else
-    if (warps == 0) warps = prefill_warps(p.group, D);
+    if constexpr (D == 128 && built_for_sm90()) {
+        if ((layout == 0 || layout == kPrefillWgmma) && p.head_block >= 2 && device_is_sm90())
+            return launch_prefill_wgmma<T, QSched, KV>(p, num_q_tiles, batch, stream);
+    }
+    const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);
     if constexpr (D <= 128) {
         if (warps == 8 && p.head_block >= 2) return launch_prefill_w<T, D, 8, QSched, KV>(p, num_q_tiles, batch, stream);
     }

@@ -15,9 +15,7 @@
 // first and the short ones fill the tail.
 #pragma once
 
-#include "common.h"
-#include "layout_policies.cuh"
-#include "mma_utils.cuh"
+#include "prefill_parts.cuh"
 
 namespace astrai::attn {
 
@@ -31,14 +29,6 @@ struct PrefillMmaConfig {
     static constexpr int kBN = D <= 128 ? 64 : 32;  // K/V rows per tile
     static constexpr int kStages = D <= 128 ? 3 : 2;
     static constexpr bool kQInRegs = D <= 128;  // D = 256 re-reads Q from shared memory
-    static constexpr int kChunks = D / 8;       // 16-byte chunks per row
-    // K/V copies: 8 neighbouring threads copy one 128-byte line of a row per instruction
-    // (a warp: 4 rows x one line each) and a thread keeps its row for all D / 64 lines,
-    // so a tile costs kPasses page lookups per thread (kPasses = 2..4).
-    static constexpr int kThreadsPerRow = 8;
-    static constexpr int kLines = kChunks / kThreadsPerRow;  // 128-byte lines per row
-    static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
-    static constexpr int kPasses = kBN / kRowsPerPass;
     static constexpr int kTileBytes = kBN * D * 2;
     static constexpr int kQBytes = kRows * D * 2;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
@@ -47,7 +37,6 @@ struct PrefillMmaConfig {
     static constexpr int kQSmemOffset = kQInRegs ? kRingBytes - kStageBytes : kRingBytes;
     static constexpr int kSmemBytes = kQInRegs ? kRingBytes : kRingBytes + kQBytes;
     static_assert(!kQInRegs || kQBytes <= kStageBytes, "Q must fit one ring stage");
-    static_assert(kBN % kRowsPerPass == 0, "tile rows must split evenly over the threads");
     static_assert(kSmemBytes <= 99 * 1024, "must fit the sm_86/89 shared-memory limit");
 };
 
@@ -61,75 +50,22 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     const uint32_t sK = smem_u32(smem);  // stage s: K at sK + s * kStageBytes, V kTileBytes later
     const uint32_t sQ = sK + C::kQSmemOffset;
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const QWork qw = QSched::get(p);
     if (qw.row_base >= qw.q_len) return;  // uniform per block
-
-    const int hb = p.head_block;
-    const int rows_blk = kQTileRows / p.blocks_per_tile;  // rows per head slot
-    const int wph = C::kWarps / hb;
-    const int kvh = blockIdx.y / p.head_groups;
-    const int head0 = kvh * p.group + (blockIdx.y % p.head_groups) * hb;
-    const int nslots = min(hb, kvh * p.group + p.group - head0);
-    const int kv_len = KV::kv_len(p, qw.b);
-    const int diag = kv_len - qw.q_len;  // bottom-right causal alignment
-    const int row_last = min(qw.row_base + rows_blk, qw.q_len) - 1;
-    const int kv_end = max(0, p.causal ? min(kv_len, row_last + diag + 1) : kv_len);
-    const int n_tiles = (kv_end + C::kBN - 1) / C::kBN;
+    const PrefillSpan sp = prefill_span<KV>(p, qw, C::kBN);
+    const int wph = C::kWarps / p.head_block;
 
     // Q: block row r = slot * rows_blk + local row; warp w reads rows w*16 .. w*16+15.
-    const T* q = static_cast<const T*>(p.q);
-    for (int i = tid; i < C::kRows * C::kChunks; i += C::kThreads) {
-        const int r = i / C::kChunks, c = i % C::kChunks;
-        const int slot = r / rows_blk, row = qw.row_base + r % rows_blk;
-        const bool ok = slot < nslots && row < qw.q_len;
-        const T* src = ok ? q + qw.q_off + int64_t(row) * p.q_stride_l +
-                                int64_t(head0 + slot) * p.q_stride_h + c * 8
-                          : q;
-        cp_async_16(sQ + Tile::offset(r, c), src, ok);
-    }
+    load_q_rows<T, Tile, D, C::kRows, C::kThreads>(p, qw, sp, sQ);
     cp_async_commit();
 
-    const T* kg = static_cast<const T*>(p.k);
-    const T* vg = static_cast<const T*>(p.v);
-    const int ld_r = tid / C::kThreadsPerRow, ld_c = tid % C::kThreadsPerRow;
-    const typename KV::Request req = KV::request(p, qw.b);
-    // Page-table reads run one tile ahead of the copies that need them.
-    typename KV::Handle hnd[C::kPasses];
-    auto fetch_tile = [&](int tile) {
-#pragma unroll
-        for (int pass = 0; pass < C::kPasses; ++pass) {
-            const int pos = tile * C::kBN + ld_r + pass * C::kRowsPerPass;
-            hnd[pass] = pos < kv_end ? KV::fetch(p, req, pos) : 0;
-        }
-    };
-    auto load_kv = [&](int tile, int stage) {
+    KvTileLoader<T, KV, Tile, D, C::kBN, C::kThreads> kv(p, qw, sp);
+    auto load_stage = [&](int tile, int stage) {
         const uint32_t k_st = sK + stage * C::kStageBytes;
-#pragma unroll
-        for (int pass = 0; pass < C::kPasses; ++pass) {
-            const int r = ld_r + pass * C::kRowsPerPass;
-            const int pos = tile * C::kBN + r;
-            const bool ok = pos < kv_end;
-            int64_t ko = 0, vo = 0;
-            if (ok) KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
-#pragma unroll
-            for (int line = 0; line < C::kLines; ++line) {
-                const int c = line * C::kThreadsPerRow + ld_c;
-                const uint32_t off = Tile::offset(r, c);
-                cp_async_16(k_st + off, kg + ko + c * 8, ok);
-                cp_async_16(k_st + C::kTileBytes + off, vg + vo + c * 8, ok);
-            }
-        }
+        kv.load(tile, k_st, k_st + C::kTileBytes);
     };
-    if (n_tiles > 0) fetch_tile(0);
-#pragma unroll
-    for (int s = 0; s < C::kStages - 1; ++s) {
-        if (s < n_tiles) {
-            load_kv(s, s);
-            if (s + 1 < n_tiles) fetch_tile(s + 1);
-        }
-        cp_async_commit();
-    }
+    prime_kv_ring<C::kStages>(kv, sp.n_tiles, load_stage);
 
     cp_async_wait<C::kStages - 1>();  // Q has landed
     __syncthreads();
@@ -142,7 +78,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     }
 
     const int slot = warp / wph;
-    const bool warp_active = slot < nslots;
+    const bool warp_active = slot < sp.nslots;
     const int row0 = qw.row_base + (warp % wph) * 16 + (lane >> 2);  // rows row0, row0 + 8
     const uint8_t* mask = p.mask ? p.mask + int64_t(qw.b) * p.mask_stride_b : nullptr;
 
@@ -151,15 +87,10 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     RowState st;
 
-    for (int t = 0; t < n_tiles; ++t) {
+    for (int t = 0; t < sp.n_tiles; ++t) {
         cp_async_wait<C::kStages - 2>();
         __syncthreads();  // tile t visible; slot (t - 1) % kStages (and Q's) free for reuse
-        const int next = t + C::kStages - 1;
-        if (next < n_tiles) {
-            load_kv(next, next % C::kStages);
-            if (next + 1 < n_tiles) fetch_tile(next + 1);
-        }
-        cp_async_commit();
+        refill_kv_ring<C::kStages>(kv, t, sp.n_tiles, load_stage);
         if (!warp_active) continue;
         const uint32_t k_st = sK + (t % C::kStages) * C::kStageBytes;
         const uint32_t v_st = k_st + C::kTileBytes;
@@ -187,42 +118,13 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
         }
 
         const int col0 = t * C::kBN;
-        const bool need_mask = col0 + C::kBN > kv_len || mask != nullptr ||
-                               (p.causal && col0 + C::kBN - 1 > qw.row_base + diag);
-        if (need_mask) {
-#pragma unroll
-            for (int j = 0; j < C::kBN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                    const int row = row0 + 8 * (e >> 1);
-                    bool keep = col < kv_len && (!p.causal || col <= row + diag);
-                    if (keep && mask)
-                        keep = mask[int64_t(min(row, qw.q_len - 1)) * p.mask_stride_q +
-                                    int64_t(col) * p.mask_stride_k] != 0;
-                    if (!keep) s[j][e] = -INFINITY;
-                }
-        }
+        if (tile_needs_mask<C::kBN>(p, qw, sp, col0, mask)) mask_scores(s, p, qw, sp, col0, row0, mask);
 
         float alpha[2];
         online_softmax<C::kBN / 8>(st, s, p.scale_log2, alpha);
-        // P leaves the fp32 scores as the 16-bit A operand of P V right away, so the scores'
-        // registers are free before the V fragments are read.
         uint32_t pa[C::kBN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < C::kBN / 16; ++kk) {
-            pa[kk][0] = Elem<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = Elem<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = Elem<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = Elem<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= alpha[0];
-            o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1];
-            o[j][3] *= alpha[1];
-        }
+        pack_probs<T>(s, pa);
+        rescale_rows(o, alpha);
 #pragma unroll
         for (int kk = 0; kk < C::kBN / 16; ++kk) {
 #pragma unroll
@@ -237,20 +139,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     }
     cp_async_wait<0>();
 
-    if (!warp_active) return;
-    float inv_l[2];
-    finalize_rows(st, inv_l);
-    T* out = static_cast<T*>(p.o) + qw.o_off + int64_t(head0 + slot) * p.o_stride_h;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        if (row >= qw.q_len) continue;
-        T* dst = out + int64_t(row) * p.o_stride_l + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-                Elem<T>::pack2(o[j][2 * h] * inv_l[h], o[j][2 * h + 1] * inv_l[h]);
-    }
+    if (warp_active) store_rows<T, D>(o, st, p, qw, sp.head0 + slot, row0);
 #endif
 }
 

@@ -118,8 +118,8 @@ void launch_prefill_layout_t(const AttentionParams& p, int D, unsigned tiles, in
     }
 }
 
-// warps = 0: the launch heuristic's layout; else 4 or 8 warps when the head packing allows
-// it (the launcher falls back to 4 warps otherwise).
+// warps = 0: the launch heuristic's layout; else 4 or 8 mma.sync warps or the wgmma kernel
+// (kPrefillWgmma) when the head packing, D and the device allow it (else the heuristic's).
 void launch_prefill_layout(const AttentionParams& p, bool bf16, int D, unsigned tiles, int warps) {
     if (bf16) return launch_prefill_layout_t<__nv_bfloat16>(p, D, tiles, warps);
     launch_prefill_layout_t<__half>(p, D, tiles, warps);
@@ -167,7 +167,7 @@ bool prefill_case(const std::vector<int>& q_lens, const std::vector<int>& prefix
     for (int x : q_lens) ql += std::to_string(x) + ",";
     bool all_ok = true;
     // Every block layout the packing allows: the heuristic's, then each forced one.
-    for (int warps : {0, 4, 8}) {
+    for (int warps : {0, 4, 8, kPrefillWgmma}) {
         dout.poison();
         launch_prefill_layout(p, bf16, D, unsigned(tile_b.size()), warps);
         CK(cudaDeviceSynchronize());
@@ -176,7 +176,7 @@ bool prefill_case(const std::vector<int>& q_lens, const std::vector<int>& prefix
         for (size_t i = 0; i < ref.size(); ++i) err.add(bits_to_float(out[i], bf16), ref[i]);
         const bool ok = err.ok(bf16 ? 2e-2 : 5e-3);
         all_ok = all_ok && ok;
-        std::printf("paged prefill %s q=[%s] page=%-2d H=%d/%d D=%-3d %s warps=%d rel=%.2e max=%.2e  %s\n",
+        std::printf("paged prefill %s q=[%s] page=%-2d H=%d/%d D=%-3d %s layout=%d rel=%.2e max=%.2e  %s\n",
                     bf16 ? "bf16" : "fp16", ql.c_str(), page, Hq, Hkv, D, causal ? "causal" : "full", warps,
                     err.rel(), err.max_abs, ok ? "ok" : "FAIL");
     }
@@ -184,7 +184,7 @@ bool prefill_case(const std::vector<int>& q_lens, const std::vector<int>& prefix
 }
 
 void bench() {
-    std::printf("\n-- paged timings (median, us) --\n");
+    std::printf("\n-- paged timings (median, us; prefill layout: 4 / 8 mma.sync warps, 90 wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
     for (int page : {1, 16})
         for (int B : {1, 16, 64}) {
@@ -234,12 +234,12 @@ void bench_prefill() {
         p.scale_log2 = scale_log2(D);
         p.qo_indptr = d_qo.ptr; p.q_tile_to_batch = d_tb.ptr; p.q_tile_to_index = d_ti.ptr;
         p.num_q_tiles = int(tb.size());
-        for (int warps : {4, 8}) {
+        for (int warps : {4, 8, kPrefillWgmma}) {
             const double us = time_us([&] {
                 launch_prefill_d<__nv_bfloat16, 128, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
             }, 10);
             const double flops = 4.0 * B * Hq * double(L) * (L + 1) / 2 * D;
-            std::printf("paged prefill bf16 32/8 d128 page=16 %dx%-5d causal %d warps %9.1f us %6.1f TFLOP/s\n",
+            std::printf("paged prefill bf16 32/8 d128 page=16 %dx%-5d causal layout=%-2d %9.1f us %6.1f TFLOP/s\n",
                         B, L, warps, us, flops / us * 1e-6);
         }
     }

@@ -28,7 +28,7 @@ Strides strides_for(int L, int H, int D, bool bhld) {
     return {int64_t(L) * H * D, int64_t(H) * D, D};
 }
 
-enum class Impl { Mma, Scalar };
+enum class Impl { Mma, Scalar, Wgmma };  // Wgmma: the sm_90a prefill (D = 128, G >= 2)
 
 void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
     if (impl == Impl::Mma) {
@@ -40,7 +40,7 @@ void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
         using T = decltype(tag);
         constexpr int DD = decltype(dtag)::value;
         decode_scalar_kernel<T, DD, ContigKV><<<grid, 128>>>(p);
-        if (p.num_splits > 1) decode_combine_kernel<T, DD><<<p.batch * p.q_heads, 64>>>(p);
+        if (p.num_splits > 1) decode_combine_kernel<T, DD><<<p.batch * p.q_heads, decode_combine_threads(DD)>>>(p);
     };
     auto by_d = [&](auto tag) {
         if (D == 64) go(tag, std::integral_constant<int, 64>{});
@@ -53,6 +53,11 @@ void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
 
 void launch_prefill(const AttentionParams& p, bool bf16, int D, Impl impl) {
     const unsigned tiles = unsigned(num_q_tiles(p.q_len));
+    if (impl == Impl::Wgmma) {
+        if (bf16) launch_prefill_d<__nv_bfloat16, 128, DenseQSchedule, ContigKV>(p, tiles, p.batch, 0, kPrefillWgmma);
+        else launch_prefill_d<__half, 128, DenseQSchedule, ContigKV>(p, tiles, p.batch, 0, kPrefillWgmma);
+        return;
+    }
     if (impl == Impl::Mma) {
         dispatch_prefill<DenseQSchedule, ContigKV>(p, bf16 ? DType::BFloat16 : DType::Float16, D, tiles, p.batch, 0);
         return;
@@ -161,14 +166,14 @@ bool run_case(const Case& c, Impl impl, bool decode) {
     const double tol = c.bf16 ? 2e-2 : 5e-3;
     const bool ok = err.ok(tol);
     std::printf("%-7s %-6s %s B=%-3d Lq=%-5d Lkv=%-5d H=%d/%d D=%-3d %s%s mask=%dD splits=%-2d  rel=%.2e max=%.2e  %s\n",
-                decode ? "decode" : "prefill", impl == Impl::Mma ? "mma" : "scalar", c.bf16 ? "bf16" : "fp16", B, Lq,
+                decode ? "decode" : "prefill", impl == Impl::Mma ? "mma" : impl == Impl::Scalar ? "scalar" : "wgmma", c.bf16 ? "bf16" : "fp16", B, Lq,
                 Lkv, Hq, Hkv, D, c.causal ? "causal " : "", c.bhld ? "BHLD" : "BLHD", c.mask_dims,
                 decode ? p.num_splits : 0, err.rel(), err.max_abs, ok ? "ok" : "FAIL");
     return ok;
 }
 
 void bench() {
-    std::printf("\n-- timings (median of 50, us) --\n");
+    std::printf("\n-- timings (median of 50, us; prefill layout: 4 / 8 mma.sync warps, 90 wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
     for (int B : {1, 4, 16, 32, 64}) {
         const int S = 4096;
@@ -210,13 +215,13 @@ void bench() {
         p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
         for (bool causal : {true, false}) {
             p.causal = causal;
-            for (int warps : {4, 8}) {
+            for (int warps : {4, 8, kPrefillWgmma}) {
                 const double us = time_us([&] {
                     launch_prefill_d<__nv_bfloat16, 128, DenseQSchedule, ContigKV>(p, unsigned(num_q_tiles(L)), B, 0,
                                                                                   warps);
                 }, 20);
                 const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
-                std::printf("prefill bf16 GQA 32/8 d128 %dx%-5d %-9s warps=%d %9.1f us  %6.1f TFLOP/s\n", B, L,
+                std::printf("prefill bf16 GQA 32/8 d128 %dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", B, L,
                             causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
             }
         }
@@ -255,6 +260,8 @@ int main(int argc, char** argv) {
         for (const auto& c : decode_cases) { ++total; fails += !run_case(c, impl, true); }
         for (const auto& c : prefill_cases) { ++total; fails += !run_case(c, impl, false); }
     }
+    for (const auto& c : prefill_cases)
+        if (c.D == 128 && c.Hq / c.Hkv >= 2) { ++total; fails += !run_case(c, Impl::Wgmma, false); }
     std::printf("\n%d/%d cases passed\n", total - fails, total);
     if (do_bench) bench();
     return fails ? 1 : 0;
