@@ -339,3 +339,22 @@ def test_nothing_made_during_a_graph_capture_is_kept(monkeypatch):
     with torch.no_grad(), fp8_autocast():
         lin(torch.randn(2, 16))
     assert fp8_state(lin)._weight_cache is None
+
+
+def test_amaxes_recorded_during_a_graph_capture_are_not_kept(monkeypatch):
+    """A captured quantize writes its amax only on replay: the step that captured it
+    keeps no amax (the history stays empty, the scale at 1), as nothing ran yet."""
+    from astrai.extension import fp8 as fp8_layer
+
+    lin = torch.nn.Linear(16, 8)
+    recipe = DelayedScaling(amax_history_len=2)
+    monkeypatch.setattr(fp8_layer, "capturing", lambda device: True)
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        lin(torch.randn(2, 16) * 5)
+        assert fp8_state(lin).input.amax_history.tolist() == [0.0, 0.0]
+    state = fp8_state(lin)
+    assert state.input.amax_history.tolist() == [0.0, 0.0] and state.input.scale.item() == 1.0
+    monkeypatch.setattr(fp8_layer, "capturing", lambda device: False)
+    with torch.no_grad(), fp8_autocast(recipe=recipe):
+        lin(torch.randn(2, 16) * 5)
+    assert state.input.amax_history[1].item() > 0 and state.input.scale.item() != 1.0

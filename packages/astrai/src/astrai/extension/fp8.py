@@ -167,7 +167,11 @@ class TensorScaling:
 
     def record(self, amax: torch.Tensor, token: int | None = None) -> None:
         """Fold ``amax`` (a 0-d float32 tensor, never written to here) into the step's
-        amax; ``token`` names the weight content it is of."""
+        amax; ``token`` names the weight content it is of. An amax made inside a CUDA
+        graph capture exists only on replay: it is not kept (a captured step does not
+        advance the scaling state)."""
+        if capturing(amax.device):
+            return
         pending = self._pending
         self._pending = amax if pending is None else torch.maximum(pending, amax)
         if token is not None:
