@@ -173,7 +173,8 @@ def test_wgmma_prefill_uses_warpgroup_mma(build):
     wgmma = {f: b for f, b in _sass_bodies(build_dir).items() if "prefill_wgmma_kernel" in f}
     assert len(wgmma) == 2 * 2, sorted(wgmma)  # prefill + paged prefill, bf16 + fp16
     for func, body in wgmma.items():
-        assert re.search(r"HGMMA\.64x64x16\.F32", body), f"{func}: no S = Q K^T wgmma"
+        # S = Q K^T reads both operands from shared memory: the destination, then one descriptor
+        assert re.search(r"HGMMA\.64x128x16\.F32\S* R\d+, gdesc\[", body), f"{func}: no S = Q K^T wgmma"
         assert re.search(r"HGMMA\.64x128x16\.F32.*tnspB", body), f"{func}: no P V wgmma with V transposed"
         assert "HMMA" not in body, f"{func}: mma.sync left in the wgmma kernel"
         assert "LDGSTS" in body, f"{func}: no cp.async"

