@@ -17,9 +17,14 @@
 
 namespace astrai::attn {
 
-// nvcc's host pass lists the device archs of the translation unit: 900 for sm_90(a).
+// Whether the module holds the sm_90a kernels. Plugin builds say so (ASTRAI_SM90A, set by
+// the CMake helper from the SASS list: plain sm_90 SASS or compute_90 PTX only carry trap
+// stubs); a bare nvcc build (the standalone tests) is asked through nvcc's host-pass list of
+// device archs, which shows 900 for sm_90 and sm_90a alike.
 inline constexpr bool built_for_sm90() {
-#ifdef __CUDA_ARCH_LIST__
+#if defined(ASTRAI_SM90A)
+    return ASTRAI_SM90A != 0;
+#elif defined(__CUDA_ARCH_LIST__)
     constexpr int archs[] = {__CUDA_ARCH_LIST__};
     for (int arch : archs)
         if (arch == 900) return true;

@@ -268,6 +268,13 @@ function(astrai_add_kernel_module name)
   target_compile_options(${name} PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-O3 --use_fast_math --expt-relaxed-constexpr -Xptxas=-v -Xfatbin=-compress-all ${gencode}>
     $<$<COMPILE_LANGUAGE:CXX>:-O3>)
+  # Kernels that exist only in sm_90a code (wgmma, setmaxnreg) may be launched only when
+  # the module holds sm_90a SASS: plain sm_90 SASS or compute_90 PTX carries their trap stubs.
+  if("90a" IN_LIST sass)
+    target_compile_definitions(${name} PRIVATE ASTRAI_SM90A=1)
+  else()
+    target_compile_definitions(${name} PRIVATE ASTRAI_SM90A=0)
+  endif()
   if(no_mma)
     target_compile_definitions(${name} PRIVATE ASTRAI_NO_MMA=1)
     message(STATUS "AstrAI: ASTRAI_NO_MMA is set: scalar kernels only")

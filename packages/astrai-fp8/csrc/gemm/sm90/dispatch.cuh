@@ -58,7 +58,9 @@ inline std::string device_limits(DeviceLimits& d) {
 // traps (kernel.cuh) instead of returning garbage; build with 90a, as the plugin's arch
 // lists do.
 inline constexpr bool built_for_sm90() {
-#ifdef __CUDA_ARCH_LIST__
+#if defined(ASTRAI_SM90A)  // plugin builds: sm_90a SASS in the module (CMake helper)
+    return ASTRAI_SM90A != 0;
+#elif defined(__CUDA_ARCH_LIST__)
     constexpr int archs[] = {__CUDA_ARCH_LIST__};
     for (int arch : archs)
         if (arch == 900) return true;
