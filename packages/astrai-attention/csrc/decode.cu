@@ -12,8 +12,6 @@
 //   decode_plan(batch, q_heads, kv_heads, head_dim, kv_len_hint, num_sms) -> num_splits
 #include <pybind11/pybind11.h>
 
-#include <optional>
-
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
 #include "entry_utils.h"
@@ -51,16 +49,8 @@ void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_
     p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
     p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
     if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, 1, S);
-    std::optional<TensorArg> ws_o, ws_lse;
-    if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
-    if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
-    set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
-    std::optional<TensorArg> ws_count;
-    if (!ws_count_a.is_none()) ws_count = bind::tensor_arg("ws_count", ws_count_a);
-    p.batch = int(B); p.q_len = 1; p.kv_len = int(S);
-    p.head_groups = decode_head_groups(p.group);
-    check_grid(B * Hkv * p.head_groups, num_splits, 1);
-    set_decode_counters(p, ws_count ? &*ws_count : nullptr, B * Hkv * p.head_groups);
+    p.kv_len = int(S);
+    set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
     if (B == 0) return;
     dispatch_decode<ContigKV>(p, q.dtype, int(D), stream, pdl);
 }

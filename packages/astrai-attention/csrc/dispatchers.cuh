@@ -30,13 +30,27 @@ void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
     done.fetch_or(bit, std::memory_order_release);
 }
 
-// Programmatic dependent launch needs sm_90+.
-inline bool device_supports_pdl() {
-    int dev = 0, major = 0;
+// The current device's compute capability as 10 * major + minor, asked of the driver once
+// per device (launchers ask on every call).
+inline int device_arch() {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> arch[kMaxDevices];  // 0: not asked yet (static: zero-initialized)
+    int dev = 0;
     ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
-    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    return major >= 9;
+    std::atomic<int>& slot = arch[dev % kMaxDevices];
+    int a = slot.load(std::memory_order_relaxed);
+    if (a == 0) {
+        int major = 0, minor = 0;
+        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        a = 10 * major + minor;
+        slot.store(a, std::memory_order_relaxed);
+    }
+    return a;
 }
+
+// Programmatic dependent launch needs sm_90+.
+inline bool device_supports_pdl() { return device_arch() >= 90; }
 
 // Launches kernel<<<grid, block, smem, stream>>>(p), programmatically (PDL) when `pdl`:
 // its blocks may be scheduled while the stream's previous kernel drains, and wait for it in
@@ -94,21 +108,8 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
     ASTRAI_CHECK_LAUNCH();
 }
 
-// Whether the current device is an sm_90 (Hopper) GPU; asked once per device.
-inline bool device_is_sm90() {
-    static std::atomic<uint64_t> known{0}, hopper{0};
-    int dev = 0;
-    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
-    const uint64_t bit = uint64_t(1) << (dev & 63);
-    if (!(known.load(std::memory_order_acquire) & bit)) {
-        int major = 0, minor = 0;
-        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        if (major == 9 && minor == 0) hopper.fetch_or(bit, std::memory_order_relaxed);
-        known.fetch_or(bit, std::memory_order_release);
-    }
-    return (hopper.load(std::memory_order_relaxed) & bit) != 0;
-}
+// Whether the current device is an sm_90 (Hopper) GPU.
+inline bool device_is_sm90() { return device_arch() == 90; }
 
 // The wgmma prefill (D = 128, HB >= 2, sm_90a): the 8-warp block's packing, two warpgroups.
 template <typename T, class QSched, class KV>

@@ -2,10 +2,14 @@
 // argument (ValueError before any launch) and AttentionParams packing. No torch.
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
+#include "astrai/bind.h"
 #include "astrai/check.h"
 #include "astrai/dtype.h"
 #include "astrai/tensor_arg.h"
@@ -41,6 +45,12 @@ inline void check_index(const TensorArg& t, int64_t len, const char* what) {
 
 inline void check_head_dim(const TensorArg& q) {
     ASTRAI_CHECK(is_head_dim(q.size(-1)), q.name, ": head_dim must be 64, 128 or 256, got ", q.size(-1));
+}
+
+inline void check_grid(int64_t x, int64_t y, int64_t z) {
+    ASTRAI_CHECK(x < (int64_t(1) << 31), "q: too many query tiles for one launch (", x, ")");
+    ASTRAI_CHECK(y <= 65535, "k: kv_heads x head groups (", y, ") exceeds the grid limit 65535");
+    ASTRAI_CHECK(z <= 65535, "q: batch (", z, ") exceeds the grid limit 65535");
 }
 
 inline void check_heads(int64_t q_heads, int64_t kv_heads) {
@@ -117,6 +127,26 @@ inline void set_decode_counters(AttentionParams& p, const TensorArg* ws_count, i
     p.ws_count = reinterpret_cast<int*>(ws_count->ptr);
 }
 
+// The decode modules' optional split-K arguments (None or a tensor each): the workspaces
+// of num_splits > 1 and the arrival counters of the in-kernel merge. Sets p.num_splits,
+// p.batch, p.q_len, p.head_groups and checks the grid.
+inline void set_decode_splits(AttentionParams& p, int64_t num_splits, pybind11::handle ws_o_a,
+                              pybind11::handle ws_lse_a, pybind11::handle ws_count_a, int64_t batch, int64_t q_heads,
+                              int64_t kv_heads, int64_t head_dim) {
+    auto optional_arg = [](const char* name, pybind11::handle h) {
+        return h.is_none() ? std::nullopt : std::optional<TensorArg>(bind::tensor_arg(name, h));
+    };
+    const std::optional<TensorArg> ws_o = optional_arg("ws_o", ws_o_a), ws_lse = optional_arg("ws_lse", ws_lse_a),
+                                   ws_count = optional_arg("ws_count", ws_count_a);
+    set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, batch, q_heads, head_dim);
+    p.batch = int(batch);
+    p.q_len = 1;
+    p.head_groups = decode_head_groups(p.group);
+    const int64_t units = batch * kv_heads * p.head_groups;
+    check_grid(units, num_splits, 1);
+    set_decode_counters(p, ws_count ? &*ws_count : nullptr, units);
+}
+
 // log2(page) for a power-of-two page size, else -1 (the kernels then divide).
 inline int page_shift_of(int64_t page) {
     if (page <= 0 || (page & (page - 1)) != 0) return -1;
@@ -125,10 +155,40 @@ inline int page_shift_of(int64_t page) {
     return shift;
 }
 
-inline void check_grid(int64_t x, int64_t y, int64_t z) {
-    ASTRAI_CHECK(x < (int64_t(1) << 31), "q: too many query tiles for one launch (", x, ")");
-    ASTRAI_CHECK(y <= 65535, "k: kv_heads x head groups (", y, ") exceeds the grid limit 65535");
-    ASTRAI_CHECK(z <= 65535, "q: batch (", z, ") exceeds the grid limit 65535");
+// A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads).
+inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const TensorArg& q, int64_t q_heads) {
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    expect_shape(k, {-1, -1, -1, q.size(-1)}, "[num_pages, page_size, Hkv, D] with q's head_dim");
+    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
+                 shape_str(k.shape));
+    ASTRAI_CHECK(k.size(1) >= 1, "k_cache: page_size must be >= 1");
+    check_heads(q_heads, k.size(2));
+}
+
+// The page table of B requests (int32 kv_indptr [B + 1], kv_indices, kv_lens [B]) and the
+// cache's page size; indptr_what describes kv_indptr's expected shape in errors.
+inline void set_page_table(AttentionParams& p, const TensorArg& indptr, const TensorArg& indices,
+                           const TensorArg& lens, int64_t batch, int64_t page, const char* indptr_what) {
+    check_index(indptr, batch + 1, indptr_what);
+    check_index(indices, -1, "[nnz_pages]");
+    check_index(lens, batch, "[batch]");
+    p.kv_indptr = indptr.data<const int32_t>();
+    p.kv_indices = indices.data<const int32_t>();
+    p.kv_lens = lens.data<const int32_t>();
+    p.page_size = int(page);
+    p.page_shift = page_shift_of(page);
+}
+
+// (head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch (the wgmma
+// kernel on sm_90a runs the same grid).
+inline pybind11::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+    check_heads(q_heads, kv_heads);
+    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
+    const int g = int(q_heads / kv_heads);
+    const int warps = prefill_warps(g, int(head_dim));
+    return pybind11::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps,
+                                prefill_blocks_per_tile(g, warps));
 }
 
 }  // namespace astrai::attn

@@ -14,8 +14,6 @@
 //   decode_plan(...) as in _attn_decode
 #include <pybind11/pybind11.h>
 
-#include <optional>
-
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
 #include "entry_utils.h"
@@ -39,40 +37,18 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
     ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
                  shape_str(q.shape));
-    check_operand(k, 4, q.dtype);
-    check_operand(v, 4, q.dtype);
-    expect_shape(k, {-1, -1, -1, D}, "[num_pages, page_size, Hkv, D] with q's head_dim");
-    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
-                 shape_str(k.shape));
+    check_paged_cache(k, v, q, Hq);
     const int64_t page = k.size(1), Hkv = k.size(2);
-    ASTRAI_CHECK(page >= 1, "k_cache: page_size must be >= 1");
-    check_heads(Hq, Hkv);
     check_operand(out, 4, q.dtype);
     ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
-    check_index(indptr, B + 1, "[batch + 1]");
-    check_index(indices, -1, "[nnz_pages]");
-    check_index(lens, B, "[batch]");
 
     AttentionParams p;
     set_common(p, q, out, Hq, Hkv);
     set_kv(p, k, v);
     p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
     p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
-    p.kv_indptr = indptr.data<const int32_t>();
-    p.kv_indices = indices.data<const int32_t>();
-    p.kv_lens = lens.data<const int32_t>();
-    p.page_size = int(page);
-    p.page_shift = page_shift_of(page);
-    std::optional<TensorArg> ws_o, ws_lse;
-    if (!ws_o_a.is_none()) ws_o = bind::tensor_arg("ws_o", ws_o_a);
-    if (!ws_lse_a.is_none()) ws_lse = bind::tensor_arg("ws_lse", ws_lse_a);
-    set_workspace(p, num_splits, ws_o ? &*ws_o : nullptr, ws_lse ? &*ws_lse : nullptr, B, Hq, D);
-    std::optional<TensorArg> ws_count;
-    if (!ws_count_a.is_none()) ws_count = bind::tensor_arg("ws_count", ws_count_a);
-    p.batch = int(B); p.q_len = 1;
-    p.head_groups = decode_head_groups(p.group);
-    check_grid(B * Hkv * p.head_groups, num_splits, 1);
-    set_decode_counters(p, ws_count ? &*ws_count : nullptr, B * Hkv * p.head_groups);
+    set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
+    set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
     if (B == 0) return;
     dispatch_decode<PagedKV>(p, q.dtype, int(D), stream, pdl);
 }

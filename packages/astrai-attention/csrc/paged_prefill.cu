@@ -32,22 +32,13 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     check_operand(q, 3, q.dtype);
     check_head_dim(q);
     const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);
-    check_operand(k, 4, q.dtype);
-    check_operand(v, 4, q.dtype);
-    expect_shape(k, {-1, -1, -1, D}, "[num_pages, page_size, Hkv, D] with q's head_dim");
-    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
-                 shape_str(k.shape));
+    check_paged_cache(k, v, q, Hq);
     const int64_t page = k.size(1), Hkv = k.size(2);
-    ASTRAI_CHECK(page >= 1, "k_cache: page_size must be >= 1");
-    check_heads(Hq, Hkv);
     check_operand(out, 3, q.dtype);
     ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
     ASTRAI_CHECK(qo.ndim() == 1 && qo.size(0) >= 1, "qo_indptr: expected shape [batch + 1], got ", shape_str(qo.shape));
     const int64_t B = qo.size(0) - 1;
     check_index(qo, B + 1, "[batch + 1]");
-    check_index(indptr, B + 1, "[batch + 1] (as qo_indptr)");
-    check_index(indices, -1, "[nnz_pages]");
-    check_index(lens, B, "[batch]");
     check_index(tb, -1, "[num_q_tiles]");
     check_index(ti, tb.size(0), "[num_q_tiles] (as q_tile_to_batch)");
     ASTRAI_CHECK(tb.size(0) <= num_q_tiles(total_q) + B, "q_tile_to_batch: ", tb.size(0),
@@ -58,15 +49,11 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     set_kv(p, k, v);
     p.q_stride_l = q.stride(0); p.q_stride_h = q.stride(1);
     p.o_stride_l = out.stride(0); p.o_stride_h = out.stride(1);
+    set_page_table(p, indptr, indices, lens, B, page, "[batch + 1] (as qo_indptr)");
     p.qo_indptr = qo.data<const int32_t>();
-    p.kv_indptr = indptr.data<const int32_t>();
-    p.kv_indices = indices.data<const int32_t>();
-    p.kv_lens = lens.data<const int32_t>();
     p.q_tile_to_batch = tb.data<const int32_t>();
     p.q_tile_to_index = ti.data<const int32_t>();
     p.num_q_tiles = int(tb.size(0));
-    p.page_size = int(page);
-    p.page_shift = page_shift_of(page);
     p.batch = int(B);
     p.causal = is_causal;
     p.head_block = prefill_head_block(p.group);
@@ -74,14 +61,6 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     check_grid(tb.size(0) * p.head_block, Hkv * p.head_groups, 1);
     if (tb.size(0) == 0 || total_q == 0) return;
     dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream);
-}
-
-py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-    check_heads(q_heads, kv_heads);
-    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
-    const int g = int(q_heads / kv_heads);
-    const int warps = prefill_warps(g, int(head_dim));
-    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps, prefill_blocks_per_tile(g, warps));
 }
 
 }  // namespace astrai::attn

@@ -50,14 +50,6 @@ void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out
     dispatch_prefill<DenseQSchedule, ContigKV>(p, q.dtype, int(D), unsigned(tiles), unsigned(B), stream);
 }
 
-py::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-    check_heads(q_heads, kv_heads);
-    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
-    const int g = int(q_heads / kv_heads);
-    const int warps = prefill_warps(g, int(head_dim));
-    return py::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps, prefill_blocks_per_tile(g, warps));
-}
-
 }  // namespace astrai::attn
 
 PYBIND11_MODULE(_attn_prefill, m) {
