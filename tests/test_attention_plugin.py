@@ -7,8 +7,6 @@ their launch plans (equal to the Python mirror).
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import re
 import shutil
@@ -17,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from build_helpers import find_tool, load_module
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = REPO / "packages" / "astrai-attention"
@@ -79,8 +78,7 @@ def test_decode_split_bounds(batch, kv):
 
 
 def _tool(name: str) -> str:
-    found = shutil.which(name) or next(iter(glob.glob(
-        str(Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / name))), None)
+    found = find_tool(name)
     if not found:
         pytest.skip(f"{name} not found")
     return found
@@ -107,11 +105,7 @@ def build(tmp_path_factory):
 
 
 def _load(build_dir: Path, name: str):
-    so = next(build_dir.glob(f"{name}.*.so"))
-    spec = importlib.util.spec_from_file_location(name, so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(name, next(build_dir.glob(f"{name}.*.so")))
 
 
 def _ptxas_report(log: str) -> dict[str, dict[str, int]]:

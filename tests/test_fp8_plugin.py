@@ -13,18 +13,16 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import itertools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from build_helpers import find_tool, load_module, plugin_manifest_of
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
@@ -108,8 +106,7 @@ def test_grid_and_grouped_raster_size():
 
 # ============================================================ the build (slow, once)
 def _cuobjdump() -> str:
-    found = shutil.which("cuobjdump") or next(iter(glob.glob(str(
-        Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "cuobjdump"))), None)
+    found = find_tool("cuobjdump")
     assert found, "cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
     return found
 
@@ -144,23 +141,12 @@ def so(unpacked) -> Path:
 
 @pytest.fixture(scope="module")
 def compiled(so):
-    spec = importlib.util.spec_from_file_location("astrai_fp8._fp8_ops", so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("astrai_fp8._fp8_ops", so)
 
 
 @pytest.fixture(scope="module")
 def plugin_manifest(unpacked) -> dict:
-    spec = importlib.util.spec_from_file_location("_astrai_fp8_under_test", unpacked / "__init__.py",
-                                                  submodule_search_locations=[str(unpacked)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # importlib.resources.files(__name__) looks it up there
-    try:
-        spec.loader.exec_module(module)
-        return module.manifest()
-    finally:
-        del sys.modules[spec.name]
+    return plugin_manifest_of(unpacked, "_astrai_fp8_under_test")
 
 
 def _sass(so: Path, arch: str) -> dict[str, str]:

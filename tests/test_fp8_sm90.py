@@ -12,26 +12,20 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from build_helpers import find_tool, load_module
 
 REPO = Path(__file__).resolve().parent.parent
 SM90 = REPO / "packages" / "astrai-fp8" / "csrc" / "gemm" / "sm90"
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(name, path, register=True)
 
 
 sp = _load("astrai_fp8_sm90_planning", REPO / "packages" / "astrai-fp8" / "src" / "astrai_fp8" / "sm90_planning.py")
@@ -224,14 +218,9 @@ void* probes[] = {
 """
 
 
-def _tool(name: str) -> str | None:
-    return shutil.which(name) or next(iter(glob.glob(str(
-        Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / name))), None)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    nvcc, cuobjdump = shutil.which("nvcc"), _tool("cuobjdump")
+    nvcc, cuobjdump = shutil.which("nvcc"), find_tool("cuobjdump")
     if nvcc is None or cuobjdump is None:
         pytest.skip("needs nvcc and cuobjdump")
     d = tmp_path_factory.mktemp("sm90")

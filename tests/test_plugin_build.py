@@ -13,10 +13,8 @@ plugin as installed but unusable (no GPU) and ``apply_rotary_emb`` runs the fall
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import http.server
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from build_helpers import find_tool, load_module, plugin_manifest_of
 from wheel_cache import core_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,8 +39,7 @@ pytestmark = pytest.mark.slow
 
 
 def _cuobjdump() -> str:
-    found = shutil.which("cuobjdump") or next(iter(glob.glob(
-        str(Path(sys.executable).parent.parent / "lib" / "python3*" / "site-packages" / "nvidia" / "*" / "bin" / "cuobjdump"))), None)
+    found = find_tool("cuobjdump")
     assert found, "cuobjdump not found (pip install nvidia-cuda-cuobjdump)"
     return found
 
@@ -85,24 +83,12 @@ def unpacked(rotary_wheel, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def compiled(unpacked):
-    so = next(unpacked.glob("_rotary_emb.*.so"))
-    spec = importlib.util.spec_from_file_location("astrai_rotary._rotary_emb", so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("astrai_rotary._rotary_emb", next(unpacked.glob("_rotary_emb.*.so")))
 
 
 @pytest.fixture(scope="module")
 def plugin_manifest(unpacked) -> dict:
-    spec = importlib.util.spec_from_file_location("_astrai_rotary_under_test", unpacked / "__init__.py",
-                                                  submodule_search_locations=[str(unpacked)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # importlib.resources.files() looks the package up there
-    try:
-        spec.loader.exec_module(module)
-        return module.manifest()
-    finally:
-        del sys.modules[spec.name]
+    return plugin_manifest_of(unpacked, "_astrai_rotary_under_test")
 
 
 # -- the wheel and its sdist -----------------------------------------------------------
@@ -435,9 +421,7 @@ def test_arch_selection_needs_a_known_cuda_major(tmp_path):
 
 
 def test_version_tag_follows_the_toolkit(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("astrai_cuda_version", COMMON / "python" / "astrai_cuda_version.py")
-    provider = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(provider)
+    provider = load_module("astrai_cuda_version", COMMON / "python" / "astrai_cuda_version.py")
     fake = tmp_path / "nvcc"
     fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
     fake.chmod(0o755)
