@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 
 import torch
@@ -48,12 +49,16 @@ class GuardedModule:
     (``is_image_error``) marks ``op`` unusable on the device (one warning) and re-raises,
     so the caller's fallback re-resolves to another backend."""
 
-    __slots__ = ("_module", "_op", "_device", "_registry")
+    __slots__ = ("_module", "_op", "_device", "_registry", "_calls")
 
     def __init__(self, module: ModuleType, op: str, device: DeviceInfo, registry: Registry) -> None:
         self._module, self._op, self._device, self._registry = module, op, device, registry
+        self._calls: dict[str, object] = {}
 
     def __getattr__(self, name: str):
+        call = self._calls.get(name)
+        if call is not None:
+            return call
         attr = getattr(self._module, name)
         if not callable(attr):
             return attr
@@ -67,7 +72,13 @@ class GuardedModule:
                         self._op, self._device, f"{self._module.__name__}.{name} cannot run here: {exc}")
                 raise
 
+        self._calls[name] = call
         return call
+
+
+# One guard per (registry, op, device), made on first use: require() runs on every op call.
+_GUARDS: weakref.WeakKeyDictionary[Registry, dict[tuple[str, DeviceInfo], GuardedModule]] = (
+    weakref.WeakKeyDictionary())
 
 
 def plugin_op(name: str):
@@ -97,7 +108,11 @@ def require(op: str, device: torch.device | str | None = None) -> GuardedModule:
     registry = current_runtime().registry
     status = registry.op_status(op, info)
     if status.usable:
-        return GuardedModule(registry.load(op, info), op, info, registry)
+        guards = _GUARDS.setdefault(registry, {})
+        guard = guards.get((op, info))
+        if guard is None:
+            guard = guards[(op, info)] = GuardedModule(registry.load(op, info), op, info, registry)
+        return guard
     plugin = PLUGIN_OF_OP.get(op, "a plugin providing it")
     hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) if plugin in PLUGIN_EXTRAS else ""
     raise RuntimeError(f"astrai.extension.ops.{op} needs the {plugin} plugin, which is not usable "
