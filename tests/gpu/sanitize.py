@@ -111,6 +111,15 @@ def fp8() -> None:
         torch.testing.assert_close(out.double().cpu(), ref.to(torch.bfloat16).double(), rtol=2**-7,
                                    atol=2**-7 * float(ref.abs().max()))
         print(f"ok fp8_gemm b {'col' if b.stride(0) == 1 else 'row'}-major", flush=True)
+    # decode-sized M: the sm90 planner's swap-AB configs (the weight on the 128-row side)
+    for m in (5, 40):
+        a = (rand(m, 256, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+        w = (rand(200, 256, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+        out = fp8_ops.mm_fp8(a, w.t(), scale, bias=None)
+        ref = gemm_reference(a.cpu(), w.t().cpu(), 0.25, None)
+        torch.testing.assert_close(out.double().cpu(), ref.to(torch.bfloat16).double(), rtol=2**-7,
+                                   atol=2**-7 * float(ref.abs().max()))
+        print(f"ok fp8_gemm M={m} (small-M configs)", flush=True)
 
 
 def main() -> int:
