@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from astrai.extension import fp8 as fp8_layer
 from astrai.extension.backend import fp8 as fp8_backend
+from astrai.extension.backend import fp8_torch
 from astrai.extension.fp8 import (DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state,
                                   is_fp8_autocast_enabled)
 from fp8_reference import FP8, encode
@@ -230,7 +231,7 @@ def test_dynamic_scaling_uses_the_current_amax_every_call():
 @pytest.fixture
 def spy(monkeypatch):
     calls = {"quantize": [], "gemm": []}
-    quantize, gemm = fp8_backend.quantize, fp8_backend.gemm
+    quantize, gemm = fp8_torch.quantize, fp8_backend.gemm
 
     def spy_quantize(x, scale, fmt="e4m3", *args, **kwargs):
         calls["quantize"].append(fmt)
@@ -240,7 +241,7 @@ def spy(monkeypatch):
         calls["gemm"].append((a.dtype, b.dtype))
         return gemm(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_backend, "quantize", spy_quantize)
+    monkeypatch.setattr(fp8_torch, "quantize", spy_quantize)
     monkeypatch.setattr(fp8_backend, "gemm", spy_gemm)
     return calls
 
@@ -436,7 +437,7 @@ def test_k_major_backward_layouts_compute_the_same(monkeypatch):
         layouts.append((a.is_contiguous(), b.t().is_contiguous()))
         return gemm(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_backend, "wants_k_major", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fp8_backend, "k_major_for", lambda *args, **kwargs: True)
     monkeypatch.setattr(fp8_backend, "gemm", layout_spy)
     k_major = run()
     assert layouts == [(True, True)] * 3

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from astrai.extension.backend import fp8 as fp8_backend
 from astrai.extension.backend import fp8_torch
 from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
 
@@ -75,16 +74,21 @@ def _mlp(linears: int) -> torch.nn.Sequential:
 
 # -- op-count bounds ---------------------------------------------------------------------
 # Measured with torch 2.13 (CPU), ops / kernels, each fallback primitive as one kernel:
-#   inference forward (weight cached)   4 / 3      quantize x, the GEMM scale product, the
-#                                                   GEMM (amaxes are kept as tensors until
-#                                                   the update: no kernel per record);
-#                                                   earlier 6 / 5, first 20 / 6
-#   region exit                        12 / 8 for one linear, 14 / 8 for any number
-#                                                   earlier 14 / 8 and 20 / 8, first 28 / 24
+#   inference forward (weight cached)   4 / 3      quantize x (its amax written into the
+#                                                   step's slot), the GEMM scale product,
+#                                                   the GEMM (the cached weight's amax is
+#                                                   kept by reference: no kernel);
+#                                                   earlier 4 / 3, 6 / 5, first 20 / 6
+#   region exit (torch update)         15 / 9 for one linear, 17 / 10 for any number
+#                                                   (folding the kept amaxes in, then the
+#                                                   update); on CUDA the plugin's update
+#                                                   is one kernel instead of eight;
+#                                                   earlier 12 / 8 and 14 / 8, first 28 / 24
 #                                                   per linear
-#   training forward                    5 / 4      earlier 7 / 6, first 20 / 6
-#   backward pass                      23 / 18     earlier 26 / 19, first 40 / 24 (all
-#                                                   include the accumulation into three .grad)
+#   training forward                    5 / 4      earlier 5 / 4, 7 / 6, first 20 / 6
+#   backward pass                      23 / 18     earlier 23 / 18, 26 / 19, first 40 / 24
+#                                                   (all include the accumulation into
+#                                                   three .grad)
 # The bounds leave a little room for other torch versions.
 
 
@@ -119,9 +123,9 @@ def test_region_exit_costs_the_same_for_any_number_of_linears(counter):
             region.__enter__()
             model(x)
             exits[linears] = _count(counter, lambda r=region: r.__exit__(None, None, None))
-    assert all(kernels <= 8 for _, kernels in exits.values()), exits
+    assert all(kernels <= 10 for _, kernels in exits.values()), exits
     assert exits[2] == exits[8], exits  # constant in the number of linears
-    assert exits[8][0] <= 16, exits
+    assert exits[8][0] <= 17, exits
 
 
 def test_training_step_op_counts(counter):
@@ -151,13 +155,13 @@ def test_training_step_op_counts(counter):
 @pytest.fixture
 def quantize_calls(monkeypatch):
     calls = []
-    quantize = fp8_backend.quantize
+    quantize = fp8_torch.quantize
 
     def spy(x, *args, **kwargs):
         calls.append(tuple(x.shape))
         return quantize(x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_backend, "quantize", spy)
+    monkeypatch.setattr(fp8_torch, "quantize", spy)
     return calls
 
 

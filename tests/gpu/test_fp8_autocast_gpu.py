@@ -153,3 +153,46 @@ def test_mlp_loss_tracks_bf16_on_gpu():
     ref_means, fp8_means = ref.view(10, 20).mean(1), fp8.view(10, 20).mean(1)
     assert fp8_means[-1] < 0.2 * fp8_means[0]
     assert torch.all((fp8_means - ref_means).abs() <= 0.15 * ref_means), (ref_means, fp8_means)
+
+
+def _scaling_state(model: torch.nn.Module) -> list[torch.Tensor]:
+    out = []
+    for lin in model:
+        state = fp8_state(lin)
+        for role in (state.input, state.weight, state.grad_output):
+            out += [role.amax_history, role.scale, role.scale_inv]
+    return out
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_one_kernel_scale_update_is_the_torch_update(monkeypatch, algo):
+    """The plugin's end-of-step update (one kernel, history rolled in place) leaves every
+    output, gradient, amax history and scale bit-identical to the torch ops' update:
+    training steps of three linears (one batched update per step, the first regrouping),
+    inference steps with cached weights (their amaxes kept by reference) in between."""
+    assert backend.choose_scale_update(probe_device("cuda")) == "plugin", \
+        current_runtime().explain("fp8_scale_update")
+    recipe = DelayedScaling(amax_history_len=5, amax_compute_algo=algo, margin=1)
+    torch.manual_seed(0)
+    fused = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))).cuda().to(torch.bfloat16)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))).cuda().to(torch.bfloat16)
+    plain.load_state_dict(fused.state_dict())
+    xs = [torch.randn(32, 64, device="cuda", dtype=torch.bfloat16) * (1 + 3 * (i % 3)) for i in range(7)]
+
+    def step(model, i):
+        with fp8_autocast(recipe=recipe):
+            y = model(xs[i])
+        y.float().square().mean().backward()
+        with torch.no_grad(), fp8_autocast(recipe=recipe):
+            z = model(xs[i])
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return [y.detach(), z, *grads]
+
+    for i in range(len(xs)):
+        got = step(fused, i)
+        with monkeypatch.context() as m:
+            m.setattr(backend, "choose_scale_update", lambda *args, **kwargs: "torch")
+            want = step(plain, i)
+        for a, b in zip(got + _scaling_state(fused), want + _scaling_state(plain)):
+            assert torch.equal(a, b), (i, a, b)

@@ -29,6 +29,7 @@ SUPPORTED_OP_ABI: dict[str, frozenset[int]] = {
     "rotary_emb": frozenset({1}),
     "fp8_quantize": frozenset({1}),
     "fp8_gemm": frozenset({1}),
+    "fp8_scale_update": frozenset({1}),
 }
 
 
@@ -40,8 +41,16 @@ def dtype_code(tensor: torch.Tensor) -> int:
                         f"{', '.join(str(d) for d in DTYPE_CODES)}") from None
 
 
+# torch's own accessor of the raw current stream (what its generated kernels launch on):
+# one C call instead of building a torch.cuda.Stream object per launch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current stream on ``device``."""
+    if _raw_stream is not None:
+        index = device.index
+        return _raw_stream(torch.cuda.current_device() if index is None else index)
     return torch.cuda.current_stream(device).cuda_stream
 
 

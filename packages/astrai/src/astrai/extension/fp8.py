@@ -33,6 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from .backend import fp8 as fp8_backend
 from .backend.fp8_torch import FP8_MAX, QUANTIZE_INPUT_DTYPES, capturing
-from .device import probe_device
+from .device import DeviceInfo, probe_device
 from .runtime import Runtime, current_runtime
 
 __all__ = ["Format", "DelayedScaling", "DynamicScaling", "fp8_autocast", "fp8_state",
@@ -121,12 +122,12 @@ class TensorScaling:
     step's amax (maximum over the calls of the step so far), ``[1:]`` earlier steps,
     newest first. ``scale`` is the dequantization scale the next quantization uses
     (delayed) or the last one used (dynamic); ``scale_inv`` its reciprocal, the multiplier
-    handed to the quantizer. A quantization's amax is kept as a tensor (``record``: no
-    kernel for the first call of a step) and written into the history by the end-of-step
-    update; the completed steps of the roles updated together (``input`` and ``weight``)
-    are rows of one stacked tensor (``_RoleGroup``). Updates replace the scale tensors
-    rather than writing into them, so a backward pass still reads the scales its forward
-    used.
+    handed to the quantizer. The step's amax lives in a slot of the group's ``pending``
+    buffer: the step's first quantization writes its amax straight into it (``amax_slot``),
+    later ones fold theirs in (``record``). The end-of-step update rolls the slots into
+    the histories; the roles updated together (``input`` and ``weight``) are rows of one
+    stacked tensor (``_RoleGroup``). Updates replace the scale tensors rather than writing
+    into them, so a backward pass still reads the scales its forward used.
     """
 
     def __init__(self, fmt: str, group: _RoleGroup, row: int, scale: torch.Tensor,
@@ -140,7 +141,9 @@ class TensorScaling:
         # scale is computed from (None: a role whose contents are not tracked).
         self.epoch = 0
         self._group, self._row = group, row
-        self._pending: torch.Tensor | None = None  # max of the step's amaxes so far
+        self._slot = group.pending[row]  # the step's amax so far (0 until recorded)
+        self._recorded = False  # the slot holds an amax of this step
+        self._ref: torch.Tensor | None = None  # an amax of this step kept by reference
         self._tokens: set[int] = set()
         self._window = window
         self._window_union: frozenset[int] | None = None
@@ -152,7 +155,7 @@ class TensorScaling:
     @property
     def amax_history(self) -> torch.Tensor:
         done = self._group.hist[self._row]  # completed steps, newest first
-        current = self._pending if self._pending is not None else done.new_zeros(())
+        current = self._slot if self._ref is None else torch.maximum(self._slot, self._ref)
         return torch.cat((current.reshape(1), done[:-1]))
 
     def scale_for(self, x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,15 +168,35 @@ class TensorScaling:
             self.scale, self.scale_inv = scale, scale.reciprocal()
         return self.scale, self.scale_inv
 
-    def record(self, amax: torch.Tensor, token: int | None = None) -> None:
+    def amax_slot(self) -> torch.Tensor | None:
+        """Where the step's first quantization may write its amax directly (then
+        ``recorded``); None once the step has an amax, or while a CUDA graph is captured."""
+        if self._recorded or capturing(self._slot.device):
+            return None
+        return self._slot
+
+    def recorded(self, token: int | None = None) -> None:
+        """The slot (``amax_slot``) now holds the step's amax; ``token`` as in ``record``."""
+        self._recorded = True
+        if token is not None:
+            self._tokens.add(token)
+
+    def record(self, amax: torch.Tensor, token: int | None = None, by_ref: bool = False) -> None:
         """Fold ``amax`` (a 0-d float32 tensor, never written to here) into the step's
-        amax; ``token`` names the weight content it is of. An amax made inside a CUDA
+        amax; ``token`` names the weight content it is of. ``by_ref`` keeps the tensor
+        itself (no kernel) for the update to fold in with the others of its batch: for
+        amaxes that outlive the step (the cached weight's). An amax made inside a CUDA
         graph capture exists only on replay: it is not kept (a captured step does not
         advance the scaling state)."""
         if capturing(amax.device):
             return
-        pending = self._pending
-        self._pending = amax if pending is None else torch.maximum(pending, amax)
+        if by_ref:
+            self._ref = amax if self._ref is None else torch.maximum(self._ref, amax)
+        elif self._recorded:
+            torch.maximum(self._slot, amax, out=self._slot)
+        else:
+            self._slot.copy_(amax)
+            self._recorded = True
         if token is not None:
             self._tokens.add(token)
 
@@ -188,7 +211,7 @@ class TensorScaling:
         unusable amax keeps the previous scale either way.
         """
         self.updates += 1
-        self._pending = None
+        self._recorded, self._ref = False, None
         if self._window is None:
             self.epoch += 1
             return
@@ -206,9 +229,10 @@ def _factor(fmt: str, margin: int) -> float:
 
 class _RoleGroup:
     """Roles whose delayed-scaling update happens at the same moment, stacked: one
-    ``[R, L]`` tensor of completed steps and one ``[R]`` scale, so an update is a handful
-    of tensor ops for all of them. After a batched update (``_end_steps``) these are rows
-    of the batch's tensors, read through ``hist`` / ``scale`` only when needed."""
+    ``[R, L]`` tensor of completed steps, one ``[R]`` scale and one ``[R]`` buffer of the
+    step's amaxes (``pending``), so an update is one kernel (or a handful of tensor ops)
+    for all of them. After a batched update (``_end_steps``) these are rows of the batch's
+    tensors, read through ``hist`` / ``scale`` / ``pending`` only when needed."""
 
     def __init__(self, fmt: str, rows: int, recipe: Recipe, device: torch.device,
                  tracked: tuple[bool, ...]):
@@ -217,7 +241,8 @@ class _RoleGroup:
         self.fmt = fmt
         self.device = device
         self._own = (torch.zeros(rows, length, dtype=torch.float32, device=device),
-                     torch.ones(rows, dtype=torch.float32, device=device))
+                     torch.ones(rows, dtype=torch.float32, device=device),
+                     torch.zeros(rows, dtype=torch.float32, device=device))
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
         self._index = 0
@@ -235,53 +260,49 @@ class _RoleGroup:
     def scale(self) -> torch.Tensor:
         return self._own[1] if self._batch is None else self._batch.scale[self._index]
 
+    @property
+    def pending(self) -> torch.Tensor:
+        """``[R]``: the step's amaxes so far (zero where none was recorded)."""
+        return self._own[2] if self._batch is None else self._batch.pending[self._index]
+
+    def _point_slots(self) -> None:
+        for role, slot in zip(self.roles, self.pending.unbind(0)):
+            role._slot = slot
+
     def to(self, device: torch.device) -> None:
-        self._own = (self.hist.to(device), self.scale.to(device))
+        self._own = (self.hist.to(device), self.scale.to(device), self.pending.to(device))
         self._zero, self._batch, self.device = self._zero.to(device), None, device
+        self._point_slots()
         for role in self.roles:  # the scales last used (dynamic) or published (delayed)
             role.scale, role.scale_inv = role.scale.to(device), role.scale_inv.to(device)
-            if role._pending is not None:
-                role._pending = role._pending.to(device)
+            if role._ref is not None:
+                role._ref = role._ref.to(device)
 
     def end_step(self, recipe: DelayedScaling) -> None:
-        """Roll the histories and compute the next scales (see ``_delayed_update``)."""
+        """Roll the histories and compute the next scales (``backend.fp8.scale_update``)."""
         _end_steps([(self, recipe)])
-
-
-def _delayed_update(hist: torch.Tensor, prev: torch.Tensor, amaxes: list[torch.Tensor],
-                    recipe: DelayedScaling, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scale, scale_inv, history)`` after a step, for completed-step histories stacked
-    along the leading dimensions (``[..., L]``) and the step's amaxes (one 0-d tensor per
-    row, in order): the history gains the step as its newest slot and drops its oldest;
-    ``amax = max(history)`` or the step's own, ``scale = amax * 2**margin / fp8_max``
-    unless the amax is zero or not finite (then ``prev`` stays). Every op is elementwise
-    or a max, so stacking more rows changes no value. Ten ops, eight kernels."""
-    step = torch.stack(amaxes)
-    full = torch.cat((step.view(*prev.shape, 1), hist[..., :-1]), -1)
-    if recipe.amax_compute_algo == "max":
-        amax = full.amax(-1)
-    else:
-        amax = step if prev.dim() == 1 else step.view(prev.shape)
-    usable = amax.nan_to_num(0.0, 0.0)  # zero where amax is zero, inf or NaN (never negative)
-    scale = torch.where(usable > 0, usable * _factor(fmt, recipe.margin), prev)
-    return scale, scale.reciprocal(), full
 
 
 @dataclass(eq=False)
 class _Batch:
-    """Groups updated together last time: their histories and scales are rows of these."""
+    """Groups updated together last time: their histories, scales and step amaxes are
+    rows of these."""
 
     groups: tuple[_RoleGroup, ...]
     hist: torch.Tensor  # [S, R, L]
     scale: torch.Tensor  # [S, R]
+    pending: torch.Tensor  # [S, R]
 
 
 def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     """End the step of many role groups: one stacked update per (recipe, format, device,
-    shape) instead of one per group, so a region's bookkeeping costs about ten ops
-    whatever the number of linears in it. Delayed scaling only; values as group by group.
-    The histories stay rows of one tensor, so the next update of the same groups needs
-    no stacking copy; the roles get views of their scales (two ``unbind``), nothing else."""
+    shape) instead of one per group, so a region's bookkeeping costs one kernel (the
+    plugin's) or about ten ops whatever the number of linears in it. Delayed scaling
+    only; values as group by group. The histories stay rows of one tensor, so the next
+    update of the same groups needs no stacking copy; the roles get views of their scales
+    (two ``unbind``), nothing else. A step ending while a CUDA graph is captured runs the
+    same update on copies (the graph does the work a real step does) and keeps nothing:
+    a captured step does not advance the scaling state."""
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
         if isinstance(recipe, DelayedScaling):
@@ -291,35 +312,70 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
                 buckets[key] = [group]
             else:
                 bucket.append(group)
-    for (recipe, fmt, _, _), groups in buckets.items():
+    if not buckets:
+        return
+    runtime = current_runtime()
+    for (recipe, fmt, device, _), groups in buckets.items():
+        regrouped = False
         if len(groups) == 1:
             group = groups[0]
-            hist, prev = group.hist, group.scale
+            hist, prev, pending = group.hist, group.scale, group.pending
+            regrouped = group._batch is not None
         else:
             batch = groups[0]._batch
             if (batch is not None and len(batch.groups) == len(groups)
                     and all(a is b for a, b in zip(batch.groups, groups))):
-                hist, prev = batch.hist, batch.scale
+                hist, prev, pending = batch.hist, batch.scale, batch.pending
             else:
                 hist = torch.stack([g.hist for g in groups])
                 prev = torch.stack([g.scale for g in groups])
-        zero = groups[0]._zero
-        amaxes = [zero if r._pending is None else r._pending for g in groups for r in g.roles]
-        scale, inv, hist = _delayed_update(hist, prev, amaxes, recipe, fmt)
+                pending = torch.stack([g.pending for g in groups])
+                regrouped = True
+        factor, most_recent = _factor(fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
+        if capturing(device):
+            hist, pending = hist.clone(), pending.clone()
+            _fold_refs(groups, pending)
+            fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
+            continue
+        _fold_refs(groups, pending)
+        scale, inv, hist = fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
         flat_scale, flat_inv = (scale, inv) if scale.dim() == 1 else (scale.flatten(), inv.flatten())
         scales, invs = flat_scale.unbind(0), flat_inv.unbind(0)
         if len(groups) == 1:
-            groups[0]._own = (hist, scale)
+            groups[0]._own, groups[0]._batch = (hist, scale, pending), None
         else:
-            batch = _Batch(tuple(groups), hist, scale)
+            batch = _Batch(tuple(groups), hist, scale, pending)
             for index, group in enumerate(groups):
                 group._batch, group._index = batch, index
         row = 0
         for group in groups:
+            if regrouped:
+                group._point_slots()
             for role in group.roles:
                 role.scale, role.scale_inv = scales[row], invs[row]
                 role._close_step()
                 row += 1
+
+
+def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor) -> None:
+    """Fold the amaxes kept by reference (``record(by_ref=True)``) into ``pending``, the
+    groups' stacked step amaxes: one copy for a single one, else two kernels for all."""
+    roles = [role for group in groups for role in group.roles]
+    refs = [(row, role._ref) for row, role in enumerate(roles) if role._ref is not None]
+    if not refs:
+        return
+    flat = pending.view(-1)
+    if len(refs) == 1:
+        row, ref = refs[0]
+        slot = flat[row]
+        if roles[row]._recorded:
+            torch.maximum(slot, ref, out=slot)
+        else:
+            slot.copy_(ref)
+        return
+    zero = groups[0]._zero
+    by_row = dict(refs)
+    torch.maximum(flat, torch.stack([by_row.get(row, zero) for row in range(len(roles))]), out=flat)
 
 
 @dataclass(eq=False)
@@ -422,15 +478,31 @@ def _state_for(weight: torch.Tensor, recipe: Recipe) -> Fp8LinearState:
 # -- the FP8 linear ---------------------------------------------------------------------
 
 
-def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, runtime: Runtime,
-              out_layout: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class _Call(NamedTuple):
+    """Where a linear runs: the runtime deciding its backends and its device's facts."""
+
+    runtime: Runtime
+    device: DeviceInfo
+
+
+def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, call: _Call, out_layout: int = 0,
+              token: int | None = None, keep_amax: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, q_t, scale, amax)``; the amax is recorded in ``role``: written straight into
+    its slot when the step has none yet, unless ``keep_amax`` (the caller keeps it beyond
+    the step, so it gets a tensor of its own, recorded by reference)."""
     scale, multiplier = role.scale_for(x, recipe)
-    q, q_t, amax = fp8_backend.quantize(x, multiplier, role.fmt, out_layout, runtime=runtime)
-    role.record(amax)
-    return q, q_t, scale
+    slot = None if keep_amax else role.amax_slot()
+    run = fp8_backend.quantizer(call.device, x.dtype, role.fmt, call.runtime)
+    q, q_t, amax = run(x, multiplier, out_layout, slot)
+    if slot is None:
+        role.record(amax, token, by_ref=keep_amax)
+    else:
+        role.recorded(token)
+    return q, q_t, scale, amax
 
 
-def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, runtime: Runtime, want_t: bool,
+def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, want_t: bool,
                      cache: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t or None, scale)`` of the weight, from the cache while it is valid.
 
@@ -450,30 +522,32 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, runtime: Runti
             entry.q_t = entry.q.t().contiguous()  # the bytes the two-layout quantize writes
         if delayed:
             if entry.token not in role._tokens:
-                role.record(entry.amax, entry.token)
+                role.record(entry.amax, entry.token, by_ref=True)
         else:
             role.scale, role.scale_inv = entry.scale, entry.scale_inv
         return entry.q, entry.q_t, entry.scale
-    scale, multiplier = role.scale_for(weight, recipe)
-    q, q_t, amax = fp8_backend.quantize(weight, multiplier, role.fmt, 2 if want_t else 0,
-                                        runtime=runtime)
     token = entry.token if same else next(_tokens)
-    role.record(amax, token if delayed else None)
+    keep = cache and not capturing(weight.device)  # a captured quantize runs only on replay
+    q, q_t, scale, amax = _quantize(weight, role, recipe, call, 2 if want_t else 0,
+                                    token if delayed else None, keep_amax=keep)
     state._weight_cache = None
-    if cache and not capturing(weight.device):  # a captured quantize runs only on replay
+    if keep:
         state._weight_cache = _WeightCache(key, StorageWeakRef(weight.untyped_storage()), token,
                                            role.epoch, q, q_t if want_t else None, amax, scale,
-                                           multiplier)
+                                           role.scale_inv)
     return q, (q_t if want_t else None), scale
 
 
-def _forward(x2d, weight, bias, state, runtime, cache: bool, save_x_t: bool = False,
+def _forward(x2d, weight, bias, state, call: _Call, cache: bool, save_x_t: bool = False,
              save_w_t: bool = False):
     """The forward GEMM; also returns the FP8 operands the backward will read (their
     transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
-    xq, xq_t, sx = _quantize(x2d, state.input, state.recipe, runtime, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize_weight(weight, state, runtime, save_w_t, cache)
-    y = fp8_backend.gemm(xq, wq.t(), sx * sw, bias, runtime=runtime)
+    xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, call, 2 if save_x_t else 0)
+    wq, wq_t, sw = _quantize_weight(weight, state, call, save_w_t, cache)
+    fmt = state.input.fmt
+    m, k = x2d.shape
+    gemm = fp8_backend.gemm_runner(call.device, fmt, fmt, (m, weight.shape[0], k), call.runtime)
+    y = gemm(xq, wq.t(), sx, sw, bias)
     return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
 
 
@@ -487,13 +561,13 @@ class _Fp8Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, runtime, out_dtype, k_major, cache):
+    def forward(ctx, x2d, weight, bias, state, call, out_dtype, k_major, cache):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, runtime, cache,
+        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, call, cache,
                                                save_x_t=k_major and need_dw,
                                                save_w_t=k_major and need_dx)
         ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
-        ctx.state, ctx.runtime, ctx.k_major = state, runtime, k_major
+        ctx.state, ctx.call, ctx.k_major = state, call, k_major
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
@@ -501,7 +575,7 @@ class _Fp8Linear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         x_saved, sx, w_saved, sw = ctx.saved_tensors
-        state, runtime, k_major = ctx.state, ctx.runtime, ctx.k_major
+        state, call, k_major = ctx.state, ctx.call, ctx.k_major
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not grad_y.is_contiguous():
@@ -509,16 +583,21 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         if need_dx or need_dw:
             layout = (2 if need_dx else 1) if k_major and need_dw else 0
-            gq, gq_t, sg = _quantize(grad_y, state.grad_output, state.recipe, runtime, layout)
+            gq, gq_t, sg, _ = _quantize(grad_y, state.grad_output, state.recipe, call, layout)
             if not state._backward_pending:  # one history update per backward pass
                 _end_with_backward(state)
+            g_fmt, f_fmt = state.grad_output.fmt, state.input.fmt
+            m, n = grad_y.shape
             if need_dx:  # [M, N] @ [N, K]
                 w_op = w_saved.t() if k_major else w_saved
-                dx = fp8_backend.gemm(gq, w_op, sg * sw, runtime=runtime)
+                k = w_op.shape[1]
+                dgrad = fp8_backend.gemm_runner(call.device, g_fmt, f_fmt, (m, k, n), call.runtime)
+                dx = dgrad(gq, w_op, sg, sw, None)
                 dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
             if need_dw:  # [N, M] @ [M, K]
                 g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
-                dw = fp8_backend.gemm(g_op, x_op, sg * sx, runtime=runtime)
+                wgrad = fp8_backend.gemm_runner(call.device, g_fmt, f_fmt, (n, x_op.shape[1], m), call.runtime)
+                dw = wgrad(g_op, x_op, sg, sx, None)
                 dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
         if need_db:  # float32 accumulation without a float32 copy of dy
             db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
@@ -568,17 +647,16 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     if torch.is_autocast_enabled(device_type):
         out_dtype = torch.get_autocast_dtype(device_type)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    runtime = current_runtime()
+    call = _Call(current_runtime(), probe_device(x.device))
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
         fmt = state.recipe.fp8_format
-        k_major = fp8_backend.wants_k_major(probe_device(x.device), fmt.backward, fmt.forward,
-                                            runtime=runtime)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, runtime, out_dtype, k_major, region.cache_weights is True)
+        k_major = fp8_backend.k_major_for(call.device, fmt.backward, fmt.forward, call.runtime)
+        y = _Fp8Linear.apply(x2d, weight, bias, state, call, out_dtype, k_major, region.cache_weights is True)
     else:
         with torch.no_grad():
-            y = _forward(x2d, weight, bias, state, runtime, region.cache_weights is not False)[0]
+            y = _forward(x2d, weight, bias, state, call, region.cache_weights is not False)[0]
             if y.dtype != out_dtype:
                 y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..device import DeviceInfo, probe_device
+from ..ops import _plugin as ops_plugin
 from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime, current_runtime
 from . import fp8_prefer, fp8_torch
-from .fp8_torch import FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
+from .fp8_torch import _SCALED_MM_ALIGN, FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
 
 GEMM_BACKENDS = ("plugin", "scaled_mm", "emulated")
 QUANTIZE_BACKENDS = ("plugin", "torch")
@@ -350,3 +351,134 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     if chosen == "scaled_mm":
         return fp8_torch.scaled_mm_gemm(a, b, scale0, bias16)
     return fp8_torch.emulated_gemm(a, b, scale0, bias16)
+
+
+# -- the FP8 linear's per-call path ------------------------------------------------------
+# fp8_autocast makes the same calls for every linear of every step, with operands it built
+# itself (2-D, dense, on one device, 0-d float32 scales). It asks once per (runtime,
+# device, formats, shape) for a function running the call the policy chose, and then
+# calls it without the checks and the decision above: the host cost of a linear is what
+# limits it at small token counts. A resolver ``clear()`` (a plugin found broken)
+# invalidates every function made from its decisions.
+
+_RUNNERS: dict[tuple, tuple] = {}  # key -> (resolver, generation, function)
+
+
+def _runner(runtime: Runtime, key: tuple, build):
+    resolver = runtime.resolver
+    key = (id(resolver), *key)
+    hit = _RUNNERS.get(key)
+    if hit is not None and hit[0] is resolver and hit[1] == resolver.generation:
+        return hit[2]
+    generation = resolver.generation
+    fn = build()
+    _RUNNERS[key] = (resolver, generation, fn)
+    return fn
+
+
+def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
+    """``run(x, multiplier, out_layout, amax=None) -> (q, q_t, amax)``: ``quantize`` for
+    these facts, ``max|x|`` written into ``amax`` when given (a 0-d float32 tensor)."""
+
+    def build():
+        chosen = choose_quantize(device, x_dtype, fmt, runtime=runtime)
+        module = _ops_module("fp8_quantize", device) if chosen == "plugin" else None
+
+        def general(x, multiplier, out_layout, amax=None):
+            q, q_t, got = quantize(x, multiplier, fmt, out_layout, runtime=runtime)
+            if amax is None:
+                return q, q_t, got
+            amax.copy_(got)
+            return q, q_t, amax
+
+        if module is None:
+            def run_torch(x, multiplier, out_layout, amax=None):
+                return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
+
+            return run_torch
+
+        def run(x, multiplier, out_layout, amax=None):
+            out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
+            try:
+                q, q_t = ops_fp8.quantize_launch(module, x if x.is_contiguous() else x.contiguous(),
+                                                 multiplier, fmt, out_layout, out)
+            except RuntimeError:
+                if not _plugin_broken(runtime, "fp8_quantize", device):
+                    raise
+                return general(x, multiplier, out_layout, amax)
+            return q, q_t, out
+
+        return run
+
+    if torch.compiler.is_compiling():
+        return lambda x, m, layout, amax=None: quantize(x, m, fmt, layout, runtime=runtime)
+    return _runner(runtime, ("quantize", device.key, x_dtype, fmt), build)
+
+
+def gemm_runner(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, int, int], runtime: Runtime):
+    """``run(a, b, scale_a, scale_b, bias) -> bf16(scale_a * scale_b * a @ b + bias)`` for
+    the shape class of ``shape``; ``a`` row-major and ``b`` column-major run cuBLASLt
+    without a copy, other layouts take the general path."""
+    m, n, k = shape
+
+    def general(a, b, scale_a, scale_b, bias):
+        return gemm(a, b, scale_a * scale_b, bias, runtime=runtime)
+
+    def build():
+        chosen = choose_gemm(device, a_fmt, b_fmt, runtime=runtime, shape=shape)
+        if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
+            return general
+
+        def run(a, b, scale_a, scale_b, bias):
+            if a.stride(1) != 1 or a.stride(0) != k or b.stride(0) != 1 or b.stride(1) != k:
+                return general(a, b, scale_a, scale_b, bias)
+            if bias is not None and bias.dtype != torch.bfloat16:
+                bias = bias.to(torch.bfloat16)
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                                    out_dtype=torch.bfloat16)
+
+        return run
+
+    if torch.compiler.is_compiling():
+        return general
+    return _runner(runtime, ("gemm", device.key, a_fmt, b_fmt, shape_class(m, n, k), n, k), build)
+
+
+def _scale_update_candidates(runtime: Runtime) -> list:
+    return [_PluginOp("fp8_scale_update", runtime), _Always("torch")]
+
+
+def choose_scale_update(device: DeviceInfo, *, runtime: Runtime | None = None) -> str:
+    """The implementation of delayed scaling's end-of-step update for ``device``."""
+    runtime = runtime or current_runtime()
+    return runtime.resolver.resolve("fp8_scale_update", _Candidates(_scale_update_candidates, runtime),
+                                    Fp8Call(device, ("float32",)), (device.key, device.sm)).name
+
+
+def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, factor: float,
+                 most_recent: bool, runtime: Runtime) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling's end of step (``fp8_torch.scale_update``): ``(scale, scale_inv,
+    history)``, ``pending`` zeroed. One plugin kernel where the policy picks the plugin
+    (the history is then updated in place), else the torch ops."""
+    if not torch.compiler.is_compiling():
+        device = probe_device(hist.device)
+        if choose_scale_update(device, runtime=runtime) == "plugin":
+            try:
+                scale, scale_inv = ops_fp8.fp8_scale_update(hist, pending, prev, factor, most_recent)
+                return scale, scale_inv, hist
+            except RuntimeError:
+                if not _plugin_broken(runtime, "fp8_scale_update", device):
+                    raise
+    return fp8_torch.scale_update(hist, pending, prev, factor, most_recent)
+
+
+def _ops_module(op: str, device: DeviceInfo):
+    return ops_plugin.require(op, torch.device("cuda", device.index))
+
+
+def k_major_for(device: DeviceInfo, a_fmt: str, b_fmt: str, runtime: Runtime) -> bool:
+    """``wants_k_major``, asked once per (runtime, device, formats)."""
+    if torch.compiler.is_compiling():
+        return wants_k_major(device, a_fmt, b_fmt, runtime=runtime)
+    return _runner(runtime, ("k_major", device.key, a_fmt, b_fmt),
+                   lambda: wants_k_major(device, a_fmt, b_fmt, runtime=runtime))

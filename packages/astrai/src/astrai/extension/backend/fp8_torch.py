@@ -29,11 +29,13 @@ _SCALED_MM_ALIGN = 16
 
 
 def quantize(x: torch.Tensor, multiplier: torch.Tensor, fmt: str = "e4m3",
-             out_layout: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             out_layout: int = 0, amax_out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Saturating FP8 cast of ``x * multiplier``; returns ``(q, q_t, amax)``.
 
     ``out_layout`` 0: ``q`` only, 1: ``q_t`` (``[K, M]`` contiguous) only, 2: both; the
-    output not asked for is an empty tensor (the ``fp8_quantize`` op contract).
+    output not asked for is an empty tensor (the ``fp8_quantize`` op contract). ``amax``
+    is written into ``amax_out`` when given (a 0-d float32 tensor).
     Arguments are assumed validated (``backend.fp8.check_quantize_args``).
     """
     dtype = FP8_DTYPES[fmt]
@@ -41,7 +43,10 @@ def quantize(x: torch.Tensor, multiplier: torch.Tensor, fmt: str = "e4m3",
     if x.requires_grad and torch.is_grad_enabled():
         x = x.detach()
     # max|x| in one read (exact in any dtype: it is one of the elements); NaN propagates
-    amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
+    if amax_out is None:
+        amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
+    else:
+        amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=amax_out)
     # a 1-element *1-D* multiplier takes part in type promotion, so a bf16/fp16 x is
     # multiplied in float32 inside one kernel (a 0-d one would compute in x's dtype)
     scaled = x * multiplier.to(device=x.device, dtype=torch.float32).reshape(1)
@@ -141,3 +146,20 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
             bias2 = torch.cat([bias2, bias2.new_zeros(n_pad - n)])
     out = torch._scaled_mm(a2, b2, scale_a=scale_a, scale_b=one, bias=bias2, out_dtype=out_dtype)
     return out[:, :n] if n_pad != n else out
+
+
+def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, factor: float,
+                 most_recent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delayed scaling's end of step: ``(scale, scale_inv, history)`` for histories stacked
+    along the leading dimensions (``hist [..., L]``, newest first) and the step's amaxes
+    (``pending``, shaped like ``prev``, the previous scales). The history gains the step
+    as its newest slot and drops its oldest; ``amax`` is the new history's max (NaN if any
+    slot is NaN) or, ``most_recent``, the step's own; ``scale = amax * factor`` unless the
+    amax is zero or not finite (then ``prev`` stays). ``pending`` is zeroed. Every op is
+    elementwise or a max, so stacking more rows changes no value."""
+    full = torch.cat((pending.unsqueeze(-1), hist[..., :-1]), -1)
+    amax = pending if most_recent else full.amax(-1)
+    usable = amax.nan_to_num(0.0, 0.0)  # zero where amax is zero, inf or NaN (never negative)
+    scale = torch.where(usable > 0, usable * factor, prev)
+    pending.zero_()
+    return scale, scale.reciprocal(), full

@@ -22,6 +22,7 @@ PLUGIN_OF_OP = {
     "rotary_emb": "astrai-rotary",
     "fp8_quantize": "astrai-fp8",
     "fp8_gemm": "astrai-fp8",
+    "fp8_scale_update": "astrai-fp8",
 }
 
 

@@ -15,6 +15,8 @@
 ``mm_fp8(a [M, K], b [K, N], scale, bias=None) -> [M, N]``: ``fp8_gemm`` with the
     transposes read off the strides (``w.t()`` of a row-major ``[N, K]`` weight is the
     common ``b`` and costs no copy).
+``fp8_scale_update(hist, pending, prev_scale, factor, most_recent) -> (scale, scale_inv)``
+    delayed scaling's end-of-step update (history roll + new scales) in one kernel.
 
 The two primitives are ``torch.ops.astrai.fp8_quantize`` / ``torch.ops.astrai.fp8_gemm``
 with fake implementations (``torch.compile``, CUDA graphs). The public functions validate
@@ -32,10 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import dtype_code, launch, stream_handle, tensor_arg
+from ..abi import DTYPE_CODES, launch, stream_handle, tensor_arg
 from . import _plugin
 
-__all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
+__all__ = ["fp8_gemm", "fp8_quantize", "fp8_scale_update", "mm_fp8", "quantize"]
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -113,13 +115,36 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
                      out_layout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     module = _plugin.require("fp8_quantize", x.device)
     x = _row_major(x)
-    q, q_t, amax = _quantize_outputs(x, fmt, out_layout)
-    # The unused output still travels with its dtype (the format); give it a valid shape.
-    q_arg = tensor_arg(q) if out_layout != 1 else (0, (0,), (1,), dtype_code(q_t))
-    qt_arg = tensor_arg(q_t) if out_layout != 0 else (0, (0,), (1,), dtype_code(q))
-    launch(x.device, module.quantize, tensor_arg(x), tensor_arg(scale.reshape(())), q_arg, qt_arg,
-           tensor_arg(amax), out_layout, stream_handle(x.device))
+    amax = torch.empty((), dtype=torch.float32, device=x.device)
+    q, q_t = quantize_launch(module, x, scale.reshape(()), fmt, out_layout, amax)
     return q, q_t, amax
+
+
+def quantize_launch(module, x: torch.Tensor, scale: torch.Tensor, fmt: str, out_layout: int,
+                    amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA
+    device, a 0-d float32 ``scale``): ``(q, q_t)``, ``max|x|`` written into ``amax`` (a
+    float32 0-d tensor, possibly a view into a larger buffer). For callers that checked
+    once and call often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
+    dtype = _FORMATS[fmt]
+    rows, cols = x.shape
+    device = x.device
+    if out_layout == 0:
+        q = torch.empty((rows, cols), dtype=dtype, device=device)
+        q_t = torch.empty(0, dtype=dtype, device=device)
+        # the output not asked for still travels with its dtype (the format): a valid shape
+        q_arg, qt_arg = tensor_arg(q), (0, (0,), (1,), DTYPE_CODES[dtype])
+    elif out_layout == 1:
+        q = torch.empty(0, dtype=dtype, device=device)
+        q_t = torch.empty((cols, rows), dtype=dtype, device=device)
+        q_arg, qt_arg = (0, (0,), (1,), DTYPE_CODES[dtype]), tensor_arg(q_t)
+    else:
+        q = torch.empty((rows, cols), dtype=dtype, device=device)
+        q_t = torch.empty((cols, rows), dtype=dtype, device=device)
+        q_arg, qt_arg = tensor_arg(q), tensor_arg(q_t)
+    launch(device, module.quantize, tensor_arg(x), tensor_arg(scale), q_arg, qt_arg,
+           tensor_arg(amax), out_layout, stream_handle(device))
+    return q, q_t
 
 
 @_fp8_quantize_op.op.register_fake
@@ -205,3 +230,36 @@ def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: 
                    trans_a: bool, trans_b: bool) -> torch.Tensor:
     m, n = _gemm_shape(a, b, trans_a, trans_b)
     return torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+
+
+# ---------------------------------------------------------------------------- scale update
+def fp8_scale_update(hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
+                     factor: float, most_recent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's end of step, for ``rows`` amax histories at once, in one kernel.
+
+    ``hist`` (float32, contiguous, ``[..., L]``) gains ``pending`` (one amax per row) as its
+    newest slot in place and drops its oldest; ``pending`` is zeroed. Returns new tensors
+    ``(scale, scale_inv)`` shaped like ``prev_scale``: ``scale = amax * factor`` where the
+    window's amax (the new row's max, or the step's own with ``most_recent``) is finite and
+    positive, else ``prev_scale``. Not differentiable; CUDA tensors only.
+    """
+    for name, t in (("hist", hist), ("pending", pending), ("prev_scale", prev_scale)):
+        _check_tensor(name, t)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != hist.device or t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor on the device of hist, got one on {t.device}")
+    if hist.dim() < 1 or hist.numel() == 0:
+        raise ValueError(f"hist must be non-empty with the history as its last dim, got shape {tuple(hist.shape)}")
+    rows = hist.numel() // hist.shape[-1]
+    for name, t in (("pending", pending), ("prev_scale", prev_scale)):
+        if t.numel() != rows:
+            raise ValueError(f"{name} must hold one value per history row ({rows}), got {t.numel()}")
+    module = _plugin.require("fp8_scale_update", hist.device)
+    scale, scale_inv = torch.empty_like(prev_scale), torch.empty_like(prev_scale)
+    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(prev_scale),
+           tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent),
+           stream_handle(hist.device))
+    return scale, scale_inv
