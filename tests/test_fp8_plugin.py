@@ -8,7 +8,7 @@
   becomes ``F2FP...UNPACK_B`` + ``HMMA.16816``, the emulation the manifest's
   ``native_sm`` documents), the ptxas register report (no spills), the C++
   planner against the Python mirror, and the C++ validation, which raises before any
-  CUDA call.
+  CUDA call; the scale update's SASS keeps IEEE multiply and reciprocal under fast math.
 """
 
 from __future__ import annotations
@@ -173,13 +173,15 @@ def test_manifest_matches_the_binary(plugin_manifest, so):
     assert set(re.findall(r"\.(sm_\d+[af]?)\.cubin", elf)) == set(plugin_manifest["sass_archs"]) == {"sm_89", "sm_90a", "sm_120"}
     assert {"compute_" + a for a in re.findall(r"\.sm_(\d+[af]?)\.ptx", ptx)} == set(plugin_manifest["ptx_archs"])
     parsed = parse_manifest(plugin_manifest)
-    assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm"}
+    assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm", "fp8_scale_update"}
     # mma.sync is native on 89 and 120; a build with the sm_90a wgmma kernel adds 90
     assert set(parsed.ops["fp8_gemm"].native_sm) == {89, 90, 120}
     # the sm_90a build ships the measured table (packaged with the wheel)
     from astrai.extension.backend import fp8_prefer
     assert fp8_prefer.table_for(parsed.ops["fp8_gemm"].prefer, 90).peer == "scaled_mm"
     assert parsed.ops["fp8_gemm"].min_sm == parsed.ops["fp8_quantize"].min_sm == 89
+    assert parsed.ops["fp8_scale_update"].min_sm == 89
+    assert plugin_manifest["ops"]["fp8_scale_update"]["dtypes"] == ["float32"]
     assert plugin_manifest["ops"]["fp8_gemm"]["module"] == "astrai_fp8._fp8_ops"
 
 
@@ -304,6 +306,70 @@ def test_cpp_quantize_validation(compiled, case):
         compiled.quantize(**dict(Q_OK, **override))
 
 
+ROWS, HIST = 6, 16
+SU_OK = dict(hist=_t((ROWS, HIST), F32), pending=_t((ROWS,), F32, 8192), prev_scale=_t((ROWS,), F32, 12288),
+             scale=_t((ROWS,), F32, 16384), scale_inv=_t((ROWS,), F32, 20480), factor=1 / 448,
+             most_recent=False, stream=0)
+SU_BAD = {
+    "hist dtype": (dict(hist=_t((ROWS, HIST), BF16)), r"hist: expected dtype float32, got bfloat16"),
+    "hist 0-d": (dict(hist=_t((), F32, 4096, ())), r"hist: expected \[\.\.\., L\]"),
+    "hist no history": (dict(hist=_t((ROWS, 0), F32)), r"hist: the history length \(last dim\) must be >= 1"),
+    "hist no rows": (dict(hist=_t((0, HIST), F32)), r"hist: expected at least one row"),
+    "hist too many rows": (dict(hist=_t((2**31, 1), F32)), r"hist: at most 2147483647 rows"),
+    "hist strided": (dict(hist=_t((ROWS, HIST), F32, strides=(2 * HIST, 1))), r"hist: must be contiguous"),
+    "hist misaligned": (dict(hist=_t((ROWS, HIST), F32, 4098)), r"hist: data pointer .* not 4-byte aligned"),
+    "pending numel": (dict(pending=_t((ROWS - 1,), F32, 8192)), r"pending: expected 6 elements"),
+    "prev dtype": (dict(prev_scale=_t((ROWS,), BF16, 12288)), r"prev_scale: expected dtype float32"),
+    "scale strided": (dict(scale=_t((ROWS,), F32, 16384, (2,))), r"scale: must be contiguous"),
+    "scale_inv null": (dict(scale_inv=_t((ROWS,), F32, 0)), r"scale_inv: null data pointer"),
+    "scale_inv overlaps scale": (dict(scale_inv=_t((ROWS,), F32, 16384 + 8)), r"scale_inv: overlaps scale"),
+    "pending overlaps hist": (dict(pending=_t((ROWS,), F32, 4096 + 64)), r"pending: overlaps hist"),
+    "prev overlaps hist": (dict(prev_scale=_t((ROWS,), F32, 4096)), r"prev_scale: overlaps hist"),
+    "prev shifted into scale": (dict(prev_scale=_t((ROWS,), F32, 16384 + 4)), r"prev_scale: overlaps scale"),
+    "bad stream": (dict(stream=-1), r"stream: expected the stream handle"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SU_BAD))
+def test_cpp_scale_update_validation(compiled, case):
+    override, message = SU_BAD[case]
+    with pytest.raises(ValueError, match=message) as err:
+        compiled.scale_update(**dict(SU_OK, **override))
+    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90a", "sm_120"])
+def test_scale_update_is_ieee_whatever_the_fast_math(so, arch):
+    """The plugin builds with --use_fast_math; the update's multiply and reciprocal must
+    still round like torch's (no FTZ multiply, a refined reciprocal with a subnormal path,
+    not a bare MUFU.RCP). Spill-free is checked from the ptxas report below."""
+    tool = _cuobjdump()
+    env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
+                          check=True, env=env).stdout
+    bodies = {name.strip(): body for name, _, body in
+              (part.partition("\n") for part in re.split(r"\n\s*Function : ", text)[1:])
+              if "scale_update_kernel" in name}
+    assert len(bodies) == 2, sorted(bodies)  # max and most_recent
+    for name, body in bodies.items():
+        assert re.search(r"\bFMUL\b(?!\.FTZ)", body) and "FMUL.FTZ" not in body, name
+        assert "MUFU.RCP" in body and re.search(r"FFMA\.RM|FFMA\.RP", body), name
+        assert "BAR.SYNC" in body and "SHFL.UP" in body, name
+
+
+@pytest.mark.slow
+def test_scale_update_kernels_do_not_spill(wheelhouse):
+    import json
+
+    report = json.loads((wheelhouse / "build-report-cu130.json").read_text())
+    kernels = next(p for p in report["packages"] if p["name"] == "astrai-fp8")["kernels"]
+    ours = [k for k in kernels if "scale_update_kernel" in k["kernel"]]
+    assert sorted(k["arch"] for k in ours) == ["sm_120", "sm_120", "sm_89", "sm_89", "sm_90a", "sm_90a"]
+    assert not [k for k in ours if k["spill_stores"] or k["spill_loads"] or k["registers"] > 64], ours
+
+
 @pytest.mark.slow
 def test_valid_arguments_reach_cuda_only_after_validation(compiled):
     import torch
@@ -314,5 +380,11 @@ def test_valid_arguments_reach_cuda_only_after_validation(compiled):
         compiled.gemm(**GEMM_OK)
     with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
         compiled.quantize(**Q_OK)
+    # [S, R, L] histories as the core stacks them, prev_scale being scale itself
+    batched = dict(SU_OK, hist=(4096, (2, 3, HIST), (3 * HIST, HIST, 1), F32),
+                   pending=(8192, (2, 3), (3, 1), F32), prev_scale=SU_OK["scale"], most_recent=True)
+    for args in (SU_OK, batched):
+        with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
+            compiled.scale_update(**args)
     info = compiled.build_info()
     assert info["sass_archs"] == ["sm_89", "sm_90a", "sm_120"] and info["cuda_version"] == "13.0"

@@ -10,6 +10,8 @@ compiled module is called directly for that, with ``mainloop="mma_sync"`` so the
 mma.sync kernel is the one tested even on Hopper, where the public op prefers the wgmma
 kernel for K-major operands) and must come back NaN-free. On sm_90 the mma.sync kernel
 is the fp16 emulation: correct, slower than cuBLASLt.
+Scale update (``module.scale_update``, delayed scaling's end of step): bit for bit the
+torch ops it replaces, with zeros, inf, NaN and subnormals, through the ABI directly.
 """
 
 from __future__ import annotations
@@ -237,3 +239,150 @@ def test_bad_arguments_raise_before_launch(ops):
         ops.fp8_gemm(a, a, torch.ones(2, device="cuda"))
     with pytest.raises(ValueError, match="out_layout"):
         ops.fp8_quantize(torch.randn(4, 4, device="cuda"), s, "e4m3", 3)
+
+
+# ----------------------------------------------------------------------------- scale update
+# module.scale_update: delayed scaling's end of step in one kernel, bit for bit the torch ops
+# the core ran before (the reference below). Rows by r % 7 as in csrc/tests/fp8_test.cu:
+# 0 clean; 1 pending 0 / inf / NaN; 2 NaN or inf inside the kept window; 3 all zero; 4 a
+# huge value or NaN in the slot that drops out; 5 +0.0 / -0.0 history; 6 subnormals.
+POISON = 0x7FA5A5A5  # a NaN the kernel never writes
+
+
+def _torch_scale_update(hist, pending, prev, factor, most_recent):
+    rows, length = pending.numel(), hist.shape[-1]
+    full = torch.cat((pending.view(rows, 1), hist.reshape(rows, length)[:, :-1]), 1)
+    amax = pending.view(rows) if most_recent else full.amax(1)
+    usable = amax.nan_to_num(0.0, 0.0)
+    s = torch.where(usable > 0, usable * factor, prev.view(rows))
+    return full, s, s.reciprocal()
+
+
+def _bits(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _history_case(rows, length, seed, subnormal=True):
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.exp2(torch.rand(rows, length, generator=g) * 40 - 20)
+    pending = torch.exp2(torch.rand(rows, generator=g) * 40 - 20)
+    prev = torch.exp2(torch.rand(rows, generator=g) * 10 - 5)
+    inf, nan = float("inf"), float("nan")
+    for r in range(rows):
+        mode = r % 7
+        if mode == 1:
+            pending[r] = (0.0, inf, nan)[r % 3]
+        elif mode == 2 and length > 1:
+            hist[r, int(torch.randint(length - 1, (1,), generator=g))] = nan if r % 2 else inf
+        elif mode == 3:
+            hist[r], pending[r] = 0.0, 0.0
+        elif mode == 4:
+            hist[r, -1] = nan if r % 2 else 3.0e38
+        elif mode == 5:
+            hist[r] = torch.tensor([-0.0 if i % 2 else 0.0 for i in range(length)])
+        elif mode == 6 and subnormal:
+            if r % 2:  # nothing usable: prev, a subnormal whose reciprocal is finite
+                hist[r], pending[r] = 0.0, 0.0
+            else:  # subnormal amaxes: amax * factor underflows, 1 / scale overflows
+                hist[r] = _bits((1 + torch.randint(length, (length,), generator=g) * 977).tolist())
+                pending[r] = _bits([0x100 + r])[0]
+            prev[r] = _bits([0x400000 + r * 12345])[0]
+    return hist.cuda(), pending.cuda(), prev.cuda()
+
+
+def _poisoned(n: int) -> torch.Tensor:
+    return torch.full((n,), POISON, dtype=torch.int32, device="cuda").view(torch.float32)
+
+
+def _run_scale_update(module, hist, pending, prev, scale, inv, factor, most_recent):
+    module.scale_update(_abi(hist), _abi(pending), _abi(prev), _abi(scale), _abi(inv), factor, most_recent,
+                        torch.cuda.current_stream().cuda_stream)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32))
+
+
+FACTORS = [1.0 / 448.0, 2.0**3 / 57344.0]
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["prev", "prev_is_scale"])
+@pytest.mark.parametrize("most_recent", [False, True], ids=["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 2, 16, 31, 128, 129, 1024, 1500])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_scale_update_bit_identical_to_torch(module, rows, length, most_recent, alias):
+    hist, pending, prev = _history_case(rows, length, rows * 10007 + length * 3 + most_recent * 2 + alias)
+    factor = FACTORS[most_recent ^ alias]
+    want_hist, want_scale, want_inv = _torch_scale_update(hist, pending, prev, factor, most_recent)
+    scale = prev.clone() if alias else _poisoned(rows)
+    inv = _poisoned(rows)
+    _run_scale_update(module, hist, pending, scale if alias else prev, scale, inv, factor, most_recent)
+    torch.cuda.synchronize()
+    assert _same_bits(hist, want_hist)
+    assert _same_bits(pending, torch.zeros_like(pending))
+    assert _same_bits(scale, want_scale)
+    assert _same_bits(inv, want_inv)
+
+
+def test_scale_update_batched_shape_and_consecutive_steps(module):
+    """hist [S, R, L] as the core stacks role groups; four steps on the same tensors
+    (prev is scale) against the reference run step by step."""
+    hist, _, prev = _history_case(3 * 50, 24, 99, subnormal=False)
+    hist, scale = hist.view(3, 50, 24), prev.view(3, 50)
+    ref_hist, ref_scale = hist.clone(), scale.clone()
+    inv = _poisoned(150).view(3, 50)
+    g = _gen(5)
+    for step in range(4):
+        pending = torch.rand(3, 50, device="cuda", generator=g) * 10.0**step
+        pending[0, step] = (0.0, float("nan"), float("inf"), 0.0)[step]
+        full, ref_s, ref_inv = _torch_scale_update(ref_hist, pending, ref_scale, FACTORS[0], False)
+        ref_hist, ref_scale = full.view(3, 50, 24), ref_s.view(3, 50)
+        _run_scale_update(module, hist, pending, scale, scale, inv, FACTORS[0], False)
+        torch.cuda.synchronize()
+        assert _same_bits(hist, ref_hist) and _same_bits(scale, ref_scale) and _same_bits(inv, ref_inv), step
+        assert not pending.any()
+
+
+def test_scale_update_under_cuda_graph(module):
+    hist, pending, prev = _history_case(40, 16, 3, subnormal=False)
+    scale, inv = prev.clone(), _poisoned(40)
+    _run_scale_update(module, hist, pending, scale, scale, inv, FACTORS[1], False)  # warm up
+    ref_hist, ref_scale = hist.clone(), scale.clone()
+    graph = torch.cuda.CUDAGraph()
+    step = torch.empty(40, device="cuda")
+    with torch.cuda.graph(graph):
+        _run_scale_update(module, hist, step, scale, scale, inv, FACTORS[1], False)
+    for i in range(3):
+        amaxes = torch.rand(40, device="cuda", generator=_gen(i)) * (i + 1)
+        step.copy_(amaxes)
+        graph.replay()
+        full, ref_s, ref_inv = _torch_scale_update(ref_hist, amaxes, ref_scale, FACTORS[1], False)
+        ref_hist, ref_scale = full, ref_s
+        torch.cuda.synchronize()
+        assert _same_bits(hist, ref_hist) and _same_bits(scale, ref_scale) and _same_bits(inv, ref_inv), i
+        assert not step.any()
+
+
+def test_scale_update_bad_arguments_raise_before_launch(module):
+    rows, length = 8, 16
+    hist, pending, prev = _history_case(rows, length, 1, subnormal=False)
+    scale, inv = _poisoned(rows), _poisoned(rows)
+    ok = dict(hist=hist, pending=pending, prev=prev, scale=scale, inv=inv)
+    before = {k: v.clone() for k, v in ok.items()}
+    bad = {
+        "hist dtype": (dict(hist=hist.double()), r"hist: expected dtype float32, got float64"),
+        "hist strided": (dict(hist=hist.t()), r"hist: must be contiguous"),
+        "pending numel": (dict(pending=pending[:7]), r"pending: expected 8 elements"),
+        "prev dtype": (dict(prev=prev.to(torch.int32)), r"prev_scale: expected dtype float32"),
+        "scale strided": (dict(scale=torch.zeros(2 * rows, device="cuda")[::2]), r"scale: must be contiguous"),
+        "inv overlaps scale": (dict(inv=scale), r"scale_inv: overlaps scale"),
+        "prev overlaps pending": (dict(prev=pending), r"prev_scale: overlaps pending"),
+    }
+    for name, (override, message) in bad.items():
+        args = dict(ok, **override)
+        with pytest.raises(ValueError, match=message):
+            _run_scale_update(module, args["hist"], args["pending"], args["prev"], args["scale"], args["inv"],
+                              FACTORS[0], False)
+    torch.cuda.synchronize()
+    for key, value in ok.items():
+        assert _same_bits(value, before[key]), f"{key} changed: a bad call launched"

@@ -2,6 +2,7 @@
 //
 //   quantize(x, scale, q, q_t, amax, out_layout, stream)
 //   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
+//   scale_update(hist, pending, prev_scale, scale, scale_inv, factor, most_recent, stream)
 //   plan(m, n, k, trans_a, trans_b, sms, smem_per_sm, smem_per_block) -> dict   (no GPU)
 //   build_info() -> dict
 // Tensors are tuples (data_ptr, shape, strides_in_elements, dtype_code) (ABI 1); bias may
@@ -23,6 +24,7 @@
 #include "gemm.cuh"
 #include "gemm/sm90/entry.h"
 #include "quantize.cuh"
+#include "scale_update.cuh"
 
 namespace astrai::fp8 {
 namespace py = pybind11;
@@ -178,6 +180,71 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
   gemm(g, device_limits(current_device()), stream);
 }
 
+// --------------------------------------------------------------------- scale_update
+// Row-major with no gaps (sizes-1 dims may carry any stride).
+void expect_contiguous(const TensorArg& t) {
+  int64_t want = 1;
+  for (int d = t.ndim() - 1; d >= 0; --d) {
+    ASTRAI_CHECK(t.size(d) <= 1 || t.stride(d) == want, t.name, ": must be contiguous, got shape ",
+                 shape_str(t.shape), " with strides ", shape_str(t.strides));
+    want *= t.size(d);
+  }
+}
+
+// A float32 contiguous tensor of `numel` elements (any shape), 4-byte aligned.
+void expect_f32_vector(const TensorArg& t, int64_t numel) {
+  expect_dtype(t, DType::Float32);
+  ASTRAI_CHECK(t.numel() == numel, t.name, ": expected ", numel, " elements (one per history row), got shape ",
+               shape_str(t.shape));
+  expect_contiguous(t);
+  expect_data(t, 4);
+}
+
+// The byte ranges of two contiguous float32 tensors intersect.
+bool overlaps(const TensorArg& a, const TensorArg& b) {
+  return a.ptr < b.ptr + 4 * static_cast<std::uintptr_t>(b.numel()) &&
+         b.ptr < a.ptr + 4 * static_cast<std::uintptr_t>(a.numel());
+}
+
+void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_arg, py::handle scale_arg,
+                  py::handle inv_arg, double factor, bool most_recent, py::handle stream_arg) {
+  const TensorArg hist = bind::tensor_arg("hist", hist_arg);
+  const TensorArg pending = bind::tensor_arg("pending", pending_arg);
+  const TensorArg prev = bind::tensor_arg("prev_scale", prev_arg);
+  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
+  const TensorArg inv = bind::tensor_arg("scale_inv", inv_arg);
+  const cudaStream_t stream = bind::stream_arg(stream_arg);
+
+  expect_dtype(hist, DType::Float32);
+  ASTRAI_CHECK(hist.ndim() >= 1, "hist: expected [..., L] with at least one dim, got a 0-d tensor");
+  const int64_t len = hist.size(-1);
+  ASTRAI_CHECK(len >= 1, "hist: the history length (last dim) must be >= 1, got shape ",
+               shape_str(hist.shape));
+  const int64_t rows = hist.numel() / len;
+  ASTRAI_CHECK(rows >= 1, "hist: expected at least one row, got shape ", shape_str(hist.shape));
+  ASTRAI_CHECK(rows <= kIntMax, "hist: at most ", kIntMax, " rows (the grid), got ", rows);
+  expect_contiguous(hist);
+  expect_data(hist, 4);
+  expect_f32_vector(pending, rows);
+  expect_f32_vector(prev, rows);
+  expect_f32_vector(scale, rows);
+  expect_f32_vector(inv, rows);
+  // Written tensors must not share memory; prev_scale may be scale itself (read first).
+  const TensorArg* written[] = {&hist, &pending, &scale, &inv};
+  for (int i = 0; i < 4; ++i)
+    for (int j = i + 1; j < 4; ++j)
+      ASTRAI_CHECK(!overlaps(*written[i], *written[j]), written[j]->name, ": overlaps ", written[i]->name);
+  for (const TensorArg* w : written)
+    ASTRAI_CHECK(!overlaps(prev, *w) || (w == &scale && prev.ptr == scale.ptr), "prev_scale: overlaps ",
+                 w->name, " (it may only be scale itself)");
+
+  check_device();
+  ScaleUpdateParams p{hist.data<float>(), pending.data<float>(), prev.data<const float>(),
+                      scale.data<float>(), inv.data<float>(), static_cast<float>(factor),
+                      rows, len, /*segment=*/0, most_recent ? 1 : 0};
+  scale_update_launch(p, stream);
+}
+
 // --------------------------------------------------------------------- planner (pure)
 const char* tile_name(TileConfig c) {
   switch (c) {
@@ -237,6 +304,15 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "scale a float32 scalar (the combined dequant scale); bias bf16 [N] or None.\n"
         "mainloop: 'auto' (the sm_90a wgmma kernel where it applies, else mma.sync) or\n"
         "'mma_sync' (always the mma.sync kernel: native on sm_89/sm_120, emulated elsewhere).");
+  m.def("scale_update", &astrai::fp8::scale_update, py::arg("hist"), py::arg("pending"),
+        py::arg("prev_scale"), py::arg("scale"), py::arg("scale_inv"), py::arg("factor"),
+        py::arg("most_recent"), py::arg("stream"),
+        "Delayed-scaling step end, per row r of hist [..., L] (float32, contiguous):\n"
+        "hist[r] <- [pending[r], hist[r][:-1]] in place; amax = pending[r] if most_recent\n"
+        "else max(new hist[r]) (NaN propagates); s = amax * float32(factor) if amax is finite\n"
+        "and > 0 else prev_scale[r]; scale[r] = s, scale_inv[r] = 1/s; pending[r] = 0.\n"
+        "pending, prev_scale, scale, scale_inv: float32 contiguous, one element per row;\n"
+        "prev_scale may alias scale. Bit-identical to the same torch ops on CUDA.");
   m.def("plan", &astrai::fp8::plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"),
         py::arg("trans_b"), py::arg("sms"), py::arg("smem_per_sm"), py::arg("smem_per_block"),
         "The launch plan fp8_gemm would use (pure host function, no GPU needed).");

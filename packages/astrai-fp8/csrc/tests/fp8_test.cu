@@ -1,13 +1,16 @@
 // Standalone FP8 correctness check (no torch, no Python): quantize bytes vs a host
-// conversion, and the GEMM vs a float64 host reference over all four operand layouts,
-// ragged shapes, K tails, bias on/off and both formats. Outputs are poisoned first.
+// conversion, the GEMM vs a float64 host reference over all four operand layouts,
+// ragged shapes, K tails, bias on/off and both formats, and the delayed-scaling update
+// bit for bit vs a host IEEE float32 reference. Outputs are poisoned first.
 //
 //   nvcc -std=c++17 -O3 -I packages/cuda-common/include -I packages/astrai-fp8/csrc \
 //        -gencode=arch=compute_90a,code=sm_90a packages/astrai-fp8/csrc/tests/fp8_test.cu \
 //        -o /tmp/fp8_test && /tmp/fp8_test
 //   (sm_89 / sm_120: -gencode=arch=compute_89,code=sm_89 ...)
+//   (the plugin builds with --use_fast_math too; add it to test what ships)
 // Exit code 0 only when every case passes. `--quick` keeps the small shapes (sanitizer runs):
 //   compute-sanitizer --tool memcheck /tmp/fp8_test --quick   (also racecheck, synccheck)
+// `--scale-update` runs the delayed-scaling update cases alone.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -20,6 +23,7 @@
 
 #include "gemm.cuh"
 #include "quantize.cuh"
+#include "scale_update.cuh"
 
 using namespace astrai::fp8;
 
@@ -185,13 +189,129 @@ static void quant_case(int rows, int cols, int layout, int sms) {
   CK(cudaFree(dscale));
 }
 
+// ------------------------------------------------------------ delayed-scaling update
+static uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+static float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Row r's contents by r % 7: 0 clean; 1 pending 0 / inf / NaN in turn; 2 one NaN or inf
+// inside the kept window; 3 all zeros; 4 a huge value in the slot that drops out; 5 -0.0 and
+// +0.0 only with a positive pending; 6 subnormal amaxes or prev (if `subnormal`), else clean.
+static void scale_update_case(int rows, int len, bool most_recent, bool alias, bool subnormal,
+                              float factor) {
+  std::uniform_real_distribution<float> ex(-20.f, 20.f);
+  std::uniform_int_distribution<int> pos(0, len - 1);
+  const float inf = INFINITY, nan = NAN;
+  const size_t n = static_cast<size_t>(rows) * len;
+  std::vector<float> hist(n), pending(rows), prev(rows);
+  for (int r = 0; r < rows; ++r) {
+    float* h = &hist[static_cast<size_t>(r) * len];
+    for (int i = 0; i < len; ++i) h[i] = std::exp2(ex(rng));
+    pending[r] = std::exp2(ex(rng));
+    prev[r] = std::exp2(ex(rng) * 0.25f);
+    switch (r % 7) {
+      case 1: pending[r] = r % 3 == 0 ? 0.f : (r % 3 == 1 ? inf : nan); break;
+      case 2: if (len > 1) h[pos(rng) % (len - 1)] = r % 2 ? nan : inf; break;
+      case 3: for (int i = 0; i < len; ++i) h[i] = 0.f;
+              pending[r] = 0.f; break;
+      case 4: h[len - 1] = r % 2 ? nan : 3.0e38f; break;
+      case 5: for (int i = 0; i < len; ++i) h[i] = i % 2 ? -0.f : 0.f; break;
+      case 6:
+        if (!subnormal) break;
+        // odd rows: nothing usable, prev a subnormal with a finite reciprocal;
+        // even rows: subnormal amaxes (x * factor underflows, 1 / scale overflows)
+        for (int i = 0; i < len; ++i) h[i] = r % 2 ? 0.f : float_of(1u + static_cast<uint32_t>(pos(rng)) * 977u);
+        pending[r] = r % 2 ? 0.f : float_of(0x00000100u + static_cast<uint32_t>(r));
+        prev[r] = float_of(0x00400000u + static_cast<uint32_t>(r) * 12345u);
+        break;
+      default: break;
+    }
+  }
+  // host reference: IEEE float32 with subnormals
+  std::vector<float> want_hist(n), want_scale(rows), want_inv(rows);
+  for (int r = 0; r < rows; ++r) {
+    const float* h = &hist[static_cast<size_t>(r) * len];
+    float* w = &want_hist[static_cast<size_t>(r) * len];
+    w[0] = pending[r];
+    for (int i = 1; i < len; ++i) w[i] = h[i - 1];
+    float amax = pending[r];
+    if (!most_recent) {
+      amax = w[0];
+      for (int i = 0; i < len; ++i) amax = std::isnan(w[i]) || std::isnan(amax) ? nan : std::fmax(amax, w[i]);
+    }
+    const float s = std::isfinite(amax) && amax > 0.f ? amax * factor : prev[r];
+    want_scale[r] = s;
+    want_inv[r] = 1.0f / s;
+  }
+
+  float *dh, *dp, *ds, *dprev, *di;
+  CK(cudaMalloc(&dh, n * 4));
+  CK(cudaMalloc(&dp, rows * 4));
+  CK(cudaMalloc(&ds, rows * 4));
+  CK(cudaMalloc(&di, rows * 4));
+  CK(cudaMalloc(&dprev, rows * 4));
+  CK(cudaMemcpy(dh, hist.data(), n * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dp, pending.data(), rows * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(alias ? ds : dprev, prev.data(), rows * 4, cudaMemcpyHostToDevice));
+  if (!alias) CK(cudaMemset(ds, 0xa5, rows * 4));  // poison
+  CK(cudaMemset(di, 0xa5, rows * 4));
+  const ScaleUpdateParams prm{dh, dp, alias ? ds : dprev, ds, di, factor, rows, len, 0, most_recent};
+  scale_update_launch(prm, nullptr);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> got_hist(n), got_p(rows), got_s(rows), got_i(rows);
+  CK(cudaMemcpy(got_hist.data(), dh, n * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got_p.data(), dp, rows * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got_s.data(), ds, rows * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got_i.data(), di, rows * 4, cudaMemcpyDeviceToHost));
+  int bad_hist = 0, bad_scale = 0, bad_pending = 0;
+  for (size_t i = 0; i < n; ++i) bad_hist += bits_of(got_hist[i]) != bits_of(want_hist[i]);
+  for (int r = 0; r < rows; ++r) {
+    bad_pending += bits_of(got_p[r]) != 0u;
+    const bool bad = bits_of(got_s[r]) != bits_of(want_scale[r]) || bits_of(got_i[r]) != bits_of(want_inv[r]);
+    if (bad && bad_scale < 3)
+      std::printf("     row %d: scale %a / inv %a, want %a / %a\n", r, got_s[r], got_i[r], want_scale[r],
+                  want_inv[r]);
+    bad_scale += bad;
+  }
+  const bool ok = bad_hist == 0 && bad_scale == 0 && bad_pending == 0;
+  std::printf("%-4s scale_update rows=%d L=%d %s alias=%d subnormal=%d  bad hist=%d scale=%d pending=%d\n",
+              ok ? "ok" : "FAIL", rows, len, most_recent ? "most_recent" : "max", alias, subnormal, bad_hist,
+              bad_scale, bad_pending);
+  if (!ok) ++failures;
+  CK(cudaFree(dh));
+  CK(cudaFree(dp));
+  CK(cudaFree(ds));
+  CK(cudaFree(di));
+  CK(cudaFree(dprev));
+}
+
 int main(int argc, char** argv) {
   // --quick: small shapes only (for compute-sanitizer memcheck / racecheck runs).
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool update_only = argc > 1 && std::strcmp(argv[1], "--scale-update") == 0;
   int dev_id = 0;
   CK(cudaGetDevice(&dev_id));
   const DeviceLimits dev = device_limits(dev_id);
   std::printf("sms=%d smem/sm=%d smem/block=%d\n", dev.sms, dev.smem_per_sm, dev.smem_per_block);
+
+  // delayed-scaling update: cheap, in --quick too
+  const float factors[] = {static_cast<float>(1.0 / 448.0), static_cast<float>(8.0 / 57344.0)};
+  for (int rows : {1, 300})
+    for (int len : {1, 2, 16, 31, 128, 129, 1024, 1500})
+      for (int algo = 0; algo < 2; ++algo)
+        for (int alias = 0; alias < 2; ++alias)
+          scale_update_case(rows, len, algo == 1, alias == 1, (len + alias) % 2 == 0, factors[algo ^ alias]);
+  if (update_only) {
+    std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
+    return failures ? 1 : 0;
+  }
 
   for (int layout = 0; layout < 3; ++layout) {
     quant_case<FP8Format::E4M3>(257, 1000, layout, dev.sms);

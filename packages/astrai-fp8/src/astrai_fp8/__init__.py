@@ -1,8 +1,8 @@
 """AstrAI FP8 plugin: the manifest of its compiled module, and nothing compiled.
 
 The core's registry calls :func:`manifest` through the entry point ``astrai.kernels: fp8``;
-the compiled module ``astrai_fp8._fp8_ops`` (quantize + GEMM, sm_89+) is imported by the
-core only when an op first runs. What the binary really holds (CUDA version, SASS and
+the compiled module ``astrai_fp8._fp8_ops`` (quantize, GEMM and the delayed-scaling update,
+sm_89+) is imported by the core only when an op first runs. What the binary really holds (CUDA version, SASS and
 PTX archs) comes from ``build_info.json``, written by the build next to the module.
 
 ``native_sm`` tells the core where the GEMM runs on native FP8 tensor-core instructions:
@@ -78,6 +78,13 @@ def manifest() -> dict[str, Any]:
                 "min_sm": 89,
                 "native_sm": _gemm_native_sm(info),
                 "prefer": _gemm_prefer(info),
+            },
+            # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
+            "fp8_scale_update": {
+                "module": MODULE,
+                "abi": 1,
+                "dtypes": ["float32"],
+                "min_sm": 89,
             },
         },
     }
