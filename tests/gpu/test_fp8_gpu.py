@@ -370,7 +370,7 @@ def test_scale_update_bad_arguments_raise_before_launch(module):
     ok = dict(hist=hist, pending=pending, prev=prev, scale=scale, inv=inv)
     before = {k: v.clone() for k, v in ok.items()}
     bad = {
-        "hist dtype": (dict(hist=hist.double()), r"hist: expected dtype float32, got float64"),
+        "hist dtype": (dict(hist=hist.half()), r"hist: expected dtype float32, got float16"),
         "hist strided": (dict(hist=hist.t()), r"hist: must be contiguous"),
         "pending numel": (dict(pending=pending[:7]), r"pending: expected 8 elements"),
         "prev dtype": (dict(prev=prev.to(torch.int32)), r"prev_scale: expected dtype float32"),
