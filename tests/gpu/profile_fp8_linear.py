@@ -57,6 +57,7 @@ def host_parts(m: int, n: int, k: int) -> None:
     a8 = x.to(torch.float8_e4m3fn)
     w8 = lin.weight.detach().to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
+    pair = torch.ones(2, device=dev).unbind(0)  # the second is not 16-byte aligned
     bias = lin.bias.detach()
     recipe = DelayedScaling(amax_history_len=16)
     small = torch.ones((), device=dev)
@@ -65,6 +66,8 @@ def host_parts(m: int, n: int, k: int) -> None:
         "torch.empty [m, n] bf16": lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16),
         "bf16 F.linear (the peer)": lambda: F.linear(x, lin.weight, lin.bias),
         "torch._scaled_mm": lambda: torch._scaled_mm(a8, w8.t(), one, one, bias=bias, out_dtype=torch.bfloat16),
+        "torch._scaled_mm, scale_b 4 bytes past 16": lambda: torch._scaled_mm(
+            a8, w8.t(), one, pair[1], bias=bias, out_dtype=torch.bfloat16),
         "backend.gemm (policy + _scaled_mm)": lambda: backend.gemm(a8, w8.t(), one, bias),
         "backend.gemm backend='plugin'": lambda: backend.gemm(a8, w8.t(), one, bias, backend="plugin"),
         "ops fp8_quantize (plugin)": lambda: fp8_ops.fp8_quantize(x, one, "e4m3", 0),

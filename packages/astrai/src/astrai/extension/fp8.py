@@ -227,29 +227,36 @@ def _factor(fmt: str, margin: int) -> float:
     return 2.0 ** margin / FP8_MAX[fmt]
 
 
+# Rows per role in a group's tensors: a role's scale is then 16-byte aligned, as cuBLASLt
+# takes scale pointers (the rows between roles stay zero and never change a value).
+_ROW = 4
+
+
 class _RoleGroup:
     """Roles whose delayed-scaling update happens at the same moment, stacked: one
     ``[R, L]`` tensor of completed steps, one ``[R]`` scale and one ``[R]`` buffer of the
     step's amaxes (``pending``), so an update is one kernel (or a handful of tensor ops)
-    for all of them. After a batched update (``_end_steps``) these are rows of the batch's
-    tensors, read through ``hist`` / ``scale`` / ``pending`` only when needed."""
+    for all of them; role ``i`` is row ``_ROW * i``. After a batched update
+    (``_end_steps``) these are rows of the batch's tensors, read through ``hist`` /
+    ``scale`` / ``pending`` only when needed."""
 
-    def __init__(self, fmt: str, rows: int, recipe: Recipe, device: torch.device,
+    def __init__(self, fmt: str, roles: int, recipe: Recipe, device: torch.device,
                  tracked: tuple[bool, ...]):
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         window = length if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max" else 1
         self.fmt = fmt
         self.device = device
-        self._own = (torch.zeros(rows, length, dtype=torch.float32, device=device),
-                     torch.ones(rows, dtype=torch.float32, device=device),
-                     torch.zeros(rows, dtype=torch.float32, device=device))
+        self.rows = _ROW * roles
+        self._own = (torch.zeros(self.rows, length, dtype=torch.float32, device=device),
+                     torch.ones(self.rows, dtype=torch.float32, device=device),
+                     torch.zeros(self.rows, dtype=torch.float32, device=device))
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
         self._index = 0
         ones = self._own[1].unbind(0)
-        self.roles = [TensorScaling(fmt, self, i, one, one,
+        self.roles = [TensorScaling(fmt, self, _ROW * i, ones[_ROW * i], ones[_ROW * i],
                                     deque(maxlen=window) if track else None)
-                      for i, (one, track) in enumerate(zip(ones, tracked))]
+                      for i, track in enumerate(tracked)]
 
     @property
     def hist(self) -> torch.Tensor:
@@ -266,8 +273,9 @@ class _RoleGroup:
         return self._own[2] if self._batch is None else self._batch.pending[self._index]
 
     def _point_slots(self) -> None:
-        for role, slot in zip(self.roles, self.pending.unbind(0)):
-            role._slot = slot
+        slots = self.pending.unbind(0)
+        for role in self.roles:
+            role._slot = slots[role._row]
 
     def to(self, device: torch.device) -> None:
         self._own = (self.hist.to(device), self.scale.to(device), self.pending.to(device))
@@ -347,35 +355,34 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
             batch = _Batch(tuple(groups), hist, scale, pending)
             for index, group in enumerate(groups):
                 group._batch, group._index = batch, index
-        row = 0
-        for group in groups:
+        for index, group in enumerate(groups):
             if regrouped:
                 group._point_slots()
             for role in group.roles:
+                row = index * group.rows + role._row
                 role.scale, role.scale_inv = scales[row], invs[row]
                 role._close_step()
-                row += 1
 
 
 def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor) -> None:
     """Fold the amaxes kept by reference (``record(by_ref=True)``) into ``pending``, the
-    groups' stacked step amaxes: one copy for a single one, else two kernels for all."""
-    roles = [role for group in groups for role in group.roles]
-    refs = [(row, role._ref) for row, role in enumerate(roles) if role._ref is not None]
-    if not refs:
-        return
-    flat = pending.view(-1)
-    if len(refs) == 1:
-        row, ref = refs[0]
-        slot = flat[row]
-        if roles[row]._recorded:
-            torch.maximum(slot, ref, out=slot)
-        else:
-            slot.copy_(ref)
-        return
-    zero = groups[0]._zero
-    by_row = dict(refs)
-    torch.maximum(flat, torch.stack([by_row.get(row, zero) for row in range(len(roles))]), out=flat)
+    groups' stacked step amaxes: one copy for a single group, else two kernels per role
+    that has any (the cached weights' in inference), whatever the number of groups."""
+    table = pending.view(len(groups), groups[0].rows)
+    for i, role in enumerate(groups[0].roles):
+        refs = [group.roles[i]._ref for group in groups]
+        if all(ref is None for ref in refs):
+            continue
+        column = table[:, role._row]
+        if len(groups) == 1:
+            slot = column[0]
+            if role._recorded:
+                torch.maximum(slot, refs[0], out=slot)
+            else:
+                slot.copy_(refs[0])
+            continue
+        zero = groups[0]._zero
+        torch.maximum(column, torch.stack([zero if ref is None else ref for ref in refs]), out=column)
 
 
 @dataclass(eq=False)

@@ -434,6 +434,9 @@ def gemm_runner(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, in
                 return general(a, b, scale_a, scale_b, bias)
             if bias is not None and bias.dtype != torch.bfloat16:
                 bias = bias.to(torch.bfloat16)
+            if scale_a.data_ptr() % 16 or scale_b.data_ptr() % 16:
+                # cuBLASLt takes only 16-byte aligned scale pointers (NOT_SUPPORTED otherwise)
+                scale_a, scale_b = scale_a * scale_b, fp8_torch._one(a.device)
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
                                     out_dtype=torch.bfloat16)
 
