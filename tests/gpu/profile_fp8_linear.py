@@ -82,6 +82,17 @@ def host_parts(m: int, n: int, k: int) -> None:
         with torch.no_grad(), fp8_autocast(recipe=recipe):
             lin(x)
 
+    xg = x.clone().requires_grad_()
+    gy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+
+    def bf16_step():
+        F.linear(xg, lin.weight, lin.bias).backward(gy)
+
+    def fp8_step():
+        with fp8_autocast(recipe=recipe):
+            y = lin(xg)
+        y.backward(gy)
+
     parts["fp8_autocast enter + exit, no linear"] = region_only
     parts["fp8_autocast forward (whole)"] = fwd
     print(f"\n== host microseconds per call, M={m} N={n} K={k} (GPU kept busy)")
@@ -89,6 +100,11 @@ def host_parts(m: int, n: int, k: int) -> None:
         try:
             with torch.no_grad():
                 print(f"{label:<42} {host_us(fn):8.1f}")
+        except Exception as exc:  # noqa: BLE001 - a piece that cannot run here is reported
+            print(f"{label:<42} not run: {type(exc).__name__}: {str(exc)[:120]}")
+    for label, fn in (("bf16 training step", bf16_step), ("fp8_autocast training step", fp8_step)):
+        try:
+            print(f"{label:<42} {host_us(fn, calls=30):8.1f}")
         except Exception as exc:  # noqa: BLE001 - a piece that cannot run here is reported
             print(f"{label:<42} not run: {type(exc).__name__}: {str(exc)[:120]}")
 
@@ -106,8 +122,9 @@ def profile(fn, calls: int, label: str, top: int = 28) -> None:
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     print(f"\n== {label}: {stats.total_tt / calls * 1e3:.3f} ms of host time per call "
-          f"(under cProfile), top {top} by own time")
+          f"(under cProfile), top {top} by own time, then by cumulative time")
     stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
     print("\n".join(line[:150] for line in out.getvalue().splitlines() if line.strip()))
 
 

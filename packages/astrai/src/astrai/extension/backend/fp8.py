@@ -465,9 +465,12 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, 
     (the history is then updated in place), else the torch ops."""
     if not torch.compiler.is_compiling():
         device = probe_device(hist.device)
-        if choose_scale_update(device, runtime=runtime) == "plugin":
+        module = _runner(runtime, ("scale_update", device.key), lambda: (
+            _ops_module("fp8_scale_update", device) if choose_scale_update(device, runtime=runtime) == "plugin"
+            else None))
+        if module is not None:
             try:
-                scale, scale_inv = ops_fp8.fp8_scale_update(hist, pending, prev, factor, most_recent)
+                scale, scale_inv = ops_fp8.scale_update_launch(module, hist, pending, prev, factor, most_recent)
                 return scale, scale_inv, hist
             except RuntimeError:
                 if not _plugin_broken(runtime, "fp8_scale_update", device):

@@ -117,26 +117,28 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     x = _row_major(x)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     q, q_t = quantize_launch(module, x, scale.reshape(()), fmt, out_layout, amax)
+    if q is None or q_t is None:  # the op returns an empty tensor for the layout not asked for
+        empty = torch.empty(0, dtype=_FORMATS[fmt], device=x.device)
+        q, q_t = (empty, q_t) if q is None else (q, empty)
     return q, q_t, amax
 
 
 def quantize_launch(module, x: torch.Tensor, scale: torch.Tensor, fmt: str, out_layout: int,
-                    amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    amax: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA
-    device, a 0-d float32 ``scale``): ``(q, q_t)``, ``max|x|`` written into ``amax`` (a
+    device, a 0-d float32 ``scale``): ``(q, q_t)`` (None for the layout not asked for),
+    ``max|x|`` written into ``amax`` (a
     float32 0-d tensor, possibly a view into a larger buffer). For callers that checked
     once and call often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     rows, cols = x.shape
     device = x.device
+    # the output not asked for is None; it still travels with its dtype (the format)
     if out_layout == 0:
-        q = torch.empty((rows, cols), dtype=dtype, device=device)
-        q_t = torch.empty(0, dtype=dtype, device=device)
-        # the output not asked for still travels with its dtype (the format): a valid shape
+        q, q_t = torch.empty((rows, cols), dtype=dtype, device=device), None
         q_arg, qt_arg = tensor_arg(q), (0, (0,), (1,), DTYPE_CODES[dtype])
     elif out_layout == 1:
-        q = torch.empty(0, dtype=dtype, device=device)
-        q_t = torch.empty((cols, rows), dtype=dtype, device=device)
+        q, q_t = None, torch.empty((cols, rows), dtype=dtype, device=device)
         q_arg, qt_arg = (0, (0,), (1,), DTYPE_CODES[dtype]), tensor_arg(q_t)
     else:
         q = torch.empty((rows, cols), dtype=dtype, device=device)
@@ -258,8 +260,16 @@ def fp8_scale_update(hist: torch.Tensor, pending: torch.Tensor, prev_scale: torc
         if t.numel() != rows:
             raise ValueError(f"{name} must hold one value per history row ({rows}), got {t.numel()}")
     module = _plugin.require("fp8_scale_update", hist.device)
+    return scale_update_launch(module, hist, pending, prev_scale, factor, most_recent)
+
+
+def scale_update_launch(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
+                        factor: float, most_recent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``fp8_scale_update`` call itself, arguments taken as valid (the FP8 linear's
+    end of step, which made the tensors)."""
     scale, scale_inv = torch.empty_like(prev_scale), torch.empty_like(prev_scale)
-    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(prev_scale),
+    device = hist.device
+    launch(device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(prev_scale),
            tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent),
-           stream_handle(hist.device))
+           stream_handle(device))
     return scale, scale_inv
