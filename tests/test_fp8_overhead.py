@@ -79,14 +79,14 @@ def _mlp(linears: int) -> torch.nn.Sequential:
 #                                                   the GEMM (the cached weight's amax is
 #                                                   kept by reference: no kernel);
 #                                                   earlier 4 / 3, 6 / 5, first 20 / 6
-#   region exit (torch update)         16 / 9 for one linear, 18 / 10 for any number
+#   region exit (torch update)         15 / 9 for one linear, 18 / 10 for any number
 #                                                   (folding the kept amaxes in, then the
 #                                                   update); on CUDA the plugin's update
 #                                                   is one kernel instead of eight;
 #                                                   earlier 12 / 8 and 14 / 8, first 28 / 24
 #                                                   per linear
 #   training forward                    5 / 4      earlier 5 / 4, 7 / 6, first 20 / 6
-#   backward pass                      24 / 18     earlier 23 / 18, 26 / 19, first 40 / 24
+#   backward pass                      23 / 18     earlier 23 / 18, 26 / 19, first 40 / 24
 #                                                   (all include the accumulation into
 #                                                   three .grad)
 # The bounds leave a little room for other torch versions.

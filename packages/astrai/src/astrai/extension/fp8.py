@@ -348,7 +348,10 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
         _fold_refs(groups, pending)
         scale, inv, hist = fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
         flat_scale, flat_inv = (scale, inv) if scale.dim() == 1 else (scale.flatten(), inv.flatten())
-        scales, invs = flat_scale.unbind(0), flat_inv.unbind(0)
+        if len(groups) == 1:  # a view per role; for many groups one unbind beats a view each
+            scales, invs = flat_scale, flat_inv
+        else:
+            scales, invs = flat_scale.unbind(0), flat_inv.unbind(0)
         if len(groups) == 1:
             groups[0]._own, groups[0]._batch = (hist, scale, pending), None
         else:
@@ -368,20 +371,19 @@ def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor) -> None:
     """Fold the amaxes kept by reference (``record(by_ref=True)``) into ``pending``, the
     groups' stacked step amaxes: one copy for a single group, else two kernels per role
     that has any (the cached weights' in inference), whatever the number of groups."""
-    table = pending.view(len(groups), groups[0].rows)
+    table = None if len(groups) == 1 else pending.view(len(groups), groups[0].rows)
     for i, role in enumerate(groups[0].roles):
         refs = [group.roles[i]._ref for group in groups]
         if all(ref is None for ref in refs):
             continue
-        column = table[:, role._row]
         if len(groups) == 1:
-            slot = column[0]
+            slot = role._slot
             if role._recorded:
                 torch.maximum(slot, refs[0], out=slot)
             else:
                 slot.copy_(refs[0])
             continue
-        zero = groups[0]._zero
+        zero, column = groups[0]._zero, table[:, role._row]
         torch.maximum(column, torch.stack([zero if ref is None else ref for ref in refs]), out=column)
 
 
@@ -522,6 +524,9 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, w
     role, recipe = state.weight, state.recipe
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
+    if entry is None and not cache:  # nothing cached, nothing to keep: quantize
+        return _quantize(weight, role, recipe, call, 2 if want_t else 0,
+                         next(_tokens) if delayed else None)[:3]
     key = _weight_key(weight)
     same = entry is not None and entry.key == key and not entry.storage.expired()
     if same and entry.epoch == role.epoch:
