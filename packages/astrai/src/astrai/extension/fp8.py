@@ -377,7 +377,7 @@ def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor) -> None:
         if all(ref is None for ref in refs):
             continue
         if len(groups) == 1:
-            slot = role._slot
+            slot = pending[role._row]  # not role._slot: pending may be a copy (graph capture)
             if role._recorded:
                 torch.maximum(slot, refs[0], out=slot)
             else:
