@@ -26,7 +26,7 @@ FALLBACKS = {
     "rotary_emb": "torch complex multiply",
     "fp8_quantize": "torch saturating cast",
     "fp8_gemm": "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
-    "fp8_scale_update": "torch ops (eight kernels)",
+    "fp8_scale_update": "torch ops (nine small kernels)",
 }
 
 
