@@ -387,3 +387,26 @@ def test_a_step_ending_during_a_graph_capture_changes_no_state(monkeypatch):
         region.__exit__(None, None, None)
     after = _snapshot(lin) + [state.forward_roles.pending.clone()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_per_shape_functions_live_and_die_with_the_resolver():
+    """The FP8 linear's per-shape quantize / GEMM functions are cached on the runtime's
+    resolver: emptied with its decisions, and freed with it (no process-wide cache)."""
+    import gc
+    import weakref
+
+    from astrai.extension.registry import Registry
+    from astrai.extension.runtime import Runtime, use_runtime
+
+    runtime = Runtime(Registry(lambda: []))
+    with use_runtime(runtime), torch.no_grad(), fp8_autocast():
+        torch.nn.Linear(16, 8)(torch.randn(2, 16))
+    assert runtime.resolver.derived
+    runtime.resolver.clear()
+    assert not runtime.resolver.derived
+    with use_runtime(runtime), torch.no_grad(), fp8_autocast():
+        torch.nn.Linear(16, 8)(torch.randn(2, 16))
+    resolver = weakref.ref(runtime.resolver)
+    del runtime
+    gc.collect()
+    assert resolver() is None

@@ -59,9 +59,9 @@ class Resolver:
     def __init__(self) -> None:
         self._cache: dict[Hashable, tuple[Any, Decision]] = {}
         self._lock = threading.Lock()
-        # bumped by every clear(): callers caching something derived from decisions
-        # compare it to know their copy is still current
-        self.generation = 0
+        # what callers derive from decisions (e.g. the FP8 linear's per-shape functions),
+        # emptied with them by clear()
+        self.derived: dict[Hashable, Any] = {}
 
     def resolve(self, op: str, candidates: Sequence[Candidate], call: Any, key: Hashable,
                 *, explicit: str | None = None, preferred: str | None = None) -> Any:
@@ -118,4 +118,4 @@ class Resolver:
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
-            self.generation += 1
+            self.derived.clear()

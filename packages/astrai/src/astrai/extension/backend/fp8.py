@@ -358,21 +358,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
 # itself (2-D, dense, on one device, 0-d float32 scales). It asks once per (runtime,
 # device, formats, shape) for a function running the call the policy chose, and then
 # calls it without the checks and the decision above: the host cost of a linear is what
-# limits it at small token counts. A resolver ``clear()`` (a plugin found broken)
-# invalidates every function made from its decisions.
-
-_RUNNERS: dict[tuple, tuple] = {}  # key -> (resolver, generation, function)
-
+# limits it at small token counts. The functions live in the resolver's ``derived``
+# cache, which a ``clear()`` (a plugin found broken) empties with the decisions.
 
 def _runner(runtime: Runtime, key: tuple, build):
-    resolver = runtime.resolver
-    key = (id(resolver), *key)
-    hit = _RUNNERS.get(key)
-    if hit is not None and hit[0] is resolver and hit[1] == resolver.generation:
-        return hit[2]
-    generation = resolver.generation
-    fn = build()
-    _RUNNERS[key] = (resolver, generation, fn)
+    derived = runtime.resolver.derived  # emptied with the resolver's decisions
+    fn = derived.get(key)
+    if fn is None:
+        fn = derived[key] = build()
     return fn
 
 
