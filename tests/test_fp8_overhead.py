@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from astrai.extension.backend import fp8_torch
@@ -410,3 +412,27 @@ def test_per_shape_functions_live_and_die_with_the_resolver():
     del runtime
     gc.collect()
     assert resolver() is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.frozensets(st.integers(0, 5), max_size=3), max_size=30),
+       length=st.integers(1, 6), algo=st.sampled_from(["max", "most_recent"]))
+def test_epoch_changes_exactly_when_the_window_union_does(steps, length, algo):
+    """The weight cache's epoch, kept per step from counts, bumps exactly when the set of
+    weight contents in the scale's window differs from the previous update's (the first
+    update always): the definition, checked against a rebuilt union."""
+    from astrai.extension import fp8 as fp8_layer
+
+    recipe = DelayedScaling(amax_history_len=length, amax_compute_algo=algo)
+    role = fp8_layer._RoleGroup("e4m3", 1, recipe, torch.device("cpu"), tracked=(True,)).roles[0]
+    window = length if algo == "max" else 1
+    slots: list[frozenset[int]] = []
+    previous = None
+    for tokens in steps:
+        slots = [tokens, *slots][:window]
+        union = frozenset().union(*slots)
+        role._tokens = set(tokens)
+        before = role.epoch
+        role._close_step()
+        assert (role.epoch != before) == (union != previous), (slots, previous)
+        previous = union

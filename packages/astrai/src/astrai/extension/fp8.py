@@ -146,7 +146,10 @@ class TensorScaling:
         self._ref: torch.Tensor | None = None  # an amax of this step kept by reference
         self._tokens: set[int] = set()
         self._window = window
-        self._window_union: frozenset[int] | None = None
+        # how many of the window's slots hold each content: the window's union is the
+        # keys, kept up to date per step instead of rebuilt from all L slots
+        self._in_window: dict[int, int] = {}
+        self._window_closed = False  # a first update always counts as a change
 
     def __repr__(self) -> str:
         return (f"TensorScaling(fmt={self.fmt!r}, amax_history={self.amax_history!r}, "
@@ -215,12 +218,27 @@ class TensorScaling:
         if self._window is None:
             self.epoch += 1
             return
-        self._window.appendleft(frozenset(self._tokens))
+        window, counts = self._window, self._in_window
+        left, came = set(), set()  # contents leaving / entering the union
+        if len(window) == window.maxlen:
+            for token in window[-1]:  # the oldest slot drops out as the new one arrives
+                if counts[token] == 1:
+                    del counts[token]
+                    left.add(token)
+                else:
+                    counts[token] -= 1
+        new = frozenset(self._tokens)
+        window.appendleft(new)
+        for token in new:
+            if token in counts:
+                counts[token] += 1
+            else:
+                counts[token] = 1
+                came.add(token)
         self._tokens = set()
-        union = frozenset().union(*self._window)
-        if union != self._window_union:
+        if left != came or not self._window_closed:
             self.epoch += 1
-        self._window_union = union
+        self._window_closed = True
 
 
 def _factor(fmt: str, margin: int) -> float:
