@@ -436,3 +436,20 @@ def test_epoch_changes_exactly_when_the_window_union_does(steps, length, algo):
         role._close_step()
         assert (role.epoch != before) == (union != previous), (slots, previous)
         previous = union
+
+
+def test_host_cost_script_runs(tmp_path):
+    """``ci/bench-fp8-linear-ops`` stubs the torch primitives with their signatures: a smoke
+    run keeps it working as they change (it broke once when quantize gained an argument)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "ci" / "bench-fp8-linear-ops"
+    out = tmp_path / "ops.json"
+    subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"infer-delayed", "infer-dynamic", "train-delayed", "bf16-train", "infer-delayed-8"}
+    assert all(r["layer_us"] > 0 and r["kernels"] > 0 for r in rows.values())
