@@ -181,16 +181,6 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
 }
 
 // --------------------------------------------------------------------- scale_update
-// Row-major with no gaps (sizes-1 dims may carry any stride).
-void expect_contiguous(const TensorArg& t) {
-  int64_t want = 1;
-  for (int d = t.ndim() - 1; d >= 0; --d) {
-    ASTRAI_CHECK(t.size(d) <= 1 || t.stride(d) == want, t.name, ": must be contiguous, got shape ",
-                 shape_str(t.shape), " with strides ", shape_str(t.strides));
-    want *= t.size(d);
-  }
-}
-
 // A float32 contiguous tensor of `numel` elements (any shape), 4-byte aligned.
 void expect_f32_vector(const TensorArg& t, int64_t numel) {
   expect_dtype(t, DType::Float32);

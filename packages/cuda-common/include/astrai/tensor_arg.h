@@ -80,6 +80,16 @@ inline void expect_last_dim_contiguous(const TensorArg& t) {
                  ": the last dim must be contiguous (stride 1), got strides ", shape_str(t.strides));
 }
 
+// Row-major with no gaps (size-1 dims may carry any stride).
+inline void expect_contiguous(const TensorArg& t) {
+    int64_t want = 1;
+    for (int d = t.ndim() - 1; d >= 0; --d) {
+        ASTRAI_CHECK(t.size(d) <= 1 || t.stride(d) == want, t.name, ": must be contiguous, got shape ",
+                     shape_str(t.shape), " with strides ", shape_str(t.strides));
+        want *= t.size(d);
+    }
+}
+
 // A non-empty tensor needs a non-null pointer aligned to `bytes`.
 inline void expect_data(const TensorArg& t, int bytes) {
     if (t.numel() == 0) return;

@@ -26,6 +26,7 @@ that one can't run the call).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -361,83 +362,85 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
 # limits it at small token counts. The functions live in the resolver's ``derived``
 # cache, which a ``clear()`` (a plugin found broken) empties with the decisions.
 
-def _runner(runtime: Runtime, key: tuple, build):
+_MISSING = object()
+
+
+def _runner(runtime: Runtime, key: tuple, build, *args):
+    """``build(*args)``, made once per key and kept in the resolver's ``derived`` cache."""
     derived = runtime.resolver.derived  # emptied with the resolver's decisions
-    fn = derived.get(key)
-    if fn is None:
-        fn = derived[key] = build()
-    return fn
+    value = derived.get(key, _MISSING)
+    if value is _MISSING:  # a built None (no plugin module) is kept too
+        value = derived[key] = build(*args)
+    return value
+
+
+def _quantize_checked(runtime: Runtime, fmt: str, x, multiplier, out_layout, amax=None):
+    """``quantize`` through the checked public path, ``max|x|`` copied into ``amax``."""
+    q, q_t, got = quantize(x, multiplier, fmt, out_layout, runtime=runtime)
+    if amax is None:
+        return q, q_t, got
+    amax.copy_(got)
+    return q, q_t, amax
+
+
+def _gemm_checked(runtime: Runtime, a, b, scale_a, scale_b, bias):
+    return gemm(a, b, scale_a * scale_b, bias, runtime=runtime)
 
 
 def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
     """``run(x, multiplier, out_layout, amax=None) -> (q, q_t, amax)``: ``quantize`` for
     these facts, ``max|x|`` written into ``amax`` when given (a 0-d float32 tensor)."""
-
-    def build():
-        chosen = choose_quantize(device, x_dtype, fmt, runtime=runtime)
-        module = _ops_module("fp8_quantize", device) if chosen == "plugin" else None
-
-        def general(x, multiplier, out_layout, amax=None):
-            q, q_t, got = quantize(x, multiplier, fmt, out_layout, runtime=runtime)
-            if amax is None:
-                return q, q_t, got
-            amax.copy_(got)
-            return q, q_t, amax
-
-        if module is None:
-            def run_torch(x, multiplier, out_layout, amax=None):
-                return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
-
-            return run_torch
-
-        def run(x, multiplier, out_layout, amax=None):
-            out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
-            try:
-                q, q_t = ops_fp8.quantize_launch(module, x if x.is_contiguous() else x.contiguous(),
-                                                 multiplier, fmt, out_layout, out)
-            except RuntimeError:
-                if not _plugin_broken(runtime, "fp8_quantize", device):
-                    raise
-                return general(x, multiplier, out_layout, amax)
-            return q, q_t, out
-
-        return run
-
     if torch.compiler.is_compiling():
-        return lambda x, m, layout, amax=None: quantize(x, m, fmt, layout, runtime=runtime)
-    return _runner(runtime, ("quantize", device.key, x_dtype, fmt), build)
+        return functools.partial(_quantize_checked, runtime, fmt)
+    return _runner(runtime, ("quantize", device.key, x_dtype, fmt), _build_quantizer, device, x_dtype, fmt,
+                   runtime)
+
+
+def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
+    if choose_quantize(device, x_dtype, fmt, runtime=runtime) != "plugin":
+        def run_torch(x, multiplier, out_layout, amax=None):
+            return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
+
+        return run_torch
+    module = _ops_module("fp8_quantize", device)
+
+    def run(x, multiplier, out_layout, amax=None):
+        out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
+        try:
+            q, q_t = ops_fp8.quantize_launch(module, x if x.is_contiguous() else x.contiguous(),
+                                             multiplier, fmt, out_layout, out)
+        except RuntimeError:
+            if not _plugin_broken(runtime, "fp8_quantize", device):
+                raise
+            return _quantize_checked(runtime, fmt, x, multiplier, out_layout, amax)
+        return q, q_t, out
+
+    return run
 
 
 def gemm_runner(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, int, int], runtime: Runtime):
     """``run(a, b, scale_a, scale_b, bias) -> bf16(scale_a * scale_b * a @ b + bias)`` for
     the shape class of ``shape``; ``a`` row-major and ``b`` column-major run cuBLASLt
     without a copy, other layouts take the general path."""
-    m, n, k = shape
-
-    def general(a, b, scale_a, scale_b, bias):
-        return gemm(a, b, scale_a * scale_b, bias, runtime=runtime)
-
-    def build():
-        chosen = choose_gemm(device, a_fmt, b_fmt, runtime=runtime, shape=shape)
-        if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
-            return general
-
-        def run(a, b, scale_a, scale_b, bias):
-            if a.stride(1) != 1 or a.stride(0) != k or b.stride(0) != 1 or b.stride(1) != k:
-                return general(a, b, scale_a, scale_b, bias)
-            if bias is not None and bias.dtype != torch.bfloat16:
-                bias = bias.to(torch.bfloat16)
-            if scale_a.data_ptr() % 16 or scale_b.data_ptr() % 16:
-                # cuBLASLt takes only 16-byte aligned scale pointers (NOT_SUPPORTED otherwise)
-                scale_a, scale_b = scale_a * scale_b, fp8_torch._one(a.device)
-            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
-                                    out_dtype=torch.bfloat16)
-
-        return run
-
     if torch.compiler.is_compiling():
+        return functools.partial(_gemm_checked, runtime)
+    return _runner(runtime, ("gemm", device.key, a_fmt, b_fmt, shape_class(*shape)), _build_gemm, device,
+                   a_fmt, b_fmt, shape, runtime)
+
+
+def _build_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, int, int], runtime: Runtime):
+    _, n, k = shape
+    general = functools.partial(_gemm_checked, runtime)
+    chosen = choose_gemm(device, a_fmt, b_fmt, runtime=runtime, shape=shape)
+    if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
         return general
-    return _runner(runtime, ("gemm", device.key, a_fmt, b_fmt, shape_class(m, n, k), n, k), build)
+
+    def run(a, b, scale_a, scale_b, bias):
+        if a.stride(1) != 1 or a.stride(0) != k or b.stride(0) != 1 or b.stride(1) != k:
+            return general(a, b, scale_a, scale_b, bias)
+        return fp8_torch.scaled_mm_dense(a, b, scale_a, scale_b, bias)
+
+    return run
 
 
 def _scale_update_candidates(runtime: Runtime) -> list:
@@ -458,17 +461,21 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, 
     (the history is then updated in place), else the torch ops."""
     if not torch.compiler.is_compiling():
         device = probe_device(hist.device)
-        module = _runner(runtime, ("scale_update", device.key), lambda: (
-            _ops_module("fp8_scale_update", device) if choose_scale_update(device, runtime=runtime) == "plugin"
-            else None))
+        module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
         if module is not None:
             try:
-                scale, scale_inv = ops_fp8.scale_update_launch(module, hist, pending, prev, factor, most_recent)
+                scale, scale_inv = ops_fp8.scale_update(module, hist, pending, prev, factor, most_recent)
                 return scale, scale_inv, hist
             except RuntimeError:
                 if not _plugin_broken(runtime, "fp8_scale_update", device):
                     raise
     return fp8_torch.scale_update(hist, pending, prev, factor, most_recent)
+
+
+def _scale_update_module(device: DeviceInfo, runtime: Runtime):
+    if choose_scale_update(device, runtime=runtime) != "plugin":
+        return None
+    return _ops_module("fp8_scale_update", device)
 
 
 def _ops_module(op: str, device: DeviceInfo):
@@ -479,5 +486,9 @@ def k_major_for(device: DeviceInfo, a_fmt: str, b_fmt: str, runtime: Runtime) ->
     """``wants_k_major``, asked once per (runtime, device, formats)."""
     if torch.compiler.is_compiling():
         return wants_k_major(device, a_fmt, b_fmt, runtime=runtime)
-    return _runner(runtime, ("k_major", device.key, a_fmt, b_fmt),
-                   lambda: wants_k_major(device, a_fmt, b_fmt, runtime=runtime))
+    return _runner(runtime, ("k_major", device.key, a_fmt, b_fmt), _wants_k_major, device, a_fmt, b_fmt,
+                   runtime)
+
+
+def _wants_k_major(device: DeviceInfo, a_fmt: str, b_fmt: str, runtime: Runtime) -> bool:
+    return wants_k_major(device, a_fmt, b_fmt, runtime=runtime)

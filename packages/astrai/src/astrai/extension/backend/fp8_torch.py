@@ -118,6 +118,19 @@ def _one(device: torch.device) -> torch.Tensor:
     return one
 
 
+def scaled_mm_dense(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(scale_a * scale_b * (a @ b) + bias)`` through cuBLASLt for operands already in
+    its form (``a`` row-major, ``b`` column-major, dense, K and N multiples of 16; the
+    caller checked). cuBLASLt takes scale pointers only 16-byte aligned
+    (``CUBLAS_STATUS_NOT_SUPPORTED`` otherwise): an unaligned pair goes as its product."""
+    if bias is not None and bias.dtype != torch.bfloat16:
+        bias = bias.to(torch.bfloat16)
+    if scale_a.data_ptr() % 16 or scale_b.data_ptr() % 16:
+        scale_a, scale_b = scale_a * scale_b, _one(a.device)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
+
+
 def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -15,8 +15,8 @@
 ``mm_fp8(a [M, K], b [K, N], scale, bias=None) -> [M, N]``: ``fp8_gemm`` with the
     transposes read off the strides (``w.t()`` of a row-major ``[N, K]`` weight is the
     common ``b`` and costs no copy).
-``fp8_scale_update(hist, pending, prev_scale, factor, most_recent) -> (scale, scale_inv)``
-    delayed scaling's end-of-step update (history roll + new scales) in one kernel.
+``quantize_launch`` / ``scale_update`` call the module directly for the FP8 linear, which
+    checked its operands once (the end-of-step update of delayed scaling in one kernel).
 
 The two primitives are ``torch.ops.astrai.fp8_quantize`` / ``torch.ops.astrai.fp8_gemm``
 with fake implementations (``torch.compile``, CUDA graphs). The public functions validate
@@ -37,7 +37,7 @@ import torch
 from ..abi import DTYPE_CODES, launch, stream_handle, tensor_arg
 from . import _plugin
 
-__all__ = ["fp8_gemm", "fp8_quantize", "fp8_scale_update", "mm_fp8", "quantize"]
+__all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
 
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -235,38 +235,14 @@ def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: 
 
 
 # ---------------------------------------------------------------------------- scale update
-def fp8_scale_update(hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
-                     factor: float, most_recent: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delayed scaling's end of step, for ``rows`` amax histories at once, in one kernel.
-
-    ``hist`` (float32, contiguous, ``[..., L]``) gains ``pending`` (one amax per row) as its
-    newest slot in place and drops its oldest; ``pending`` is zeroed. Returns new tensors
-    ``(scale, scale_inv)`` shaped like ``prev_scale``: ``scale = amax * factor`` where the
-    window's amax (the new row's max, or the step's own with ``most_recent``) is finite and
-    positive, else ``prev_scale``. Not differentiable; CUDA tensors only.
-    """
-    for name, t in (("hist", hist), ("pending", pending), ("prev_scale", prev_scale)):
-        _check_tensor(name, t)
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device != hist.device or t.device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor on the device of hist, got one on {t.device}")
-    if hist.dim() < 1 or hist.numel() == 0:
-        raise ValueError(f"hist must be non-empty with the history as its last dim, got shape {tuple(hist.shape)}")
-    rows = hist.numel() // hist.shape[-1]
-    for name, t in (("pending", pending), ("prev_scale", prev_scale)):
-        if t.numel() != rows:
-            raise ValueError(f"{name} must hold one value per history row ({rows}), got {t.numel()}")
-    module = _plugin.require("fp8_scale_update", hist.device)
-    return scale_update_launch(module, hist, pending, prev_scale, factor, most_recent)
-
-
-def scale_update_launch(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
-                        factor: float, most_recent: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``fp8_scale_update`` call itself, arguments taken as valid (the FP8 linear's
-    end of step, which made the tensors)."""
+def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
+                 factor: float, most_recent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's end of step for ``rows`` amax histories at once, one plugin kernel
+    (``fp8_scale_update``; its contract in docs/plugins.md): ``hist`` (float32, contiguous,
+    ``[..., L]``) gains ``pending`` (one amax per row) as its newest slot in place, and
+    ``pending`` is zeroed; returns new ``(scale, scale_inv)`` shaped like ``prev_scale``.
+    Arguments taken as valid (the FP8 linear's end of step made them; the binding still
+    checks them before the launch), ``module`` from ``_plugin.require``."""
     scale, scale_inv = torch.empty_like(prev_scale), torch.empty_like(prev_scale)
     device = hist.device
     launch(device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(prev_scale),
