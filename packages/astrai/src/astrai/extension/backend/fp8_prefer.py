@@ -70,9 +70,8 @@ class PreferTable:
 
 def _positive(row: Mapping, key: str, kind: type, where: str):
     value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise PreferTableError(f"{where}: {key!r} must be a positive {kind.__name__}, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
+    number = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    if not (number and value > 0 and math.isfinite(value)):
         raise PreferTableError(f"{where}: {key!r} must be a positive {kind.__name__}, got {value!r}")
     return kind(value)
 
