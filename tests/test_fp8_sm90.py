@@ -213,6 +213,8 @@ void* probes[] = {
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E5M2, K4::E4M3>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<16, 12, true, 1, K4::E4M3, K4::E4M3, true>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, false, 1, K4::E4M3, K4::E5M2, true>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, 2, 2, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<160, 6, true, 1, K4::E4M3, K4::E4M3>>,
 };
 }
 """
@@ -244,7 +246,7 @@ def _kernels(sass: str) -> dict[str, str]:
 def test_sass_is_native_hopper_fp8(built):
     _, sass = built
     kernels = _kernels(sass)
-    assert len(kernels) == 9
+    assert len(kernels) == 11
     for name, body in kernels.items():
         assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E[45]M[23]", body), name
         assert "UTMALDG" in body, name
@@ -257,13 +259,13 @@ def test_sass_is_native_hopper_fp8(built):
         assert "HMMA" not in body, name
         assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
     widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
-    assert widths == {"16", "64", "128", "192", "256"}  # 16 / 64: the swap-AB configs
-    assert sum("MULTICAST" in body for body in kernels.values()) == 3
+    assert widths == {"16", "64", "128", "160", "192", "256"}  # 16 / 64: the swap-AB configs
+    assert sum("MULTICAST" in body for body in kernels.values()) == 4
 
 
 def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
     log, _ = built
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 9 and all(f == ("0", "0", "0") for f in frames), log
+    assert len(frames) == 11 and all(f == ("0", "0", "0") for f in frames), log
     assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
     assert "C7508" not in log, log  # setmaxnreg ignored

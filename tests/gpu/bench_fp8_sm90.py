@@ -6,7 +6,8 @@ Per shape (M x N x K; N x K are the LLM weight shapes, M the tokens): TFLOP/s of
 ratio ours / cuBLASLt with the same accumulation (promote <-> use_fast_accum=False,
 fast <-> use_fast_accum=True), and the two floors: FLOPs at the dense FP8 peak and bytes
 (A + B read once, the bf16 output written once) at the HBM bandwidth. Times are medians of
-CUDA-graph replays of 10 back-to-back calls. ``--write-table`` turns the run into the
+CUDA-graph replays of 10 back-to-back calls, every candidate of a shape replayed in turn
+round after round (so a drift of the card's clocks reaches all alike). ``--write-table`` turns the run into the
 plugin's measured preference table (``astrai_fp8.sm90_table``), stamped with the commit.
 """
 
@@ -24,7 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[2]
 import sm90_capi  # noqa: E402
+from astrai_fp8.sm90_planning import TILE_CONFIGS  # noqa: E402
 from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
+from graph_timing import graph_times_ms  # noqa: E402
 
 PEAK_TFLOPS = 1979.0  # H200 SXM dense FP8 (datasheet)
 HBM_TBPS = 4.8        # H200 HBM3e (datasheet)
@@ -37,44 +40,58 @@ def graph_time_ms(fn) -> float:
     return _graph_time_ms(fn, calls=10, rounds=15, warmup=2)
 
 
-def run_shape(lib, M: int, N: int, K: int) -> dict:
+def run_shape(lib, M: int, N: int, K: int, forced: tuple[int, ...] = ()) -> dict:
+    """Our planner's choice, cuBLASLt and the ``forced`` tile configs, both accumulation
+    modes, timed in turn (``graph_times_ms``)."""
     dev = "cuda"
     a = (torch.randn(M, K, device=dev) * 2).to(torch.float8_e4m3fn)
     b = (torch.randn(N, K, device=dev) * 2).to(torch.float8_e4m3fn)
     sa = torch.tensor(0.5, device=dev)
     sb = torch.tensor(0.25, device=dev)
     scale = sa * sb
-    out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+    outs = {}
+
+    def ours(accum: str, config: int = -1):
+        out = outs.setdefault((accum, config), torch.empty(M, N, device=dev, dtype=torch.bfloat16))
+        return lambda: sm90_capi.gemm(lib, a, b, scale, out=out, accum=accum, force_config=config)
+
+    def cublas(fast: bool):
+        return lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+
     flops = 2.0 * M * N * K
     bytes_ = M * K + N * K + 2 * M * N
     row = {"M": M, "N": N, "K": K,
            "floor_flop_ms": flops / (PEAK_TFLOPS * 1e12) * 1e3,
            "floor_byte_ms": bytes_ / (HBM_TBPS * 1e12) * 1e3}
+    fns = {}
     for accum, fast in (("promote", False), ("fast", True)):
-        ours = lambda: sm90_capi.gemm(lib, a, b, scale, out=out, accum=accum)  # noqa: E731
-        ref = None
-        try:
-            def cublas():
-                return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                        use_fast_accum=fast)
-            ref = cublas()
-            t_ref = graph_time_ms(cublas)
-        except RuntimeError as e:  # cuBLASLt FP8 needs M, N, K multiples of 16
-            t_ref, row[f"cublas_{accum}_error"] = None, str(e).splitlines()[0]
-        ours()
+        fns[f"ours_{accum}"] = ours(accum)
+        try:  # cuBLASLt FP8 needs M, N, K multiples of 16
+            ref = cublas(fast)()
+            fns[f"cublas_{accum}"] = cublas(fast)
+        except RuntimeError as e:
+            ref, row[f"cublas_{accum}_error"] = None, str(e).splitlines()[0]
+        fns[f"ours_{accum}"]()
         torch.cuda.synchronize()
         if ref is not None:
-            row[f"rel_diff_{accum}"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        t_ours = graph_time_ms(ours)
+            out = outs[(accum, -1)].float()
+            row[f"rel_diff_{accum}"] = ((out - ref.float()).norm() / ref.float().norm()).item()
+    for config in forced:
+        fns[f"config{config}"] = ours("promote" if TILE_CONFIGS[config].promote else "fast", config)
+    times = graph_times_ms(fns)
+    for accum in ("promote", "fast"):
+        t_ours, t_ref = times[f"ours_{accum}"], times.get(f"cublas_{accum}")
         row[f"ours_{accum}_ms"] = t_ours
         row[f"ours_{accum}_tflops"] = flops / (t_ours * 1e-3) / 1e12
         row[f"cublas_{accum}_ms"] = t_ref
         row[f"cublas_{accum}_tflops"] = flops / (t_ref * 1e-3) / 1e12 if t_ref else None
         row[f"ratio_{accum}"] = t_ref / t_ours if t_ref else None
+    for config in forced:
+        row[f"config{config}_ms"] = times[f"config{config}"]
     return row
 
 
-PIPE_CONFIG = 14  # promoted sums with two wgmma chains in turn (forced only until timed)
 CLUSTER = {"fast": 4, "promote": 5}  # the 2-CTA multicast configs (not chosen by default yet)
 
 
@@ -117,7 +134,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="M in {1, 1024, 8192} only")
-    ap.add_argument("--pipe", action="store_true", help="also time the pipelined promotion (config 14)")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated tile configs to force at M >= 1024 beside the planner's "
+                         "choice (e.g. 14: pipelined promotion, 15-17: staggered consumers)")
     ap.add_argument("--no-cluster", action="store_true", help="skip the forced 2-CTA cluster configs")
     ap.add_argument("--write-table", type=Path, help="write the measured preference table here")
     ap.add_argument("--cluster-child", help=argparse.SUPPRESS)
@@ -137,8 +156,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  TFLOP/s (P: promoted fp32 sums vs use_fast_accum=False;"
           " F: fast accumulation vs use_fast_accum=True); floors in ms")
     print(hdr)
+    forced = tuple(int(c) for c in args.configs.split(",") if c)
     for M, N, K in shapes:
-        r = run_shape(lib, M, N, K)
+        r = run_shape(lib, M, N, K, forced if M >= 1024 else ())
         rows.append(r)
 
         def f(v, w=7, p=1):
@@ -161,17 +181,17 @@ def main() -> None:
             rf = cf / r["cublas_fast_tflops"] if r["cublas_fast_tflops"] else None
             print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | P {cp:7.1f} {rp or 0:5.2f} | F {cf:7.1f} {rf or 0:5.2f}",
                   flush=True)
-    if args.pipe:
-        print("\nconfig 14 (promoted sums, two wgmma chains in turn), TFLOP/s and ratio to cuBLASLt")
+    for config in forced:
+        accum = "promote" if TILE_CONFIGS[config].promote else "fast"
+        print(f"\nconfig {config} ({TILE_CONFIGS[config].name}), timed in turn with the rest of its "
+              "shape: TFLOP/s and ratio to cuBLASLt")
         for r in rows:
             if r["M"] < 1024:
                 continue
-            ms = time_forced(lib, r["M"], r["N"], r["K"], PIPE_CONFIG)
-            r["pipe_promote_ms"] = ms
+            ms, ref = r[f"config{config}_ms"], r[f"cublas_{accum}_ms"]
             tf = 2.0 * r["M"] * r["N"] * r["K"] / (ms * 1e-3) / 1e12
-            ratio = r["cublas_promote_ms"] / ms if r["cublas_promote_ms"] else 0
-            print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | P {tf:7.1f} {ratio:5.2f} "
-                  f"(planner's promote {r['ratio_promote']:.2f})", flush=True)
+            print(f"{r['M']:>5} {r['N']:>6} {r['K']:>6} | {accum[0].upper()} {tf:7.1f} {ref / ms if ref else 0:5.2f} "
+                  f"(planner's {accum} {r[f'ratio_{accum}']:.2f})", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -46,3 +46,36 @@ def graph_time_ms(fn, calls: int = 10, rounds: int = 10, warmup: int = 3, eager_
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def graph_times_ms(fns: dict, calls: int = 10, rounds: int = 15, warmup: int = 2) -> dict:
+    """Median milliseconds per call of each of ``fns`` (name -> function), their graphs
+    replayed in turn round after round, so a drift of the card's clocks or temperature
+    during the run reaches every candidate alike (a ratio of two of them is then fair)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graphs = {}
+    for name, fn in fns.items():
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        graphs[name] = graph
+    torch.cuda.synchronize()
+    times: dict = {name: [] for name in fns}
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -66,6 +66,10 @@ TILE_CONFIGS = (
     # promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): 0.84-1.19x the
     # planner's promoted choice on the H200, 1.01x on average; forced only for now
     TileConfig(14, 128, 6, True, 1, 0.90, enabled=False),
+    # the same with a 2-CTA cluster (B multicast): forced only until timed
+    TileConfig(15, 128, 6, True, 2, 0.95, enabled=False),
+    # promoted sums on 160-wide tiles (fewer idle SMs in the last round at some N)
+    TileConfig(16, 160, 6, True, 1, 0.93, enabled=False),
 )
 
 

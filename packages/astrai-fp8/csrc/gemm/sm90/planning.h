@@ -59,8 +59,12 @@ inline constexpr TileConfig kTileConfigs[] = {
     // promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): 0.84-1.19x the
     // planner's promoted choice on the H200, 1.01x on average; forced only for now
     {14, 128, 6, true, 1, 0.90, false, false},
+    // the same with a 2-CTA cluster (B multicast): forced only until timed
+    {15, 128, 6, true, 2, 0.95, false, false},
+    // promoted sums on 160-wide tiles (fewer idle SMs in the last round at some N)
+    {16, 160, 6, true, 1, 0.93, false, false},
 };
-inline constexpr int kNumTileConfigs = 15;
+inline constexpr int kNumTileConfigs = 17;
 inline constexpr int kTileM = 128;
 inline constexpr int kTileK = 128;
 inline constexpr int kGroupM = 8;
