@@ -45,7 +45,8 @@ def test_takes_llm_shapes_with_the_wide_tiles():
     for N, K in ((8192, 8192), (28672, 8192), (8192, 28672)):
         fast, prom = _plan(8192, N, K, "fast"), _plan(8192, N, K, "promote")
         assert (_cfg(fast).bn, _cfg(fast).promote, fast.cluster) == (256, False, 1)
-        assert (_cfg(prom).bn, _cfg(prom).promote, prom.cluster) == (192, True, 1)
+        # promoted: the pipelined promotion's 128-wide tiles (config 14)
+        assert (prom.config, _cfg(prom).bn, prom.cluster) == (14, 128, 1)
     p = _plan(8192, 8192, 8192, "fast")
     assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid, p.k_blocks) == (64, 32, 2048, 132, 64)
 
@@ -69,6 +70,14 @@ def test_wave_math_prefers_narrow_tiles_when_wide_ones_quantise_badly():
     p = _plan(1024, 10240, 8192, "fast")
     assert _cfg(p).bn == 128 and p.num_tiles == 640
     assert any("320 tiles, 3 rounds" in line for line in p.trace)
+
+
+def test_promoted_sums_keep_192_wide_tiles_where_they_need_fewer_rounds():
+    # N = 132 * 192: one round of 192-wide tiles against two of 128-wide ones
+    p = _plan(128, 132 * 192, 4096, "promote")
+    assert (p.config, p.num_tiles) == (1, 132)
+    assert _plan(128, 8192, 4096, "promote").config == 14
+    assert not sp.TILE_CONFIGS[2].enabled  # the same tile as 14 without the pipelining
 
 
 def test_small_problems_use_one_cta_per_tile():
@@ -213,8 +222,7 @@ void* probes[] = {
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E5M2, K4::E4M3>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<16, 12, true, 1, K4::E4M3, K4::E4M3, true>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, false, 1, K4::E4M3, K4::E5M2, true>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, 2, 2, K4::E4M3, K4::E4M3>>,
-    (void*)&fp8_gemm_sm90_kernel<GemmConfig<160, 6, true, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, 2, 1, K4::E4M3, K4::E4M3>>,
 };
 }
 """
@@ -246,7 +254,7 @@ def _kernels(sass: str) -> dict[str, str]:
 def test_sass_is_native_hopper_fp8(built):
     _, sass = built
     kernels = _kernels(sass)
-    assert len(kernels) == 11
+    assert len(kernels) == 10
     for name, body in kernels.items():
         assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E[45]M[23]", body), name
         assert "UTMALDG" in body, name
@@ -259,13 +267,13 @@ def test_sass_is_native_hopper_fp8(built):
         assert "HMMA" not in body, name
         assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
     widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
-    assert widths == {"16", "64", "128", "160", "192", "256"}  # 16 / 64: the swap-AB configs
-    assert sum("MULTICAST" in body for body in kernels.values()) == 4
+    assert widths == {"16", "64", "128", "192", "256"}  # 16 / 64: the swap-AB configs
+    assert sum("MULTICAST" in body for body in kernels.values()) == 3
 
 
 def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
     log, _ = built
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 11 and all(f == ("0", "0", "0") for f in frames), log
+    assert len(frames) == 10 and all(f == ("0", "0", "0") for f in frames), log
     assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
     assert "C7508" not in log, log  # setmaxnreg ignored

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,7 +201,11 @@ def main() -> None:
 
 
 def _commit() -> str:
-    """The short commit of the tree measured, marked when it had uncommitted changes."""
+    """The short commit of the tree measured, marked when it had uncommitted changes;
+    $ASTRAI_COMMIT names it where the copy measured carries no history of its own."""
+    if os.environ.get("ASTRAI_COMMIT"):
+        return os.environ["ASTRAI_COMMIT"]
+
     def git(*a):
         return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
     head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"

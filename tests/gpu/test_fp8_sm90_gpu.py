@@ -74,7 +74,7 @@ def test_llm_shapes(lib, M, N, K):  # M <= 64 runs the planner's swap-AB configs
 
 ODD = [(1088, 1088, 1088), (77, 300, 272), (129, 257, 144), (1, 1, 16), (3000, 5000, 4000),
        (1000, 999, 1008), (256, 8, 48), (64, 200, 16)]
-CLUSTER_CONFIGS = (4, 5, 6, 7, 15)  # 2-CTA clusters: run only when forced (planning.h)
+CLUSTER_CONFIGS = (4, 5, 6, 7)  # 2-CTA clusters: run only when forced (planning.h)
 SWAP_CONFIGS = (8, 9, 10, 11, 12, 13)  # swap-AB (bn 16 / 32 / 64, promote / fast)
 PIPE_CONFIG = 14  # promoted sums, two wgmma chains in turn
 
@@ -90,7 +90,7 @@ def _odd_case(lib, M, N, K, force) -> float:
 
 
 @pytest.mark.parametrize("M, N, K", ODD)
-@pytest.mark.parametrize("force", [0, 1, 2, 3, PIPE_CONFIG, 16])
+@pytest.mark.parametrize("force", [0, 1, 2, 3, PIPE_CONFIG])
 def test_odd_sizes_and_k_tails_every_config(lib, M, N, K, force):
     assert _odd_case(lib, M, N, K, force) < BF16_TOL
 
@@ -151,19 +151,6 @@ def test_pipelined_promotion_matches_the_plain_one(lib, K):
     import sm90_capi
     a, b, scale, bias = _operands(1024, 1024, K, seed=K)
     outs = [sm90_capi.gemm(lib, a, b, scale, bias=bias, out_f32=True, force_config=f) for f in (2, PIPE_CONFIG)]
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
-    assert _rel(outs[1], _reference(a, b, scale, bias)) < 1e-3
-
-
-@pytest.mark.parametrize("M, N, K", [(1024, 1024, 1024 + 128), (1100, 2000, 1040), (8192, 8192, 2048)])
-def test_pipelined_cluster_promotion_matches_the_plain_one(lib, M, N, K):
-    """Config 15 (two chains in turn, B multicast to a 2-CTA cluster) adds the same chunks in
-    the same order as config 2: bit-identical, over several persistent rounds, odd k-block
-    counts, partial tiles and an odd number of tile rows (a cluster's idle second CTA)."""
-    import sm90_capi
-    a, b, scale, bias = _operands(M, N, K, seed=M + K)
-    outs = [sm90_capi.gemm(lib, a, b, scale, bias=bias, out_f32=True, force_config=f) for f in (2, 15)]
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1])
     assert _rel(outs[1], _reference(a, b, scale, bias)) < 1e-3

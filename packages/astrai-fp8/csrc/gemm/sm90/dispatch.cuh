@@ -149,8 +149,6 @@ std::string launch_config(const GemmArgs& a, const Plan& plan, cudaStream_t stre
         case 12: return launch<GemmConfig<64, 9, true, 1, KB, KA, true>>(a, plan, stream);
         case 13: return launch<GemmConfig<64, 9, false, 1, KB, KA, true>>(a, plan, stream);
         case 14: return launch<GemmConfig<128, 6, 2, 1, KA, KB>>(a, plan, stream);
-        case 15: return launch<GemmConfig<128, 6, 2, 2, KA, KB>>(a, plan, stream);
-        case 16: return launch<GemmConfig<160, 6, true, 1, KA, KB>>(a, plan, stream);
         default: return "unknown tile config " + std::to_string(plan.config);
     }
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WIDTHS = (16, 32, 64, 128, 160, 192, 256)
+WIDTHS = (16, 32, 64, 128, 192, 256)
 FORMATS = (("E4M3", "e4m3"), ("E5M2", "e5m2"))
 
 HEADER = """\
