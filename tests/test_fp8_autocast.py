@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from astrai.extension import fp8 as fp8_layer
 from astrai.extension.backend import fp8 as fp8_backend
 from astrai.extension.backend import fp8_torch
+from astrai.extension.runtime import current_runtime
 from astrai.extension.fp8 import (DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state,
                                   is_fp8_autocast_enabled)
 from fp8_reference import FP8, encode
@@ -231,7 +232,7 @@ def test_dynamic_scaling_uses_the_current_amax_every_call():
 @pytest.fixture
 def spy(monkeypatch):
     calls = {"quantize": [], "gemm": []}
-    quantize, gemm = fp8_torch.quantize, fp8_backend.gemm
+    quantize, gemm = fp8_torch.quantize, fp8_torch.emulated_gemm  # the CPU's primitives
 
     def spy_quantize(x, scale, fmt="e4m3", *args, **kwargs):
         calls["quantize"].append(fmt)
@@ -242,7 +243,7 @@ def spy(monkeypatch):
         return gemm(a, b, *args, **kwargs)
 
     monkeypatch.setattr(fp8_torch, "quantize", spy_quantize)
-    monkeypatch.setattr(fp8_backend, "gemm", spy_gemm)
+    monkeypatch.setattr(fp8_torch, "emulated_gemm", spy_gemm)
     return calls
 
 
@@ -431,15 +432,17 @@ def test_k_major_backward_layouts_compute_the_same(monkeypatch):
 
     plain = run()
     layouts = []
-    gemm = fp8_backend.gemm
+    gemm = fp8_torch.emulated_gemm  # the CPU's GEMM, handed the operands as laid out
 
     def layout_spy(a, b, *args, **kwargs):
         layouts.append((a.is_contiguous(), b.t().is_contiguous()))
         return gemm(a, b, *args, **kwargs)
 
     monkeypatch.setattr(fp8_backend, "k_major_for", lambda *args, **kwargs: True)
-    monkeypatch.setattr(fp8_backend, "gemm", layout_spy)
+    monkeypatch.setattr(fp8_torch, "emulated_gemm", layout_spy)
+    current_runtime().resolver.clear()  # the linear's plans hold the layout decided before
     k_major = run()
+    current_runtime().resolver.clear()
     assert layouts == [(True, True)] * 3
     for p, k in zip(plain, k_major):
         assert torch.equal(p, k)

@@ -64,6 +64,18 @@ def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
 
 
+def launch_on_stream(device: torch.device, fn, *args) -> None:
+    """``launch(device, fn, *args, stream_handle(device))``, the device looked up once: the
+    call the per-call paths (the FP8 linear) make."""
+    index = device.index
+    current = torch.cuda.current_device()
+    if index is None or index == current:
+        fn(*args, _raw_stream(current) if _raw_stream is not None else stream_handle(device))
+    else:
+        with torch.cuda.device(device):
+            fn(*args, stream_handle(device))
+
+
 def launch(device: torch.device, fn, *args) -> None:
     """Call a compiled entry point with ``device`` current (the binaries launch on the
     current device, like torch's own kernels)."""

@@ -318,6 +318,10 @@ class _Batch:
     hist: torch.Tensor  # [S, R, L]
     scale: torch.Tensor  # [S, R]
     pending: torch.Tensor  # [S, R]
+    # per role index: the ids of the amaxes kept by reference last folded in, and what
+    # folding them took (the pending column, the amaxes stacked), reused while the same
+    # tensors come back (the cached weights' amaxes, step after step)
+    folds: dict[int, tuple[tuple[int, ...], list, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
@@ -325,8 +329,9 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     shape) instead of one per group, so a region's bookkeeping costs one kernel (the
     plugin's) or about ten ops whatever the number of linears in it. Delayed scaling
     only; values as group by group. The histories stay rows of one tensor, so the next
-    update of the same groups needs no stacking copy; the roles get views of their scales
-    (two ``unbind``), nothing else. A step ending while a CUDA graph is captured runs the
+    update of the same groups needs no stacking copy (and folds the same kept amaxes with
+    the stack it made last time); the roles get views of their scales (``_role_views``),
+    nothing else. A step ending while a CUDA graph is captured runs the
     same update on copies (the graph does the work a real step does) and keeps nothing:
     a captured step does not advance the scaling state."""
     buckets: dict[tuple, list[_RoleGroup]] = {}
@@ -343,6 +348,7 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     runtime = current_runtime()
     for (recipe, fmt, device, _), groups in buckets.items():
         regrouped = False
+        batch = None
         if len(groups) == 1:
             group = groups[0]
             hist, prev, pending = group.hist, group.scale, group.pending
@@ -353,6 +359,7 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
                     and all(a is b for a, b in zip(batch.groups, groups))):
                 hist, prev, pending = batch.hist, batch.scale, batch.pending
             else:
+                batch = None
                 hist = torch.stack([g.hist for g in groups])
                 prev = torch.stack([g.scale for g in groups])
                 pending = torch.stack([g.pending for g in groups])
@@ -363,46 +370,66 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
             _fold_refs(groups, pending)
             fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
             continue
-        _fold_refs(groups, pending)
+        _fold_refs(groups, pending, batch)
         scale, inv, hist = fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
-        flat_scale, flat_inv = (scale, inv) if scale.dim() == 1 else (scale.flatten(), inv.flatten())
-        if len(groups) == 1:  # a view per role; for many groups one unbind beats a view each
-            scales, invs = flat_scale, flat_inv
-        else:
-            scales, invs = flat_scale.unbind(0), flat_inv.unbind(0)
+        scales, invs = _role_views(scale, groups), _role_views(inv, groups)
         if len(groups) == 1:
             groups[0]._own, groups[0]._batch = (hist, scale, pending), None
+        elif batch is not None:  # the same groups as last time: pending was zeroed in place
+            batch.hist, batch.scale = hist, scale
         else:
             batch = _Batch(tuple(groups), hist, scale, pending)
             for index, group in enumerate(groups):
                 group._batch, group._index = batch, index
-        for index, group in enumerate(groups):
+        views = 0
+        for group in groups:
             if regrouped:
                 group._point_slots()
             for role in group.roles:
-                row = index * group.rows + role._row
-                role.scale, role.scale_inv = scales[row], invs[row]
+                role.scale, role.scale_inv = scales[views], invs[views]
+                views += 1
                 role._close_step()
 
 
-def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor) -> None:
+def _role_views(values: torch.Tensor, groups: list[_RoleGroup]) -> tuple[torch.Tensor, ...]:
+    """A 0-d view per role of the groups' stacked ``[S, R]`` (or ``[R]``) ``values``, group by
+    group: the roles are every ``_ROW``-th element, so one strided view and one ``unbind``."""
+    if not values.is_contiguous():
+        values = values.contiguous()
+    return values.as_strided((len(groups) * len(groups[0].roles),), (_ROW,), values.storage_offset()).unbind(0)
+
+
+def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor, batch: _Batch | None = None) -> None:
     """Fold the amaxes kept by reference (``record(by_ref=True)``) into ``pending``, the
     groups' stacked step amaxes: one copy for a single group, else two kernels per role
-    that has any (the cached weights' in inference), whatever the number of groups."""
-    table = None if len(groups) == 1 else pending.view(len(groups), groups[0].rows)
+    that has any (the cached weights' in inference), whatever the number of groups; one
+    when ``batch`` (``pending`` is its own) folded the same tensors last step."""
+    count = len(groups)
     for i, role in enumerate(groups[0].roles):
         refs = [group.roles[i]._ref for group in groups]
-        if all(ref is None for ref in refs):
+        ids = tuple(map(id, refs))
+        if ids == (_NONE_ID,) * count:
             continue
-        if len(groups) == 1:
+        if count == 1:
             slot = pending[role._row]  # not role._slot: pending may be a copy (graph capture)
             if role._recorded:
                 torch.maximum(slot, refs[0], out=slot)
             else:
                 slot.copy_(refs[0])
             continue
-        zero, column = groups[0]._zero, table[:, role._row]
-        torch.maximum(column, torch.stack([zero if ref is None else ref for ref in refs]), out=column)
+        fold = None if batch is None else batch.folds.get(i)
+        if fold is not None and fold[0] == ids:  # the same tensors (kept alive by fold[1])
+            column, stacked = fold[2], fold[3]
+        else:
+            zero = groups[0]._zero
+            column = pending.view(count, groups[0].rows)[:, role._row]
+            stacked = torch.stack([zero if ref is None else ref for ref in refs])
+            if batch is not None:
+                batch.folds[i] = (ids, refs, column, stacked)
+        torch.maximum(column, stacked, out=column)
+
+
+_NONE_ID = id(None)
 
 
 @dataclass(eq=False)
@@ -512,15 +539,60 @@ class _Call(NamedTuple):
     device: DeviceInfo
 
 
-def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, call: _Call, out_layout: int = 0,
+class _Plan:
+    """What a linear's calls of one kind (runtime, device, dtypes, recipe format, shape,
+    gradient or not) have in common, decided on the first: the quantize function per
+    operand, the GEMM functions and the layout the backward wants. Kept in the runtime's
+    resolver (``derived``) beside the functions it holds, so it dies with them: a
+    ``Resolver.clear()`` (a plugin found broken) or another runtime decides afresh. The
+    backward's GEMM functions are looked up on its first run."""
+
+    __slots__ = ("call", "quantize_x", "quantize_w", "gemm", "k_major", "g_dtype", "quantize_g",
+                 "dgrad", "wgrad")
+
+    def __init__(self, call: _Call, x_dtype: torch.dtype, w_dtype: torch.dtype, fmt: str, g_fmt: str,
+                 shape: tuple[int, int, int], out_dtype: torch.dtype | None):
+        device, runtime = call.device, call.runtime
+        self.call = call
+        self.quantize_x = fp8_backend.quantizer(device, x_dtype, fmt, runtime)
+        self.quantize_w = fp8_backend.quantizer(device, w_dtype, fmt, runtime)
+        self.gemm = fp8_backend.gemm_runner(device, fmt, fmt, shape, runtime)
+        self.g_dtype = out_dtype  # the gradient's dtype (the output's); None: no backward
+        self.k_major = out_dtype is not None and fp8_backend.k_major_for(device, g_fmt, fmt, runtime)
+        self.quantize_g = self.dgrad = self.wgrad = None
+
+
+def _plan_for(x2d: torch.Tensor, weight: torch.Tensor, state: Fp8LinearState,
+              out_dtype: torch.dtype | None) -> _Plan:
+    """The ``_Plan`` of this call; ``out_dtype`` None for a call recording no gradient (its
+    plan is shared by every M of a shape class, a training plan's wgrad needs M itself)."""
+    m, k = x2d.shape
+    n = weight.shape[0]
+    fmt, g_fmt = state.forward_roles.fmt, state.backward_roles.fmt
+    if torch.compiler.is_compiling():  # decided at trace time, nothing kept
+        return _Plan(_Call(current_runtime(), probe_device(x2d.device)), x2d.dtype, weight.dtype, fmt, g_fmt,
+                     (m, n, k), out_dtype)
+    runtime = current_runtime()
+    device = x2d.device
+    key = ("fp8_linear", device, x2d.dtype, weight.dtype, fmt, g_fmt, n, k,
+           (1 << (m - 1).bit_length()) if out_dtype is None else m, out_dtype)
+    derived = runtime.resolver.derived  # emptied with the resolver's decisions
+    plan = derived.get(key)
+    if plan is None:
+        plan = derived[key] = _Plan(_Call(runtime, probe_device(device)), x2d.dtype, weight.dtype, fmt, g_fmt,
+                                    (m, n, k), out_dtype)
+    return plan
+
+
+def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_layout: int = 0,
               token: int | None = None, keep_amax: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, q_t, scale, amax)``; the amax is recorded in ``role``: written straight into
-    its slot when the step has none yet, unless ``keep_amax`` (the caller keeps it beyond
-    the step, so it gets a tensor of its own, recorded by reference)."""
+    """``(q, q_t, scale, amax)`` by ``run`` (a ``backend.fp8.quantizer`` function); the amax
+    is recorded in ``role``: written straight into its slot when the step has none yet,
+    unless ``keep_amax`` (the caller keeps it beyond the step, so it gets a tensor of its
+    own, recorded by reference)."""
     scale, multiplier = role.scale_for(x, recipe)
     slot = None if keep_amax else role.amax_slot()
-    run = fp8_backend.quantizer(call.device, x.dtype, role.fmt, call.runtime)
     q, q_t, amax = run(x, multiplier, out_layout, slot)
     if slot is None:
         role.record(amax, token, by_ref=keep_amax)
@@ -529,7 +601,7 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, call: _Call,
     return q, q_t, scale, amax
 
 
-def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, want_t: bool,
+def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: bool,
                      cache: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t or None, scale)`` of the weight, from the cache while it is valid.
 
@@ -543,7 +615,7 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, w
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
     if entry is None and not cache:  # nothing cached, nothing to keep: quantize
-        return _quantize(weight, role, recipe, call, 2 if want_t else 0,
+        return _quantize(weight, role, recipe, run, 2 if want_t else 0,
                          next(_tokens) if delayed else None)[:3]
     key = _weight_key(weight)
     same = entry is not None and entry.key == key and not entry.storage.expired()
@@ -558,7 +630,7 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, w
         return entry.q, entry.q_t, entry.scale
     token = entry.token if same else next(_tokens)
     keep = cache and not capturing(weight.device)  # a captured quantize runs only on replay
-    q, q_t, scale, amax = _quantize(weight, role, recipe, call, 2 if want_t else 0,
+    q, q_t, scale, amax = _quantize(weight, role, recipe, run, 2 if want_t else 0,
                                     token if delayed else None, keep_amax=keep)
     state._weight_cache = None
     if keep:
@@ -568,16 +640,13 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, call: _Call, w
     return q, (q_t if want_t else None), scale
 
 
-def _forward(x2d, weight, bias, state, call: _Call, cache: bool, save_x_t: bool = False,
+def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, save_x_t: bool = False,
              save_w_t: bool = False):
     """The forward GEMM; also returns the FP8 operands the backward will read (their
     transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
-    xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, call, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize_weight(weight, state, call, save_w_t, cache)
-    fmt = state.input.fmt
-    m, k = x2d.shape
-    gemm = fp8_backend.gemm_runner(call.device, fmt, fmt, (m, weight.shape[0], k), call.runtime)
-    y = gemm(xq, wq.t(), sx, sw, bias)
+    xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
+    wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache)
+    y = plan.gemm(xq, wq.t(), sx, sw, bias)
     return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
 
 
@@ -591,13 +660,14 @@ class _Fp8Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, call, out_dtype, k_major, cache):
+    def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, call, cache,
+        k_major = plan.k_major
+        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, plan, cache,
                                                save_x_t=k_major and need_dw,
                                                save_w_t=k_major and need_dx)
         ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
-        ctx.state, ctx.call, ctx.k_major = state, call, k_major
+        ctx.state, ctx.plan = state, plan
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
@@ -605,7 +675,8 @@ class _Fp8Linear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         x_saved, sx, w_saved, sw = ctx.saved_tensors
-        state, call, k_major = ctx.state, ctx.call, ctx.k_major
+        state, plan = ctx.state, ctx.plan
+        k_major = plan.k_major
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not grad_y.is_contiguous():
@@ -613,25 +684,45 @@ class _Fp8Linear(torch.autograd.Function):
         dx = dw = db = None
         if need_dx or need_dw:
             layout = (2 if need_dx else 1) if k_major and need_dw else 0
-            gq, gq_t, sg, _ = _quantize(grad_y, state.grad_output, state.recipe, call, layout)
+            role = state.grad_output
+            gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
+                                        layout)
             if not state._backward_pending:  # one history update per backward pass
                 _end_with_backward(state)
-            g_fmt, f_fmt = state.grad_output.fmt, state.input.fmt
             m, n = grad_y.shape
             if need_dx:  # [M, N] @ [N, K]
                 w_op = w_saved.t() if k_major else w_saved
-                k = w_op.shape[1]
-                dgrad = fp8_backend.gemm_runner(call.device, g_fmt, f_fmt, (m, k, n), call.runtime)
+                dgrad = plan.dgrad
+                if dgrad is None:
+                    dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
                 dx = dgrad(gq, w_op, sg, sw, None)
                 dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
             if need_dw:  # [N, M] @ [M, K]
                 g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
-                wgrad = fp8_backend.gemm_runner(call.device, g_fmt, f_fmt, (n, x_op.shape[1], m), call.runtime)
+                wgrad = plan.wgrad
+                if wgrad is None:
+                    wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
                 dw = wgrad(g_op, x_op, sg, sx, None)
                 dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
         if need_db:  # float32 accumulation without a float32 copy of dy
             db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None
+
+
+def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):
+    """The plan's quantize function for the gradient (made on the first backward)."""
+    if dtype is not plan.g_dtype:  # not the output's dtype: asked for this call
+        return fp8_backend.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
+    run = plan.quantize_g
+    if run is None:
+        run = plan.quantize_g = fp8_backend.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
+    return run
+
+
+def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, int]):
+    """dgrad / wgrad (the gradient's format times the forward's) for ``shape``."""
+    call = plan.call
+    return fp8_backend.gemm_runner(call.device, state.grad_output.fmt, state.input.fmt, shape, call.runtime)
 
 
 _pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
@@ -661,32 +752,33 @@ def _end_backward_pass(task: int) -> None:
 
 
 def _fp8_capable(x, weight, bias) -> bool:
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    return (all(isinstance(t, torch.Tensor) and t.dtype in QUANTIZE_INPUT_DTYPES for t in tensors)
-            and weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
-            and x.numel() > 0 and weight.numel() > 0
-            and (bias is None or tuple(bias.shape) == (weight.shape[0],))
-            and all(t.device == weight.device for t in tensors))
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and x.dtype in QUANTIZE_INPUT_DTYPES and weight.dtype in QUANTIZE_INPUT_DTYPES):
+        return False
+    if (weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
+            or x.numel() == 0 or weight.numel() == 0 or x.device != weight.device):
+        return False
+    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in QUANTIZE_INPUT_DTYPES
+                            and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
+                            and bias.device == weight.device)
 
 
 def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     state = _state_for(weight, region.recipe)
-    region.touch(state)
+    region.touched.setdefault(id(state), state)
     out_dtype = x.dtype
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         out_dtype = torch.get_autocast_dtype(device_type)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    call = _Call(current_runtime(), probe_device(x.device))
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    if needs_grad:
-        fmt = state.recipe.fp8_format
-        k_major = fp8_backend.k_major_for(call.device, fmt.backward, fmt.forward, call.runtime)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, call, out_dtype, k_major, region.cache_weights is True)
+    grad_mode = torch.is_grad_enabled()
+    if grad_mode and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        plan = _plan_for(x2d, weight, state, out_dtype)
+        y = _Fp8Linear.apply(x2d, weight, bias, state, plan, out_dtype, region.cache_weights is True)
     else:
-        with torch.no_grad():
-            y = _forward(x2d, weight, bias, state, call, region.cache_weights is not False)[0]
+        plan = _plan_for(x2d, weight, state, None)
+        with torch.no_grad() if grad_mode else contextlib.nullcontext():
+            y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False)[0]
             if y.dtype != out_dtype:
                 y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

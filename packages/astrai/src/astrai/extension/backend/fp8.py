@@ -402,13 +402,12 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
 
         return run_torch
-    module = _ops_module("fp8_quantize", device)
+    launch = ops_fp8.quantize_launcher(_ops_module("fp8_quantize", device), fmt)
 
     def run(x, multiplier, out_layout, amax=None):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
         try:
-            q, q_t = ops_fp8.quantize_launch(module, x if x.is_contiguous() else x.contiguous(),
-                                             multiplier, fmt, out_layout, out)
+            q, q_t = launch(x if x.is_contiguous() else x.contiguous(), multiplier, out_layout, out)
         except RuntimeError:
             if not _plugin_broken(runtime, "fp8_quantize", device):
                 raise
@@ -432,6 +431,8 @@ def _build_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, in
     _, n, k = shape
     general = functools.partial(_gemm_checked, runtime)
     chosen = choose_gemm(device, a_fmt, b_fmt, runtime=runtime, shape=shape)
+    if chosen == "emulated":  # any layout; what ``gemm`` runs for it, without its checks
+        return _run_emulated
     if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
         return general
 
@@ -441,6 +442,12 @@ def _build_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, in
         return fp8_torch.scaled_mm_dense(a, b, scale_a, scale_b, bias)
 
     return run
+
+
+def _run_emulated(a, b, scale_a, scale_b, bias):
+    if bias is not None and bias.dtype != torch.bfloat16:
+        bias = bias.to(torch.bfloat16)
+    return fp8_torch.emulated_gemm(a, b, scale_a * scale_b, bias)
 
 
 def _scale_update_candidates(runtime: Runtime) -> list:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import DTYPE_CODES, launch, stream_handle, tensor_arg
+from ..abi import DTYPE_CODES, launch, launch_on_stream, stream_handle, tensor_arg
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -147,6 +147,33 @@ def quantize_launch(module, x: torch.Tensor, scale: torch.Tensor, fmt: str, out_
     launch(device, module.quantize, tensor_arg(x), tensor_arg(scale), q_arg, qt_arg,
            tensor_arg(amax), out_layout, stream_handle(device))
     return q, q_t
+
+
+def quantize_launcher(module, fmt: str):
+    """``launch(x, scale, out_layout, amax) -> (q, q_t)``: ``quantize_launch`` for one module
+    and format, with what does not change between calls (the output dtype and its code,
+    the absent output's argument, the entry point) looked up once."""
+    dtype = _FORMATS[fmt]
+    code = DTYPE_CODES[dtype]
+    absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
+    entry = module.quantize
+
+    def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor):
+        rows, cols = x.shape
+        device = x.device
+        q = q_t = None
+        q_arg = qt_arg = absent
+        if out_layout != 1:
+            q = torch.empty((rows, cols), dtype=dtype, device=device)
+            q_arg = (q.data_ptr(), (rows, cols), (cols, 1), code)
+        if out_layout != 0:
+            q_t = torch.empty((cols, rows), dtype=dtype, device=device)
+            qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
+        launch_on_stream(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
+                         tensor_arg(scale), q_arg, qt_arg, tensor_arg(amax), out_layout)
+        return q, q_t
+
+    return launch_quantize
 
 
 @_fp8_quantize_op.op.register_fake
