@@ -271,8 +271,7 @@ def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: 
     Arguments taken as valid (the FP8 linear's end of step made them; the binding still
     checks them before the launch), ``module`` from ``_plugin.require``."""
     scale, scale_inv = torch.empty_like(prev_scale), torch.empty_like(prev_scale)
-    device = hist.device
-    launch(device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(prev_scale),
-           tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent),
-           stream_handle(device))
+    launch_on_stream(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending),
+                     tensor_arg(prev_scale), tensor_arg(scale), tensor_arg(scale_inv), float(factor),
+                     bool(most_recent))
     return scale, scale_inv
