@@ -81,12 +81,13 @@ def _mlp(linears: int) -> torch.nn.Sequential:
 #                                                   the GEMM (the cached weight's amax is
 #                                                   kept by reference: no kernel);
 #                                                   earlier 4 / 3, 6 / 5, first 20 / 6
-#   region exit (torch update)         16 / 9 for one linear, 18 / 10 for any number
-#                                                   (folding the kept amaxes in, then the
-#                                                   update); on CUDA the plugin's update
-#                                                   is one kernel instead of eight;
-#                                                   earlier 12 / 8 and 14 / 8, first 28 / 24
-#                                                   per linear
+#   region exit (torch update)         16 / 9 for one linear, 15 / 9 for any number
+#                                                   (folding the kept amaxes in, with the
+#                                                   stack of the same amaxes made last
+#                                                   step, then the update); on CUDA the
+#                                                   plugin's update is one kernel instead
+#                                                   of eight; earlier 18 / 10, 12 / 8 and
+#                                                   14 / 8, first 28 / 24 per linear
 #   training forward                    5 / 4      earlier 5 / 4, 7 / 6, first 20 / 6
 #   backward pass                      23 / 18     earlier 23 / 18, 26 / 19, first 40 / 24
 #                                                   (all include the accumulation into
@@ -125,9 +126,9 @@ def test_region_exit_costs_the_same_for_any_number_of_linears(counter):
             region.__enter__()
             model(x)
             exits[linears] = _count(counter, lambda r=region: r.__exit__(None, None, None))
-    assert all(kernels <= 10 for _, kernels in exits.values()), exits
+    assert all(kernels <= 9 for _, kernels in exits.values()), exits
     assert exits[2] == exits[8], exits  # constant in the number of linears
-    assert exits[8][0] <= 18, exits
+    assert exits[8][0] <= 15, exits
 
 
 def test_training_step_op_counts(counter):

@@ -393,7 +393,10 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
 
 def _role_views(values: torch.Tensor, groups: list[_RoleGroup]) -> tuple[torch.Tensor, ...]:
     """A 0-d view per role of the groups' stacked ``[S, R]`` (or ``[R]``) ``values``, group by
-    group: the roles are every ``_ROW``-th element, so one strided view and one ``unbind``."""
+    group: the roles are every ``_ROW``-th element, so one strided view and one ``unbind``
+    (for one group, a view per role: as many ops for two roles, fewer for one)."""
+    if len(groups) == 1:
+        return tuple(values[role._row] for role in groups[0].roles)
     if not values.is_contiguous():
         values = values.contiguous()
     return values.as_strided((len(groups) * len(groups[0].roles),), (_ROW,), values.storage_offset()).unbind(0)
