@@ -65,7 +65,7 @@ TILE_CONFIGS = (
     TileConfig(12, 64, 9, True, 1, 1.00, swap=True),
     TileConfig(13, 64, 9, False, 1, 1.00, swap=True),
     # promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): timed in turn
-    # with configs 1 and 2 on the H200, 1.00-1.19x config 1 at all 13 shapes with M >= 1024
+    # with configs 1 and 2 on the H200, 0.99-1.24x config 1 at the 13 shapes with M >= 1024
     # (docs/kernels/fp8-hopper.md); its rate makes it the promoted choice wherever the
     # rounds are not much fewer with 192-wide tiles
     TileConfig(14, 128, 6, True, 1, 0.97),
