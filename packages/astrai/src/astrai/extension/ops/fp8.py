@@ -15,7 +15,7 @@
 ``mm_fp8(a [M, K], b [K, N], scale, bias=None) -> [M, N]``: ``fp8_gemm`` with the
     transposes read off the strides (``w.t()`` of a row-major ``[N, K]`` weight is the
     common ``b`` and costs no copy).
-``quantize_launch`` / ``scale_update`` call the module directly for the FP8 linear, which
+``quantize_launcher`` / ``scale_update`` call the module directly for the FP8 linear, which
     checked its operands once (the end-of-step update of delayed scaling in one kernel).
 
 The two primitives are ``torch.ops.astrai.fp8_quantize`` / ``torch.ops.astrai.fp8_gemm``
@@ -116,43 +116,21 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     module = _plugin.require("fp8_quantize", x.device)
     x = _row_major(x)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
-    q, q_t = quantize_launch(module, x, scale.reshape(()), fmt, out_layout, amax)
+    q, q_t = quantize_launcher(module, fmt)(x, scale.reshape(()), out_layout, amax)
     if q is None or q_t is None:  # the op returns an empty tensor for the layout not asked for
         empty = torch.empty(0, dtype=_FORMATS[fmt], device=x.device)
         q, q_t = (empty, q_t) if q is None else (q, empty)
     return q, q_t, amax
 
 
-def quantize_launch(module, x: torch.Tensor, scale: torch.Tensor, fmt: str, out_layout: int,
-                    amax: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA
-    device, a 0-d float32 ``scale``): ``(q, q_t)`` (None for the layout not asked for),
-    ``max|x|`` written into ``amax`` (a
-    float32 0-d tensor, possibly a view into a larger buffer). For callers that checked
-    once and call often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
-    dtype = _FORMATS[fmt]
-    rows, cols = x.shape
-    device = x.device
-    # the output not asked for is None; it still travels with its dtype (the format)
-    if out_layout == 0:
-        q, q_t = torch.empty((rows, cols), dtype=dtype, device=device), None
-        q_arg, qt_arg = tensor_arg(q), (0, (0,), (1,), DTYPE_CODES[dtype])
-    elif out_layout == 1:
-        q, q_t = None, torch.empty((cols, rows), dtype=dtype, device=device)
-        q_arg, qt_arg = (0, (0,), (1,), DTYPE_CODES[dtype]), tensor_arg(q_t)
-    else:
-        q = torch.empty((rows, cols), dtype=dtype, device=device)
-        q_t = torch.empty((cols, rows), dtype=dtype, device=device)
-        q_arg, qt_arg = tensor_arg(q), tensor_arg(q_t)
-    launch(device, module.quantize, tensor_arg(x), tensor_arg(scale), q_arg, qt_arg,
-           tensor_arg(amax), out_layout, stream_handle(device))
-    return q, q_t
-
-
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax) -> (q, q_t)``: ``quantize_launch`` for one module
-    and format, with what does not change between calls (the output dtype and its code,
-    the absent output's argument, the entry point) looked up once."""
+    """``launch(x, scale, out_layout, amax) -> (q, q_t)`` for one module and format: the
+    quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA device,
+    a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor, possibly a view into a larger
+    buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for the layout not asked for. What
+    does not change between calls (the output dtype and its code, the absent output's
+    argument, the entry point) is looked up once. For callers that checked once and call
+    often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     code = DTYPE_CODES[dtype]
     absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
