@@ -438,7 +438,7 @@ def test_k_major_backward_layouts_compute_the_same(monkeypatch):
         layouts.append((a.is_contiguous(), b.t().is_contiguous()))
         return gemm(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_backend, "k_major_for", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fp8_backend, "wants_k_major", lambda *args, **kwargs: True)
     monkeypatch.setattr(fp8_torch, "emulated_gemm", layout_spy)
     current_runtime().resolver.clear()  # the linear's plans hold the layout decided before
     k_major = run()

@@ -74,6 +74,22 @@ def _mlp(linears: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers).to(torch.bfloat16)
 
 
+def _steps(model, x, recipe, steps: int) -> None:
+    """``steps`` forward steps, each its own region (the scaling state advances)."""
+    for _ in range(steps):
+        with fp8_autocast(recipe=recipe):
+            model(x)
+
+
+def _entered_region(model, x, recipe, warm: int):
+    """After ``warm`` steps, a region entered and ``model(x)`` run in it, not yet exited."""
+    _steps(model, x, recipe, warm)
+    region = fp8_autocast(recipe=recipe)
+    region.__enter__()
+    model(x)
+    return region
+
+
 # -- op-count bounds ---------------------------------------------------------------------
 # Measured with torch 2.13 (CPU), ops / kernels, each fallback primitive as one kernel:
 #   inference forward (weight cached)   4 / 3      quantize x (its amax written into the
@@ -102,9 +118,7 @@ def test_inference_forward_issues_a_handful_of_kernels(counter):
     x = torch.randn(8, 32, dtype=torch.bfloat16)
     recipe = DelayedScaling(amax_history_len=4)
     with torch.no_grad():
-        for _ in range(3):  # past the steps where the weight's scale still changes
-            with fp8_autocast(recipe=recipe):
-                lin(x)
+        _steps(lin, x, recipe, 3)  # past the steps where the weight's scale still changes
         with fp8_autocast(recipe=recipe):
             ops, kernels = _count(counter, lambda: lin(x))
     assert kernels <= 3, kernels
@@ -119,12 +133,7 @@ def test_region_exit_costs_the_same_for_any_number_of_linears(counter):
     for linears in (1, 2, 8):
         model = _mlp(linears)
         with torch.no_grad():
-            for _ in range(2):
-                with fp8_autocast(recipe=recipe):
-                    model(x)
-            region = fp8_autocast(recipe=recipe)
-            region.__enter__()
-            model(x)
+            region = _entered_region(model, x, recipe, warm=2)
             exits[linears] = _count(counter, lambda r=region: r.__exit__(None, None, None))
     assert all(kernels <= 9 for _, kernels in exits.values()), exits
     assert exits[2] == exits[8], exits  # constant in the number of linears
@@ -377,12 +386,7 @@ def test_a_step_ending_during_a_graph_capture_changes_no_state(monkeypatch):
     x = torch.randn(4, 16) * 3
     recipe = DelayedScaling(amax_history_len=3)
     with torch.no_grad():
-        for _ in range(3):
-            with fp8_autocast(recipe=recipe):
-                lin(x)
-        region = fp8_autocast(recipe=recipe)
-        region.__enter__()
-        lin(x)
+        region = _entered_region(lin, x, recipe, warm=3)
         state = fp8_state(lin)
         assert state.weight._ref is not None  # the cached weight's amax, kept by reference
         before = _snapshot(lin) + [state.forward_roles.pending.clone()]

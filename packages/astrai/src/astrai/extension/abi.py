@@ -64,9 +64,10 @@ def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
 
 
-def launch_on_stream(device: torch.device, fn, *args) -> None:
-    """``launch(device, fn, *args, stream_handle(device))``, the device looked up once: the
-    call the per-call paths (the FP8 linear) make."""
+def launch(device: torch.device, fn, *args) -> None:
+    """Call a compiled entry point with ``device`` current (the binaries launch on the
+    current device, like torch's own kernels) and its current stream appended as the last
+    argument; the device is looked up once, as this is every launch's host path."""
     index = device.index
     current = torch.cuda.current_device()
     if index is None or index == current:
@@ -74,13 +75,3 @@ def launch_on_stream(device: torch.device, fn, *args) -> None:
     else:
         with torch.cuda.device(device):
             fn(*args, stream_handle(device))
-
-
-def launch(device: torch.device, fn, *args) -> None:
-    """Call a compiled entry point with ``device`` current (the binaries launch on the
-    current device, like torch's own kernels)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        fn(*args)
-    else:
-        with torch.cuda.device(device):
-            fn(*args)

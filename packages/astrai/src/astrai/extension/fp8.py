@@ -561,7 +561,7 @@ class _Plan:
         self.quantize_w = fp8_backend.quantizer(device, w_dtype, fmt, runtime)
         self.gemm = fp8_backend.gemm_runner(device, fmt, fmt, shape, runtime)
         self.g_dtype = out_dtype  # the gradient's dtype (the output's); None: no backward
-        self.k_major = out_dtype is not None and fp8_backend.k_major_for(device, g_fmt, fmt, runtime)
+        self.k_major = out_dtype is not None and fp8_backend.wants_k_major(device, g_fmt, fmt, runtime=runtime)
         self.quantize_g = self.dgrad = self.wgrad = None
 
 

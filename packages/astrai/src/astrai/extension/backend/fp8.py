@@ -487,15 +487,3 @@ def _scale_update_module(device: DeviceInfo, runtime: Runtime):
 
 def _ops_module(op: str, device: DeviceInfo):
     return ops_plugin.require(op, torch.device("cuda", device.index))
-
-
-def k_major_for(device: DeviceInfo, a_fmt: str, b_fmt: str, runtime: Runtime) -> bool:
-    """``wants_k_major``, asked once per (runtime, device, formats)."""
-    if torch.compiler.is_compiling():
-        return wants_k_major(device, a_fmt, b_fmt, runtime=runtime)
-    return _runner(runtime, ("k_major", device.key, a_fmt, b_fmt), _wants_k_major, device, a_fmt, b_fmt,
-                   runtime)
-
-
-def _wants_k_major(device: DeviceInfo, a_fmt: str, b_fmt: str, runtime: Runtime) -> bool:
-    return wants_k_major(device, a_fmt, b_fmt, runtime=runtime)

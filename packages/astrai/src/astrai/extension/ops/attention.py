@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import launch, stream_handle, tensor_arg
+from ..abi import launch, tensor_arg
 from . import _plugin
 
 __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"]
@@ -95,7 +95,7 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kv_len = k.shape[1] if k.dim() == 4 else 1
     splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
     launch(q.device, module.attn_decode, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), splits, tensor_arg(ws_o),
-         tensor_arg(ws_lse), stream_handle(q.device))
+         tensor_arg(ws_lse))
     return out
 
 
@@ -119,8 +119,7 @@ def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     module = _plugin.require("attn_prefill", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
-    launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
-         stream_handle(q.device))
+    launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal)
     return out
 
 
@@ -151,7 +150,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
         splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
-         tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse), stream_handle(q.device))
+         tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse))
     return out
 
 
@@ -184,7 +183,7 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
          tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
-         is_causal, stream_handle(q.device))
+         is_causal)
     return out
 
 

@@ -32,9 +32,11 @@ Call convention (ABI 1) of ``astrai_fp8._fp8_ops``:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..abi import DTYPE_CODES, launch, launch_on_stream, stream_handle, tensor_arg
+from ..abi import DTYPE_CODES, launch, tensor_arg
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -123,6 +125,7 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
     return q, q_t, amax
 
 
+@functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
     """``launch(x, scale, out_layout, amax) -> (q, q_t)`` for one module and format: the
     quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA device,
@@ -147,7 +150,7 @@ def quantize_launcher(module, fmt: str):
         if out_layout != 0:
             q_t = torch.empty((cols, rows), dtype=dtype, device=device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
-        launch_on_stream(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
+        launch(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
                          tensor_arg(scale), q_arg, qt_arg, tensor_arg(amax), out_layout)
         return q, q_t
 
@@ -228,7 +231,7 @@ def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: to
     a, b = _row_major(a), _row_major(b)
     bias_arg = None if bias is None else tensor_arg(bias.contiguous())
     launch(a.device, module.gemm, tensor_arg(a), tensor_arg(b), tensor_arg(scale.reshape(())),
-           bias_arg, tensor_arg(out), trans_a, trans_b, stream_handle(a.device))
+           bias_arg, tensor_arg(out), trans_a, trans_b)
     return out
 
 
@@ -249,7 +252,7 @@ def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: 
     Arguments taken as valid (the FP8 linear's end of step made them; the binding still
     checks them before the launch), ``module`` from ``_plugin.require``."""
     scale, scale_inv = torch.empty_like(prev_scale), torch.empty_like(prev_scale)
-    launch_on_stream(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending),
+    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending),
                      tensor_arg(prev_scale), tensor_arg(scale), tensor_arg(scale_inv), float(factor),
                      bool(most_recent))
     return scale, scale_inv

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import launch, stream_handle, tensor_arg
+from ..abi import launch, tensor_arg
 from . import _plugin
 
 __all__ = ["rotary_emb"]
@@ -75,7 +75,7 @@ def _rotary_emb_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     x = _word_aligned(x, pair_strides=True)
     cos = _word_aligned(cos, pair_strides=False)
     sin = _word_aligned(sin, pair_strides=False)
-    args = (tensor_arg(x), tensor_arg(cos), tensor_arg(sin), tensor_arg(out), stream_handle(x.device))
+    args = (tensor_arg(x), tensor_arg(cos), tensor_arg(sin), tensor_arg(out))
     launch(x.device, module.rotary_emb, *args)
     return out
 
