@@ -7,14 +7,16 @@ Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
   fp8         the same nn.Linear inside fp8_autocast(DelayedScaling) - everything it
               does per call: quantize x and W, the FP8 GEMM, the bookkeeping
   gemm        the FP8 GEMM alone as the policy runs it (the ceiling for the fp8 column)
+  floor       (training step, CUDA) a Python autograd.Function running only the step's three
+              FP8 GEMMs on operands quantized beforehand: the host-cost floor of any FP8
+              linear written in Python (where it loses to bf16, so must any)
 and the share of the fp8 time spent outside the GEMM. Times are medians of event-timed
 repetitions over rotating inputs. Where the time goes: ``host`` is the CPU time to issue one
 call (nothing waited for), ``piped`` the time per call of 20 back-to-back calls (the GPU
 work when the host keeps ahead, the host time when it does not), and ``graph`` the time per call
 with 10 calls captured into one CUDA graph and replayed (the GPU work alone, no host cost;
-what a user at small M running CUDA graphs gets). Under capture the FP8 state does not
-advance between replays (the region's update is replayed on the captured tensors), which
-changes no GPU work. A function that cannot be captured gets ``None`` and the reason under
+what a user at small M running CUDA graphs gets; the FP8 state advances on every replay,
+its updates being captured in place). A function that cannot be captured gets ``None`` and the reason under
 ``<name>_graph_error``. The FP8 backend the policy chose, with its reason, is printed and
 stored. Last, a 2-layer MLP trained 200 steps in bf16 and under fp8_autocast:
 the loss curves (20-step means) side by side.
@@ -130,11 +132,19 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
     def gemm_only():
         backend.gemm(a8, w8.t(), one, lin.bias)
 
+    floor = _floor_function(m, n, k, device)
+
+    def floor_step():
+        floor.apply(x(), lin.weight, lin.bias).backward(gy)
+
     res = {"m": m, "n": n, "k": k}
     fwd_flop, step_flop = 2.0 * m * n * k, 6.0 * m * n * k
     for name, fn, flop in [("bf16_fwd", bf16_fwd, fwd_flop), ("fp8_fwd", fp8_fwd, fwd_flop),
                            ("gemm_fwd", gemm_only, fwd_flop), ("bf16_step", bf16_step, step_flop),
-                           ("fp8_step", fp8_step, step_flop)]:
+                           ("fp8_step", fp8_step, step_flop),
+                           ("floor_step", floor_step if floor else None, step_flop)]:
+        if fn is None:
+            continue
         ms = timed_ms(fn, device, reps)
         res[name + "_ms"] = ms
         res[name + "_tflops"] = flop / ms / 1e9
@@ -152,9 +162,42 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
         for t in xs:
             t.grad = None
     res["fwd_speedup"] = res["bf16_fwd_ms"] / res["fp8_fwd_ms"]
+    if floor:
+        res["floor_step_speedup"] = res["bf16_step_ms"] / res["floor_step_ms"]
     res["step_speedup"] = res["bf16_step_ms"] / res["fp8_step_ms"]
     res["fp8_fwd_outside_gemm"] = 1 - res["gemm_fwd_ms"] / res["fp8_fwd_ms"]
     return res
+
+
+def _floor_function(m: int, n: int, k: int, device: str):
+    """The host-cost floor of any FP8 linear written as a Python ``autograd.Function``: one
+    whose forward and backward run only the step's three cuBLASLt FP8 GEMMs (and the bias
+    gradient) on operands quantized beforehand, no quantize, no scaling. Where even this
+    loses to the bf16 step, the step is bound by the host path, not by the FP8 layer's
+    own work. None off CUDA."""
+    if device == "cpu":
+        return None
+    a8 = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    at8 = a8.t().contiguous()
+    w8 = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+    wt8 = w8.t().contiguous()
+    g8 = torch.randn(m, n, device=device).to(torch.float8_e5m2)
+    gt8 = g8.t().contiguous()
+    one = torch.ones((), device=device)
+    bf16 = torch.bfloat16
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias):
+            return torch._scaled_mm(a8, w8.t(), one, one, bias=bias, out_dtype=bf16)
+
+        @staticmethod
+        def backward(ctx, grad):
+            dx = torch._scaled_mm(g8, wt8.t(), one, one, out_dtype=bf16)
+            dw = torch._scaled_mm(gt8, at8.t(), one, one, out_dtype=bf16)
+            return dx, dw, grad.sum(0, dtype=torch.float32).to(bf16)
+
+    return Floor
 
 
 def loss_curves(device: str, steps: int, d: int) -> dict:
@@ -234,6 +277,15 @@ def main() -> None:
         for name in names:
             if name + "_graph_error" in r:
                 print(f"    {name} not captured: {r[name + '_graph_error']}")
+    if any("floor_step_ms" in r for r in rows):
+        print(f"\n{'M':>6} {'N':>6} {'K':>6} | eager step ms: {'bf16':>8} {'fp8':>8} {'x':>5} "
+              f"{'floor':>8} {'x':>5}   (floor: a Python autograd.Function with the three FP8 GEMMs "
+              "alone)")
+        for r in rows:
+            print(f"{r['m']:>6} {r['n']:>6} {r['k']:>6} | {'':>14}{r['bf16_step_ms']:8.3f} "
+                  f"{r['fp8_step_ms']:8.3f} {r['step_speedup']:5.2f} {r['floor_step_ms']:8.3f} "
+                  f"{r['floor_step_speedup']:5.2f}   host ms: fp8 {r['fp8_step_host_ms']:.3f}, "
+                  f"floor {r['floor_step_host_ms']:.3f}, bf16 {r['bf16_step_host_ms']:.3f}")
     print("\nloss (20-step means) bf16:", " ".join(f"{v:.4f}" for v in curves["bf16_means"]))
     print("loss (20-step means) fp8: ", " ".join(f"{v:.4f}" for v in curves["fp8_means"]))
     print(f"max relative difference: {curves['max_rel_diff']:.3f}")

@@ -109,6 +109,96 @@ def host_parts(m: int, n: int, k: int) -> None:
             print(f"{label:<42} not run: {type(exc).__name__}: {str(exc)[:120]}")
 
 
+def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
+    """Inclusive host microseconds per training step spent in each piece of the FP8 linear
+    (wall time inside the function, nested pieces counted in their callers too), beside the
+    floor any Python autograd.Function pays: the same bf16 linear written as one."""
+    from astrai.extension import fp8 as fp8_mod
+
+    dev = "cuda"
+    lin = torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+    xg = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    recipe = DelayedScaling(amax_history_len=16)
+    spent: dict[str, float] = {}
+
+    def timed(label, fn):
+        def inner(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return inner
+
+    class PyLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            ctx.save_for_backward(x, w)
+            return F.linear(x, w, b)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, g.t() @ x, g.sum(0)
+
+    def fp8_step():
+        with fp8_autocast(recipe=recipe):
+            y = lin(xg)
+        y.backward(gy)
+
+    steps_of = {
+        "bf16 step": lambda: F.linear(xg, lin.weight, lin.bias).backward(gy),
+        "bf16 step, Python Function": lambda: PyLinear.apply(xg, lin.weight, lin.bias).backward(gy),
+        "fp8 step": fp8_step,
+    }
+    print(f"\n== host microseconds per training step, M={m} N={n} K={k} (GPU kept busy)")
+    for threaded in (True, False):
+        with torch.autograd.set_multithreading_enabled(threaded):
+            for label, fn in steps_of.items():
+                print(f"{label + (', backward on its own thread' if threaded else ', one thread'):<58} "
+                      f"{host_us(fn, calls=30):8.1f}")
+    names = ["_fp8_linear", "_plan_for", "_forward", "_quantize", "_quantize_weight", "_end_steps",
+             "_end_with_backward", "_end_backward_pass", "_fold_refs", "_role_views"]
+    saved = {name: getattr(fp8_mod, name) for name in names}
+    fwd, bwd = fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward
+    try:
+        for name in names:
+            setattr(fp8_mod, name, timed(name, saved[name]))
+        fp8_mod._Fp8Linear.forward = staticmethod(timed("_Fp8Linear.forward", fwd))
+        fp8_mod._Fp8Linear.backward = staticmethod(timed("_Fp8Linear.backward", bwd))
+        fp8_mod.fp8_backend.scale_update = timed("backend.scale_update", saved_update := fp8_mod.fp8_backend.scale_update)
+        parts = {"region enter": 0.0, "F.linear in region": 0.0, "region exit": 0.0, "backward()": 0.0}
+        for _ in range(5):
+            fp8_step()
+        torch.cuda.synchronize()
+        spent.clear()
+        busy = torch.empty(8192, 8192, device=dev, dtype=torch.bfloat16)
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            busy @ busy
+            t0 = time.perf_counter()
+            region = fp8_autocast(recipe=recipe)
+            region.__enter__()
+            t1 = time.perf_counter()
+            y = lin(xg)
+            t2 = time.perf_counter()
+            region.__exit__(None, None, None)
+            t3 = time.perf_counter()
+            y.backward(gy)
+            t4 = time.perf_counter()
+            for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[key] += dt
+        torch.cuda.synchronize()
+    finally:
+        for name, fn in saved.items():
+            setattr(fp8_mod, name, fn)
+        fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward = staticmethod(fwd), staticmethod(bwd)
+        fp8_mod.fp8_backend.scale_update = saved_update
+    for label, total in list(parts.items()) + sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<40} {total / steps * 1e6:8.1f}")
+
+
 def profile(fn, calls: int, label: str, top: int = 28) -> None:
     for _ in range(5):
         fn()
@@ -150,6 +240,7 @@ def main() -> None:
         y.backward(gy)
 
     host_parts(args.m, args.n, args.k)
+    step_pieces(args.m, args.n, args.k)
     profile(fwd, args.calls, "fp8 forward (no_grad)")
     # the backward on this thread, so cProfile sees it (by default it runs on the
     # autograd engine's device thread)

@@ -199,3 +199,65 @@ def test_one_kernel_scale_update_is_the_torch_update(monkeypatch, algo):
         resolver.clear()
         for a, b in zip(got + _scaling_state(fused), want + _scaling_state(plain)):
             assert torch.equal(a, b), (i, a, b)
+
+
+@pytest.mark.parametrize("update", ["plugin", "torch"])
+def test_captured_training_step_advances_delayed_scaling(monkeypatch, update):
+    """A training step (fp8_autocast forward, backward) captured into a CUDA graph, replayed
+    with new inputs and an in-place SGD step after each replay, gives replay after replay
+    the outputs, gradients, amax histories and scales of the same steps run eagerly: the
+    region's and the backward pass's updates are captured in place, so every replay
+    advances the delayed-scaling state (the plugin's one-kernel update and the torch ops)."""
+    if update == "torch":
+        monkeypatch.setattr(backend, "choose_scale_update", lambda *args, **kwargs: "torch")
+    else:
+        assert backend.choose_scale_update(probe_device("cuda")) == "plugin"
+    current_runtime().resolver.clear()
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    graphed = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                  torch.nn.Linear(128, 64)).cuda().to(torch.bfloat16)
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 64)).cuda().to(torch.bfloat16)
+    eager.load_state_dict(graphed.state_dict())
+    xs = [torch.randn(32, 64, device="cuda", dtype=torch.bfloat16) * (1 + 3 * (i % 3)) for i in range(8)]
+    static_x = xs[0].clone()
+
+    def step(model, x):
+        with fp8_autocast(recipe=recipe):
+            y = model(x)
+        y.float().square().mean().backward()
+        return y
+
+    def sgd(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(p.grad, alpha=0.05)  # in place: the graph reads the same weights
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps before the capture, as torch advises
+        for x in xs[:2]:
+            for model in (graphed, eager):
+                static_x.copy_(x)
+                step(model, static_x)
+                sgd(model)
+                model.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step(graphed, static_x)
+    for i, x in enumerate(xs[2:]):
+        static_x.copy_(x)
+        graph.replay()
+        want = step(eager, x)
+        got_state, want_state = _scaling_state(graphed[::2]), _scaling_state(eager[::2])
+        assert torch.equal(static_y, want), i
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad), i
+        for a, b in zip(got_state, want_state):
+            assert torch.equal(a, b), (i, a, b)
+        sgd(graphed)
+        sgd(eager)
+        eager.zero_grad(set_to_none=True)
+    assert fp8_state(graphed[0]).input.amax_history[1:].gt(0).all()  # the replays filled it

@@ -126,14 +126,15 @@ class TensorScaling:
     buffer: the step's first quantization writes its amax straight into it (``amax_slot``),
     later ones fold theirs in (``record``). The end-of-step update rolls the slots into
     the histories; the roles updated together (``input`` and ``weight``) are rows of one
-    stacked tensor (``_RoleGroup``). Updates replace the scale tensors rather than writing
-    into them, so a backward pass still reads the scales its forward used.
+    stacked tensor (``_RoleGroup``). Under delayed scaling ``scale`` and ``scale_inv`` are
+    views of that state, which the update rewrites in place (so a CUDA graph that captured
+    a step advances it on every replay): clone them to keep a value. A training forward
+    keeps a copy of the scales it used for its backward pass.
     """
 
-    def __init__(self, fmt: str, group: _RoleGroup, row: int, scale: torch.Tensor,
-                 scale_inv: torch.Tensor, window: deque[frozenset[int]] | None = None):
+    def __init__(self, fmt: str, group: _RoleGroup, row: int, window: deque[frozenset[int]] | None = None):
         self.fmt = fmt
-        self.scale, self.scale_inv = scale, scale_inv
+        self.scale = self.scale_inv = self._slot = group._zero  # pointed at the group's rows by it
         self.updates = 0  # end-of-step updates applied so far
         # Host-side bookkeeping of the weight cache (``_quantize_weight``): ``epoch``
         # changes whenever the delayed scale may have changed; ``_tokens`` are the weight
@@ -141,7 +142,6 @@ class TensorScaling:
         # scale is computed from (None: a role whose contents are not tracked).
         self.epoch = 0
         self._group, self._row = group, row
-        self._slot = group.pending[row]  # the step's amax so far (0 until recorded)
         self._recorded = False  # the slot holds an amax of this step
         self._ref: torch.Tensor | None = None  # an amax of this step kept by reference
         self._tokens: set[int] = set()
@@ -173,10 +173,8 @@ class TensorScaling:
 
     def amax_slot(self) -> torch.Tensor | None:
         """Where the step's first quantization may write its amax directly (then
-        ``recorded``); None once the step has an amax, or while a CUDA graph is captured."""
-        if self._recorded or capturing(self._slot.device):
-            return None
-        return self._slot
+        ``recorded``); None once the step has an amax."""
+        return None if self._recorded else self._slot
 
     def recorded(self, token: int | None = None) -> None:
         """The slot (``amax_slot``) now holds the step's amax; ``token`` as in ``record``."""
@@ -188,11 +186,9 @@ class TensorScaling:
         """Fold ``amax`` (a 0-d float32 tensor, never written to here) into the step's
         amax; ``token`` names the weight content it is of. ``by_ref`` keeps the tensor
         itself (no kernel) for the update to fold in with the others of its batch: for
-        amaxes that outlive the step (the cached weight's). An amax made inside a CUDA
-        graph capture exists only on replay: it is not kept (a captured step does not
-        advance the scaling state)."""
-        if capturing(amax.device):
-            return
+        amaxes that outlive the step (the cached weight's). Inside a CUDA graph capture the
+        fold is a captured kernel like any other (the weight cache, the only source of kept
+        amaxes, is off there)."""
         if by_ref:
             self._ref = amax if self._ref is None else torch.maximum(self._ref, amax)
         elif self._recorded:
@@ -252,11 +248,12 @@ _ROW = 4
 
 class _RoleGroup:
     """Roles whose delayed-scaling update happens at the same moment, stacked: one
-    ``[R, L]`` tensor of completed steps, one ``[R]`` scale and one ``[R]`` buffer of the
-    step's amaxes (``pending``), so an update is one kernel (or a handful of tensor ops)
-    for all of them; role ``i`` is row ``_ROW * i``. After a batched update
-    (``_end_steps``) these are rows of the batch's tensors, read through ``hist`` /
-    ``scale`` / ``pending`` only when needed."""
+    ``[R, L]`` tensor of completed steps (``hist``), ``[R]`` scales and their reciprocals
+    and one ``[R]`` buffer of the step's amaxes (``pending``), so an update is one kernel
+    (or a handful of tensor ops) for all of them; role ``i`` is row ``_ROW * i``. The update
+    writes these in place and the roles hold views of them, so the addresses a captured
+    CUDA graph reads stay the state's. After a batched update (``_end_steps``) they are
+    rows of the batch's tensors."""
 
     def __init__(self, fmt: str, roles: int, recipe: Recipe, device: torch.device,
                  tracked: tuple[bool, ...]):
@@ -265,42 +262,40 @@ class _RoleGroup:
         self.fmt = fmt
         self.device = device
         self.rows = _ROW * roles
-        self._own = (torch.zeros(self.rows, length, dtype=torch.float32, device=device),
-                     torch.ones(self.rows, dtype=torch.float32, device=device),
-                     torch.zeros(self.rows, dtype=torch.float32, device=device))
+        self.delayed = isinstance(recipe, DelayedScaling)
+        # True once a CUDA graph captured a step of these roles: replays then move the scales
+        # without the host knowing, so no weight copy is cached against them any more
+        self.graphed = False
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
         self._index = 0
-        ones = self._own[1].unbind(0)
-        self.roles = [TensorScaling(fmt, self, _ROW * i, ones[_ROW * i], ones[_ROW * i],
-                                    deque(maxlen=window) if track else None)
+        self.roles = [TensorScaling(fmt, self, _ROW * i, deque(maxlen=window) if track else None)
                       for i, track in enumerate(tracked)]
+        self._use(torch.zeros(self.rows, length, dtype=torch.float32, device=device),
+                  torch.ones(self.rows, dtype=torch.float32, device=device),
+                  torch.ones(self.rows, dtype=torch.float32, device=device),
+                  torch.zeros(self.rows, dtype=torch.float32, device=device))
 
-    @property
-    def hist(self) -> torch.Tensor:
-        """``[R, L]``: the completed steps' amaxes, newest first."""
-        return self._own[0] if self._batch is None else self._batch.hist[self._index]
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._own[1] if self._batch is None else self._batch.scale[self._index]
-
-    @property
-    def pending(self) -> torch.Tensor:
-        """``[R]``: the step's amaxes so far (zero where none was recorded)."""
-        return self._own[2] if self._batch is None else self._batch.pending[self._index]
-
-    def _point_slots(self) -> None:
-        slots = self.pending.unbind(0)
-        for role in self.roles:
-            role._slot = slots[role._row]
+    def _use(self, hist: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+             pending: torch.Tensor) -> None:
+        """Hold these tensors (``[R, L]``, ``[R]`` x 3: the group's own or its rows of a
+        batch's) and point the roles at their rows. Under dynamic scaling a role's
+        ``scale`` is the last one used, made per call, and stays."""
+        self.tensors = (hist, scale, scale_inv, pending)
+        self.hist, self.scale, self.pending = hist, scale, pending
+        views = zip(*(_role_views(t, len(self.roles)) for t in (scale, scale_inv, pending)))
+        for role, (role_scale, role_inv, slot) in zip(self.roles, views):
+            if self.delayed:
+                role.scale, role.scale_inv = role_scale, role_inv
+            role._slot = slot
 
     def to(self, device: torch.device) -> None:
-        self._own = (self.hist.to(device), self.scale.to(device), self.pending.to(device))
+        last_used = [(role.scale.to(device), role.scale_inv.to(device)) for role in self.roles]
         self._zero, self._batch, self.device = self._zero.to(device), None, device
-        self._point_slots()
-        for role in self.roles:  # the scales last used (dynamic) or published (delayed)
-            role.scale, role.scale_inv = role.scale.to(device), role.scale_inv.to(device)
+        self._use(*(t.to(device) for t in self.tensors))
+        for role, (scale, scale_inv) in zip(self.roles, last_used):
+            if not self.delayed:
+                role.scale, role.scale_inv = scale, scale_inv
             if role._ref is not None:
                 role._ref = role._ref.to(device)
 
@@ -312,28 +307,35 @@ class _RoleGroup:
 @dataclass(eq=False)
 class _Batch:
     """Groups updated together last time: their histories, scales and step amaxes are
-    rows of these."""
+    rows of these (``[S, R, L]``, ``[S, R]`` x 3)."""
 
     groups: tuple[_RoleGroup, ...]
-    hist: torch.Tensor  # [S, R, L]
-    scale: torch.Tensor  # [S, R]
-    pending: torch.Tensor  # [S, R]
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     # per role index: the ids of the amaxes kept by reference last folded in, and what
     # folding them took (the pending column, the amaxes stacked), reused while the same
-    # tensors come back (the cached weights' amaxes, step after step)
+    # tensors come back (the cached weights', step after step)
     folds: dict[int, tuple[tuple[int, ...], list, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def stack(cls, groups: list[_RoleGroup]) -> _Batch:
+        """Copy the groups' state into stacked tensors and make the groups rows of them."""
+        batch = cls(tuple(groups), tuple(torch.stack(parts) for parts in zip(*(g.tensors for g in groups))))
+        for index, (group, *rows) in enumerate(zip(groups, *(t.unbind(0) for t in batch.tensors))):
+            group._batch, group._index = batch, index
+            group._use(*rows)
+        return batch
 
 
 def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     """End the step of many role groups: one stacked update per (recipe, format, device,
     shape) instead of one per group, so a region's bookkeeping costs one kernel (the
     plugin's) or about ten ops whatever the number of linears in it. Delayed scaling
-    only; values as group by group. The histories stay rows of one tensor, so the next
-    update of the same groups needs no stacking copy (and folds the same kept amaxes with
-    the stack it made last time); the roles get views of their scales (``_role_views``),
-    nothing else. A step ending while a CUDA graph is captured runs the
-    same update on copies (the graph does the work a real step does) and keeps nothing:
-    a captured step does not advance the scaling state."""
+    only; values as group by group. The update is in place: groups first updated together
+    become rows of one batch (a stacking copy, once), and later updates of the same groups
+    write those rows. A step ending while a CUDA graph is captured is the same update,
+    captured, so each replay advances the state; it never regroups there (a captured copy
+    would leave the state behind, as the roles' views would point at tensors written only
+    on replay): groups not already batched together are then updated one by one."""
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
         if isinstance(recipe, DelayedScaling):
@@ -347,66 +349,39 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
         return
     runtime = current_runtime()
     for (recipe, fmt, device, _), groups in buckets.items():
-        regrouped = False
-        batch = None
+        graphing = capturing(device)
+        batch = groups[0]._batch
         if len(groups) == 1:
-            group = groups[0]
-            hist, prev, pending = group.hist, group.scale, group.pending
-            regrouped = group._batch is not None
+            parts = [(groups, groups[0].tensors, None)]
+        elif (batch is not None and len(batch.groups) == len(groups)
+              and all(a is b for a, b in zip(batch.groups, groups))):
+            parts = [(groups, batch.tensors, batch)]
+        elif graphing:
+            parts = [([group], group.tensors, None) for group in groups]
         else:
-            batch = groups[0]._batch
-            if (batch is not None and len(batch.groups) == len(groups)
-                    and all(a is b for a, b in zip(batch.groups, groups))):
-                hist, prev, pending = batch.hist, batch.scale, batch.pending
-            else:
-                batch = None
-                hist = torch.stack([g.hist for g in groups])
-                prev = torch.stack([g.scale for g in groups])
-                pending = torch.stack([g.pending for g in groups])
-                regrouped = True
+            batch = _Batch.stack(groups)
+            parts = [(groups, batch.tensors, batch)]
         factor, most_recent = _factor(fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
-        if capturing(device):
-            hist, pending = hist.clone(), pending.clone()
-            _fold_refs(groups, pending)
-            fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
-            continue
-        _fold_refs(groups, pending, batch)
-        scale, inv, hist = fp8_backend.scale_update(hist, pending, prev, factor, most_recent, runtime)
-        scales, invs = _role_views(scale, groups), _role_views(inv, groups)
-        if len(groups) == 1:
-            groups[0]._own, groups[0]._batch = (hist, scale, pending), None
-        elif batch is not None:  # the same groups as last time: pending was zeroed in place
-            batch.hist, batch.scale = hist, scale
-        else:
-            batch = _Batch(tuple(groups), hist, scale, pending)
-            for index, group in enumerate(groups):
-                group._batch, group._index = batch, index
-        views = 0
+        for members, (hist, scale, scale_inv, pending), fold_batch in parts:
+            _fold_refs(members, pending, fold_batch)
+            fp8_backend.scale_update(hist, pending, scale, factor, most_recent, runtime, out=(scale, scale_inv))
         for group in groups:
-            if regrouped:
-                group._point_slots()
+            group.graphed = group.graphed or graphing
             for role in group.roles:
-                role.scale, role.scale_inv = scales[views], invs[views]
-                views += 1
                 role._close_step()
 
 
-def _role_views(values: torch.Tensor, groups: list[_RoleGroup]) -> tuple[torch.Tensor, ...]:
-    """A 0-d view per role of the groups' stacked ``[S, R]`` (or ``[R]``) ``values``, group by
-    group: the roles are every ``_ROW``-th element, so one strided view and one ``unbind``
-    (for one group, a view per role: as many ops for two roles, fewer for one)."""
-    if len(groups) == 1:
-        return tuple(values[role._row] for role in groups[0].roles)
-    if not values.is_contiguous():
-        values = values.contiguous()
-    return values.as_strided((len(groups) * len(groups[0].roles),), (_ROW,), values.storage_offset()).unbind(0)
+def _role_views(values: torch.Tensor, roles: int) -> tuple[torch.Tensor, ...]:
+    """A 0-d view per role of a group's ``[R]`` ``values`` (the roles are every ``_ROW``-th
+    element): one strided view and one ``unbind``."""
+    return values.as_strided((roles,), (_ROW,), values.storage_offset()).unbind(0)
 
 
 def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor, batch: _Batch | None = None) -> None:
     """Fold the amaxes kept by reference (``record(by_ref=True)``) into ``pending``, the
-    groups' stacked step amaxes: one copy for a single group, else two kernels per role
-    that has any (the cached weights' in inference), whatever the number of groups; one
-    when ``batch`` (``pending`` is its own) folded the same tensors last step."""
+    groups' stacked step amaxes: one kernel for a single group, else two per role that has
+    any (the cached weights' in inference), whatever the number of groups; one when
+    ``batch`` (``pending`` is its own) folded the same tensors last step."""
     count = len(groups)
     for i, role in enumerate(groups[0].roles):
         refs = [group.roles[i]._ref for group in groups]
@@ -414,11 +389,10 @@ def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor, batch: _Batch | 
         if ids == (_NONE_ID,) * count:
             continue
         if count == 1:
-            slot = pending[role._row]  # not role._slot: pending may be a copy (graph capture)
             if role._recorded:
-                torch.maximum(slot, refs[0], out=slot)
+                torch.maximum(role._slot, refs[0], out=role._slot)
             else:
-                slot.copy_(refs[0])
+                role._slot.copy_(refs[0])
             continue
         fold = None if batch is None else batch.folds.get(i)
         if fold is not None and fold[0] == ids:  # the same tensors (kept alive by fold[1])
@@ -613,10 +587,17 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
     scale is a function of the contents alone. A hit costs no kernel but the step's amax
     record (once per step). In-place writes that bypass the version counter
     (``weight.data.copy_(...)``) are invisible: ``Fp8LinearState.clear_weight_cache``.
+    No cache inside a CUDA graph capture (a captured quantize runs on every replay, so
+    replays see the weight's changes) nor for a state a graph captured a step of (its
+    replays move the scale behind the host's back).
     """
     role, recipe = state.weight, state.recipe
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
+    if (cache or entry is not None) and (state.forward_roles.graphed or capturing(weight.device)):
+        state.forward_roles.graphed = True
+        state._weight_cache = entry = None
+        cache = False
     if entry is None and not cache:  # nothing cached, nothing to keep: quantize
         return _quantize(weight, role, recipe, run, 2 if want_t else 0,
                          next(_tokens) if delayed else None)[:3]
@@ -632,11 +613,10 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
             role.scale, role.scale_inv = entry.scale, entry.scale_inv
         return entry.q, entry.q_t, entry.scale
     token = entry.token if same else next(_tokens)
-    keep = cache and not capturing(weight.device)  # a captured quantize runs only on replay
     q, q_t, scale, amax = _quantize(weight, role, recipe, run, 2 if want_t else 0,
-                                    token if delayed else None, keep_amax=keep)
+                                    token if delayed else None, keep_amax=cache)
     state._weight_cache = None
-    if keep:
+    if cache:
         state._weight_cache = _WeightCache(key, StorageWeakRef(weight.untyped_storage()), token,
                                            role.epoch, q, q_t if want_t else None, amax, scale,
                                            role.scale_inv)
@@ -669,6 +649,12 @@ class _Fp8Linear(torch.autograd.Function):
         y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, plan, cache,
                                                save_x_t=k_major and need_dw,
                                                save_w_t=k_major and need_dx)
+        if state.forward_roles.delayed and (need_dx or need_dw):
+            # the region's update rewrites the live scales in place before the backward runs;
+            # the copies sit _ROW apart, 16-byte aligned as cuBLASLt takes scale pointers
+            zero = state.forward_roles._zero
+            copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
+            sx, sw = copies[0], copies[_ROW]
         ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
         ctx.state, ctx.plan = state, plan
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
