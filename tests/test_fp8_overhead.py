@@ -424,6 +424,41 @@ def test_a_captured_training_step_updates_the_state_in_place(monkeypatch):
     assert fp8_state(graphed[0])._weight_cache is None and fp8_state(eager[0])._weight_cache is not None
 
 
+def test_weight_copies_inside_a_graph_capture(monkeypatch, quantize_calls):
+    """Inside a capture (simulated) the weight is quantized in the graph, unless
+    ``cache_weights=True`` and a copy with a scale of its own, made before the capture
+    under True, is valid: the graph reads that copy, which stays alive for it. Once a
+    graph captured an update, only such copies are reused, until the weight changes."""
+    from astrai.extension import fp8 as fp8_layer
+
+    recipe = DelayedScaling(amax_history_len=2)
+    x = torch.randn(4, 16)
+    for cache_weights, reused in ((None, False), (True, True)):
+        lin = torch.nn.Linear(16, 8)
+
+        def forward(lin=lin, cache_weights=cache_weights):
+            quantize_calls.clear()
+            with fp8_autocast(recipe=recipe, cache_weights=cache_weights):
+                lin(x)
+            return (8, 16) in quantize_calls  # the weight was quantized
+
+        with torch.no_grad():
+            for _ in range(3):
+                forward()
+            entry = fp8_state(lin)._weight_cache
+            assert entry is not None and entry.frozen == reused
+            monkeypatch.setattr(fp8_layer, "capturing", lambda device: True)
+            assert forward() != reused
+            monkeypatch.setattr(fp8_layer, "capturing", lambda device: False)
+            state = fp8_state(lin)
+            assert state.forward_roles.graphed
+            assert [kept is entry for kept in state._in_graphs] == ([True] if reused else [])
+            assert forward() != reused
+            lin.weight.add_(1.0)
+            assert forward()  # a changed weight is quantized afresh
+            assert state._weight_cache is not entry and len(state._in_graphs) == int(reused)
+
+
 def test_a_backward_reads_the_scales_its_forward_used():
     """The region's exit rewrites the live scales in place; a backward run after it still
     computes with the forward's (its copy), as one run inside the region does."""

@@ -5,7 +5,9 @@
 Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
   bf16        F.linear in bf16 (cuBLAS)
   fp8         the same nn.Linear inside fp8_autocast(DelayedScaling) - everything it
-              does per call: quantize x and W, the FP8 GEMM, the bookkeeping
+              does per call: quantize x and W, the FP8 GEMM, the bookkeeping (inference
+              with cache_weights=True: the FP8 copy of the weight is reused while the
+              weight is unchanged, in CUDA graphs as well)
   gemm        the FP8 GEMM alone as the policy runs it (the ceiling for the fp8 column)
   floor       (training step, CUDA) a Python autograd.Function running only the step's three
               FP8 GEMMs on operands quantized beforehand: the host-cost floor of any FP8
@@ -101,6 +103,10 @@ def piped_ms(fn, device: str, calls: int = 20) -> float:
 def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
     dtype = torch.bfloat16
     lin = torch.nn.Linear(k, n, bias=True, device=device, dtype=dtype)
+    # the training steps' own copy: an optimizer changes the weight every step, so its FP8
+    # copy is made every step (never the one the inference calls cached)
+    lin_train = torch.nn.Linear(k, n, bias=True, device=device, dtype=dtype)
+    lin_train.load_state_dict(lin.state_dict())
     xs = [torch.randn(m, k, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
     gy = torch.randn(m, n, device=device, dtype=dtype)
     recipe = DelayedScaling(amax_history_len=16)
@@ -113,16 +119,16 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
         with torch.no_grad():
             F.linear(x(), lin.weight, lin.bias)
 
-    def fp8_fwd():
-        with torch.no_grad(), fp8_autocast(recipe=recipe):
+    def fp8_fwd():  # cache_weights=True: the FP8 weight is reused, inside CUDA graphs too
+        with torch.no_grad(), fp8_autocast(recipe=recipe, cache_weights=True):
             lin(x())
 
     def bf16_step():
-        F.linear(x(), lin.weight, lin.bias).backward(gy)
+        F.linear(x(), lin_train.weight, lin_train.bias).backward(gy)
 
     def fp8_step():
         with fp8_autocast(recipe=recipe):
-            y = lin(x())
+            y = lin_train(x())
         y.backward(gy)
 
     a8 = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
@@ -135,7 +141,7 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
     floor = _floor_function(m, n, k, device)
 
     def floor_step():
-        floor.apply(x(), lin.weight, lin.bias).backward(gy)
+        floor.apply(x(), lin_train.weight, lin_train.bias).backward(gy)
 
     res = {"m": m, "n": n, "k": k}
     fwd_flop, step_flop = 2.0 * m * n * k, 6.0 * m * n * k
@@ -157,7 +163,7 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
             except Exception as exc:  # noqa: BLE001 - reported, not hidden
                 res[name + "_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize()
-        for p in lin.parameters():
+        for p in lin_train.parameters():
             p.grad = None
         for t in xs:
             t.grad = None

@@ -84,13 +84,14 @@ def host_parts(m: int, n: int, k: int) -> None:
 
     xg = x.clone().requires_grad_()
     gy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    lin_train = torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16)  # no cached FP8 weight
 
     def bf16_step():
-        F.linear(xg, lin.weight, lin.bias).backward(gy)
+        F.linear(xg, lin_train.weight, lin_train.bias).backward(gy)
 
     def fp8_step():
         with fp8_autocast(recipe=recipe):
-            y = lin(xg)
+            y = lin_train(xg)
         y.backward(gy)
 
     parts["fp8_autocast enter + exit, no linear"] = region_only
@@ -226,6 +227,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     lin = torch.nn.Linear(args.k, args.n, device="cuda", dtype=torch.bfloat16)
+    lin_train = torch.nn.Linear(args.k, args.n, device="cuda", dtype=torch.bfloat16)  # no cached FP8 weight
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(args.m, args.n, device="cuda", dtype=torch.bfloat16)
     recipe = DelayedScaling(amax_history_len=16)
@@ -236,7 +238,7 @@ def main() -> None:
 
     def step():
         with fp8_autocast(recipe=recipe):
-            y = lin(x)
+            y = lin_train(x)
         y.backward(gy)
 
     host_parts(args.m, args.n, args.k)

@@ -261,3 +261,47 @@ def test_captured_training_step_advances_delayed_scaling(monkeypatch, update):
         sgd(eager)
         eager.zero_grad(set_to_none=True)
     assert fp8_state(graphed[0]).input.amax_history[1:].gt(0).all()  # the replays filled it
+
+
+@pytest.mark.parametrize("cache_weights", [None, True], ids=["default", "cache_weights"])
+def test_captured_inference_forward_and_the_weight_copy(cache_weights):
+    """An inference forward captured in a CUDA graph, replayed with new inputs, gives the
+    outputs and scaling state of eager calls. By default the graph quantizes the weight on
+    every replay, so a replay after an in-place weight change computes with the new
+    weight; with ``cache_weights=True`` it reads the FP8 copy made before the capture (the
+    weights promised constant), as the eager calls hitting the cache do."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    graphed = torch.nn.Linear(256, 512).cuda().to(torch.bfloat16)
+    eager = torch.nn.Linear(256, 512).cuda().to(torch.bfloat16)
+    eager.load_state_dict(graphed.state_dict())
+    xs = [torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (1 + i % 3) for i in range(9)]
+    static_x = xs[0].clone()
+
+    def forward(model, x):
+        with torch.no_grad(), fp8_autocast(recipe=recipe, cache_weights=cache_weights):
+            return model(x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs[:3]:
+            static_x.copy_(x)
+            forward(graphed, static_x)
+            forward(eager, x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = forward(graphed, static_x)
+    assert bool(fp8_state(graphed)._in_graphs) == (cache_weights is True)
+    for i, x in enumerate(xs[3:]):
+        if cache_weights is None and i == 3:
+            with torch.no_grad():  # the graph must see it: it quantizes the weight itself
+                graphed.weight.mul_(1.5)
+                eager.weight.mul_(1.5)
+        static_x.copy_(x)
+        graph.replay()
+        want = forward(eager, x)
+        assert torch.equal(static_y, want), i
+        for a, b in zip(_scaling_state([graphed]), _scaling_state([eager])):
+            assert torch.equal(a, b), (i, a, b)

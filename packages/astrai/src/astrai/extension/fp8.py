@@ -422,6 +422,9 @@ class _WeightCache:
     amax: torch.Tensor
     scale: torch.Tensor
     scale_inv: torch.Tensor
+    # its scale is a copy of its own, not a view of the live state the updates rewrite:
+    # the copy a CUDA graph may read on every replay (``cache_weights=True``)
+    frozen: bool = False
 
 
 _tokens = itertools.count(1)
@@ -444,6 +447,9 @@ class Fp8LinearState:
     backward_roles: _RoleGroup = field(repr=False)
     _backward_pending: bool = field(default=False, repr=False)
     _weight_cache: _WeightCache | None = field(default=None, repr=False)
+    # the cached copies CUDA graphs captured (``cache_weights=True``): they read them on
+    # every replay, so they stay alive with the state
+    _in_graphs: list[_WeightCache] = field(default_factory=list, repr=False)
 
     @property
     def input(self) -> TensorScaling:
@@ -579,7 +585,7 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_lay
 
 
 def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: bool,
-                     cache: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                     cache: bool, in_graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t or None, scale)`` of the weight, from the cache while it is valid.
 
     Valid while the weight holds the same contents (``_weight_key``, its storage alive)
@@ -587,23 +593,34 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
     scale is a function of the contents alone. A hit costs no kernel but the step's amax
     record (once per step). In-place writes that bypass the version counter
     (``weight.data.copy_(...)``) are invisible: ``Fp8LinearState.clear_weight_cache``.
-    No cache inside a CUDA graph capture (a captured quantize runs on every replay, so
-    replays see the weight's changes) nor for a state a graph captured a step of (its
-    replays move the scale behind the host's back).
+
+    Inside a CUDA graph capture the weight is quantized in the graph (every replay sees
+    the weight's changes), unless ``in_graphs`` (``cache_weights=True``: the caller holds
+    the weights constant across replays) and a copy made outside the capture with a scale
+    of its own (``frozen``) is valid: the graph then reads that copy, kept alive for it.
+    Once a graph captured an update of the state (``graphed``), replays move its scale
+    behind the host's back: only such frozen copies are used from then on.
     """
     role, recipe = state.weight, state.recipe
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
-    if (cache or entry is not None) and (state.forward_roles.graphed or capturing(weight.device)):
-        state.forward_roles.graphed = True
-        state._weight_cache = entry = None
-        cache = False
+    layout = 2 if want_t else 0
+    if cache or entry is not None:
+        if capturing(weight.device):
+            usable = in_graphs and entry is not None and entry.frozen and (entry.q_t is not None or not want_t)
+            if not usable:  # a quantize in the graph, nothing kept
+                return _quantize(weight, role, recipe, run, layout, next(_tokens) if delayed else None)[:3]
+            if not any(kept is entry for kept in state._in_graphs):
+                state._in_graphs.append(entry)
+            cache = False  # nothing made in the capture is kept
+        elif state.forward_roles.graphed and not in_graphs:
+            state._weight_cache = entry = None
+            cache = False
     if entry is None and not cache:  # nothing cached, nothing to keep: quantize
-        return _quantize(weight, role, recipe, run, 2 if want_t else 0,
-                         next(_tokens) if delayed else None)[:3]
+        return _quantize(weight, role, recipe, run, layout, next(_tokens) if delayed else None)[:3]
     key = _weight_key(weight)
     same = entry is not None and entry.key == key and not entry.storage.expired()
-    if same and entry.epoch == role.epoch:
+    if same and (entry.epoch == role.epoch or (entry.frozen and state.forward_roles.graphed)):
         if want_t and entry.q_t is None:
             entry.q_t = entry.q.t().contiguous()  # the bytes the two-layout quantize writes
         if delayed:
@@ -613,22 +630,24 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
             role.scale, role.scale_inv = entry.scale, entry.scale_inv
         return entry.q, entry.q_t, entry.scale
     token = entry.token if same else next(_tokens)
-    q, q_t, scale, amax = _quantize(weight, role, recipe, run, 2 if want_t else 0,
-                                    token if delayed else None, keep_amax=cache)
+    q, q_t, scale, amax = _quantize(weight, role, recipe, run, layout, token if delayed else None,
+                                    keep_amax=cache)
     state._weight_cache = None
     if cache:
+        frozen = in_graphs or not delayed  # a delayed scale is a view of the live state: copied
         state._weight_cache = _WeightCache(key, StorageWeakRef(weight.untyped_storage()), token,
-                                           role.epoch, q, q_t if want_t else None, amax, scale,
-                                           role.scale_inv)
+                                           role.epoch, q, q_t if want_t else None, amax,
+                                           scale.clone() if frozen and delayed else scale,
+                                           role.scale_inv, frozen)
     return q, (q_t if want_t else None), scale
 
 
 def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, save_x_t: bool = False,
-             save_w_t: bool = False):
+             save_w_t: bool = False, in_graphs: bool = False):
     """The forward GEMM; also returns the FP8 operands the backward will read (their
     transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
     xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache)
+    wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, in_graphs)
     y = plan.gemm(xq, wq.t(), sx, sw, bias)
     return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
 
@@ -648,7 +667,7 @@ class _Fp8Linear(torch.autograd.Function):
         k_major = plan.k_major
         y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, plan, cache,
                                                save_x_t=k_major and need_dw,
-                                               save_w_t=k_major and need_dx)
+                                               save_w_t=k_major and need_dx, in_graphs=cache)
         if state.forward_roles.delayed and (need_dx or need_dw):
             # the region's update rewrites the live scales in place before the backward runs;
             # the copies sit _ROW apart, 16-byte aligned as cuBLASLt takes scale pointers
@@ -767,7 +786,8 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     else:
         plan = _plan_for(x2d, weight, state, None)
         with torch.no_grad() if grad_mode else contextlib.nullcontext():
-            y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False)[0]
+            y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False,
+                         in_graphs=region.cache_weights is True)[0]
             if y.dtype != out_dtype:
                 y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
@@ -834,7 +854,10 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
     scale are unchanged. The default (None) caches only calls that record no gradient
     (inference), where weights change only through tracked writes; in training an optimizer
     or framework may write through ``param.data``, which the cache cannot see, so there it
-    is opt-in (True, e.g. for gradient accumulation). False never caches.
+    is opt-in (True, e.g. for gradient accumulation). False never caches. Inside a CUDA
+    graph capture only True reuses a copy (made before the capture, under True): a
+    promise that the weights stay constant across replays, which the graph cannot check;
+    otherwise the graph quantizes the weight on every replay.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
