@@ -337,6 +337,12 @@ def test_state_is_per_weight_and_inspectable():
     with fp8_autocast(recipe=DelayedScaling(amax_history_len=2)):  # another recipe: fresh state
         a(torch.randn(2, 8))
     assert fp8_state(a) is not sa and fp8_state(a).input.amax_history.shape == (2,)
+    for recipe in (DelayedScaling(), DynamicScaling()):  # a role not used yet: scale 1
+        c = torch.nn.Linear(8, 8)
+        with torch.no_grad(), fp8_autocast(recipe=recipe):
+            c(torch.randn(2, 8))
+        grad = fp8_state(c).grad_output
+        assert grad.scale.item() == grad.scale_inv.item() == 1.0, recipe
     with pytest.raises(TypeError, match="weight tensor"):
         fp8_state(torch.nn.ReLU())
 

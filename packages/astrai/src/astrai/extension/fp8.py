@@ -280,12 +280,12 @@ class _RoleGroup:
              pending: torch.Tensor) -> None:
         """Hold these tensors (``[R, L]``, ``[R]`` x 3: the group's own or its rows of a
         batch's) and point the roles at their rows. Under dynamic scaling a role's
-        ``scale`` is the last one used, made per call, and stays."""
+        ``scale`` is the last one used, made per call, and stays (1 until the first)."""
         self.tensors = (hist, scale, scale_inv, pending)
         self.hist, self.scale, self.pending = hist, scale, pending
         views = zip(*(_role_views(t, len(self.roles)) for t in (scale, scale_inv, pending)))
         for role, (role_scale, role_inv, slot) in zip(self.roles, views):
-            if self.delayed:
+            if self.delayed or role.scale is self._zero:
                 role.scale, role.scale_inv = role_scale, role_inv
             role._slot = slot
 
