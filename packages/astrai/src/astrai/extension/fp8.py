@@ -605,22 +605,21 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
     layout = 2 if want_t else 0
-    if cache or entry is not None:
-        if capturing(weight.device):
-            usable = in_graphs and entry is not None and entry.frozen and (entry.q_t is not None or not want_t)
-            if not usable:  # a quantize in the graph, nothing kept
-                return _quantize(weight, role, recipe, run, layout, next(_tokens) if delayed else None)[:3]
-            if not any(kept is entry for kept in state._in_graphs):
-                state._in_graphs.append(entry)
-            cache = False  # nothing made in the capture is kept
-        elif state.forward_roles.graphed and not in_graphs:
-            state._weight_cache = entry = None
-            cache = False
+    graphing = (cache or entry is not None) and capturing(weight.device)
+    if graphing:
+        cache = False  # nothing made in a capture is kept
+        if not (in_graphs and entry is not None and entry.frozen and (entry.q_t is not None or not want_t)):
+            entry = None  # a quantize in the graph
+    elif state.forward_roles.graphed and not in_graphs:
+        state._weight_cache = entry = None
+        cache = False
     if entry is None and not cache:  # nothing cached, nothing to keep: quantize
         return _quantize(weight, role, recipe, run, layout, next(_tokens) if delayed else None)[:3]
     key = _weight_key(weight)
     same = entry is not None and entry.key == key and not entry.storage.expired()
     if same and (entry.epoch == role.epoch or (entry.frozen and state.forward_roles.graphed)):
+        if graphing and not any(kept is entry for kept in state._in_graphs):
+            state._in_graphs.append(entry)  # the graph reads it on every replay
         if want_t and entry.q_t is None:
             entry.q_t = entry.q.t().contiguous()  # the bytes the two-layout quantize writes
         if delayed:
