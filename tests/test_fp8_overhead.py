@@ -459,6 +459,41 @@ def test_weight_copies_inside_a_graph_capture(monkeypatch, quantize_calls):
             assert state._weight_cache is not entry and len(state._in_graphs) == int(reused)
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), DynamicScaling()],
+                         ids=["delayed", "dynamic"])
+def test_reset_forgets_the_scaling_history_in_place(recipe):
+    """After ``reset()`` a state computes what a fresh one does (outputs, gradients,
+    histories, scales), and its tensors kept their addresses (what a captured graph reads)."""
+    torch.manual_seed(0)
+    used = _mlp(2)
+    fresh = copy.deepcopy(used)
+    gy = torch.randn(8, 32, dtype=torch.bfloat16)
+
+    def step(model, x):
+        with fp8_autocast(recipe=recipe):
+            y = model(x)
+        y.backward(gy)
+        return y
+
+    for i in range(3):
+        step(used, torch.randn(8, 32, dtype=torch.bfloat16) * (5 + i))
+    states = [fp8_state(lin) for lin in used if isinstance(lin, torch.nn.Linear)]
+    addresses = [t.data_ptr() for state in states for group in (state.forward_roles, state.backward_roles)
+                 for t in group.tensors]
+    for state in states:
+        state.reset()
+        assert state.input.amax_history.eq(0).all() and state.grad_output.scale.item() == 1.0
+    assert addresses == [t.data_ptr() for state in states for group in (state.forward_roles, state.backward_roles)
+                         for t in group.tensors]
+    used.zero_grad()
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    assert torch.equal(step(used, x), step(fresh, x))
+    for a, b in zip(used, fresh):
+        if isinstance(a, torch.nn.Linear):
+            assert torch.equal(a.weight.grad, b.weight.grad)
+            assert all(torch.equal(s, t) for s, t in zip(_snapshot(a), _snapshot(b)))
+
+
 def test_a_backward_reads_the_scales_its_forward_used():
     """The region's exit rewrites the live scales in place; a backward run after it still
     computes with the forward's (its copy), as one run inside the region does."""

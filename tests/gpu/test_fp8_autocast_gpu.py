@@ -305,3 +305,49 @@ def test_captured_inference_forward_and_the_weight_copy(cache_weights):
         assert torch.equal(static_y, want), i
         for a, b in zip(_scaling_state([graphed]), _scaling_state([eager])):
             assert torch.equal(a, b), (i, a, b)
+
+
+# torch warns when its warm-up (on one side stream) keeps AccumulateGrad nodes alive into
+# the capture (on another): not the default stream, so the capture is unaffected
+@pytest.mark.filterwarnings("ignore:The AccumulateGrad node's stream does not match")
+def test_make_graphed_callables_with_a_reset_after_its_warm_up():
+    """``torch.cuda.make_graphed_callables`` on a block whose forward runs in fp8_autocast.
+    Its warm-up backward passes feed uninitialized output gradients, so the block's states
+    are reset after it; the graphed block then trains as an eager twin does, bit for bit
+    (outputs, gradients, histories, scales), the scaling advancing on every replay."""
+    recipe = DelayedScaling(amax_history_len=4)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+
+        def forward(self, x):
+            with fp8_autocast(recipe=recipe):
+                return self.seq(x)
+
+    torch.manual_seed(0)
+    block = Block().cuda().to(torch.bfloat16)
+    eager = Block().cuda().to(torch.bfloat16)
+    eager.load_state_dict(block.state_dict())
+    sample = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(block, (sample,))
+    for lin in block.seq[::2]:
+        fp8_state(lin).reset()
+    for i in range(5):
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16) * (1 + 3 * (i % 3))
+        xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, ye = graphed(xg), eager(xe)
+        y.float().square().mean().backward()
+        ye.float().square().mean().backward()
+        assert torch.equal(y, ye), i
+        assert torch.equal(xg.grad, xe.grad), i
+        for a, b in zip(block.parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad), i
+        for a, b in zip(_scaling_state(block.seq[::2]), _scaling_state(eager.seq[::2])):
+            assert torch.equal(a, b), (i, a, b)
+        with torch.no_grad():
+            for model in (block, eager):
+                for p in model.parameters():
+                    p.sub_(p.grad, alpha=0.05)
+                    p.grad = None

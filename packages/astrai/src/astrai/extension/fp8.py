@@ -199,6 +199,18 @@ class TensorScaling:
         if token is not None:
             self._tokens.add(token)
 
+    def _forget(self) -> None:
+        """Back to no step recorded (``_RoleGroup.reset``); the epoch moves on, so no weight
+        copy made before is taken for valid."""
+        self.updates = 0
+        self.epoch += 1
+        self._recorded, self._ref = False, None
+        self._tokens = set()
+        if self._window is not None:
+            self._window.clear()
+        self._in_window = {}
+        self._window_closed = False
+
     def _close_step(self) -> None:
         """After an update: bump ``epoch`` unless the scale provably kept its value.
 
@@ -288,6 +300,18 @@ class _RoleGroup:
             if self.delayed or role.scale is self._zero:
                 role.scale, role.scale_inv = role_scale, role_inv
             role._slot = slot
+
+    def reset(self) -> None:
+        hist, scale, scale_inv, pending = self.tensors
+        with torch.no_grad():
+            hist.zero_()
+            pending.zero_()
+            scale.fill_(1.0)
+            scale_inv.fill_(1.0)
+        for role, (role_scale, role_inv) in zip(self.roles, zip(*(_role_views(t, len(self.roles))
+                                                                  for t in (scale, scale_inv)))):
+            role.scale, role.scale_inv = role_scale, role_inv
+            role._forget()
 
     def to(self, device: torch.device) -> None:
         last_used = [(role.scale.to(device), role.scale_inv.to(device)) for role in self.roles]
@@ -475,6 +499,20 @@ class Fp8LinearState:
 
     def clear_weight_cache(self) -> None:
         """Drop the cached FP8 weight (its memory, and any doubt: the next call quantizes)."""
+        self._weight_cache = None
+
+    def reset(self) -> None:
+        """Forget the scaling history, as if no step had run: amax histories and the
+        step's amaxes zeroed, scales back to 1, written in place (a CUDA graph that
+        captured steps of this state keeps reading the same tensors); the cached FP8
+        weight dropped. For after steps on unrepresentative data: the warm-up of
+        ``torch.cuda.make_graphed_callables`` feeds uninitialized output gradients to its
+        backward passes, which would otherwise sit in the gradient history."""
+        if capturing(self.forward_roles.device):
+            raise RuntimeError("Fp8LinearState.reset() inside a CUDA graph capture would run only on "
+                               "replay; call it before or after the capture")
+        self.forward_roles.reset()
+        self.backward_roles.reset()
         self._weight_cache = None
 
     def to(self, device: torch.device) -> None:
