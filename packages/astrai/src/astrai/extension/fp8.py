@@ -187,8 +187,8 @@ class TensorScaling:
         amax; ``token`` names the weight content it is of. ``by_ref`` keeps the tensor
         itself (no kernel) for the update to fold in with the others of its batch: for
         amaxes that outlive the step (the cached weight's). Inside a CUDA graph capture the
-        fold is a captured kernel like any other (the weight cache, the only source of kept
-        amaxes, is off there)."""
+        folds are captured kernels like any other, reading tensors that outlive the graph's
+        replays (a kept amax there is a graph-pinned weight copy's)."""
         if by_ref:
             self._ref = amax if self._ref is None else torch.maximum(self._ref, amax)
         elif self._recorded:
@@ -276,7 +276,7 @@ class _RoleGroup:
         self.rows = _ROW * roles
         self.delayed = isinstance(recipe, DelayedScaling)
         # True once a CUDA graph captured a step of these roles: replays then move the scales
-        # without the host knowing, so no weight copy is cached against them any more
+        # without the host knowing, so only weight copies with scales of their own are reused
         self.graphed = False
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
