@@ -157,7 +157,7 @@ class TensorScaling:
 
     @property
     def amax_history(self) -> torch.Tensor:
-        done = self._group.hist[self._row]  # completed steps, newest first
+        done = self._group.tensors[0][self._row]  # completed steps, newest first
         current = self._slot if self._ref is None else torch.maximum(self._slot, self._ref)
         return torch.cat((current.reshape(1), done[:-1]))
 
@@ -259,9 +259,9 @@ _ROW = 4
 
 
 class _RoleGroup:
-    """Roles whose delayed-scaling update happens at the same moment, stacked: one
-    ``[R, L]`` tensor of completed steps (``hist``), ``[R]`` scales and their reciprocals
-    and one ``[R]`` buffer of the step's amaxes (``pending``), so an update is one kernel
+    """Roles whose delayed-scaling update happens at the same moment, stacked in
+    ``tensors``: an ``[R, L]`` history of completed steps, ``[R]`` scales and their
+    reciprocals, and an ``[R]`` buffer of the step's amaxes (pending), so an update is one kernel
     (or a handful of tensor ops) for all of them; role ``i`` is row ``_ROW * i``. The update
     writes these in place and the roles hold views of them, so the addresses a captured
     CUDA graph reads stay the state's. After a batched update (``_end_steps``) they are
@@ -280,7 +280,6 @@ class _RoleGroup:
         self.graphed = False
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._batch: _Batch | None = None  # set while the tensors are rows of a batch's
-        self._index = 0
         self.roles = [TensorScaling(fmt, self, _ROW * i, deque(maxlen=window) if track else None)
                       for i, track in enumerate(tracked)]
         self._use(torch.zeros(self.rows, length, dtype=torch.float32, device=device),
@@ -294,7 +293,6 @@ class _RoleGroup:
         batch's) and point the roles at their rows. Under dynamic scaling a role's
         ``scale`` is the last one used, made per call, and stays (1 until the first)."""
         self.tensors = (hist, scale, scale_inv, pending)
-        self.hist, self.scale, self.pending = hist, scale, pending
         views = zip(*(_role_views(t, len(self.roles)) for t in (scale, scale_inv, pending)))
         for role, (role_scale, role_inv, slot) in zip(self.roles, views):
             if self.delayed or role.scale is self._zero:
@@ -344,8 +342,8 @@ class _Batch:
     def stack(cls, groups: list[_RoleGroup]) -> _Batch:
         """Copy the groups' state into stacked tensors and make the groups rows of them."""
         batch = cls(tuple(groups), tuple(torch.stack(parts) for parts in zip(*(g.tensors for g in groups))))
-        for index, (group, *rows) in enumerate(zip(groups, *(t.unbind(0) for t in batch.tensors))):
-            group._batch, group._index = batch, index
+        for group, *rows in zip(groups, *(t.unbind(0) for t in batch.tensors)):
+            group._batch = batch
             group._use(*rows)
         return batch
 
@@ -388,7 +386,7 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
         factor, most_recent = _factor(fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
         for members, (hist, scale, scale_inv, pending), fold_batch in parts:
             _fold_refs(members, pending, fold_batch)
-            fp8_backend.scale_update(hist, pending, scale, factor, most_recent, runtime, out=(scale, scale_inv))
+            fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime)
         for group in groups:
             group.graphed = group.graphed or graphing
             for role in group.roles:

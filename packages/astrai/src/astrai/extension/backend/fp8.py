@@ -461,24 +461,20 @@ def choose_scale_update(device: DeviceInfo, *, runtime: Runtime | None = None) -
                                     Fp8Call(device, ("float32",)), (device.key, device.sm)).name
 
 
-def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, factor: float,
-                 most_recent: bool, runtime: Runtime,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delayed scaling's end of step (``fp8_torch.scale_update``): ``(scale, scale_inv,
-    history)``, ``pending`` zeroed; in place with ``out = (scale, scale_inv)`` (``prev``
-    may be ``out[0]``). One plugin kernel where the policy picks the plugin (the history is
-    then updated in place either way), else the torch ops."""
+def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+                 factor: float, most_recent: bool, runtime: Runtime) -> None:
+    """Delayed scaling's end of step, in place (``fp8_torch.scale_update``): one plugin
+    kernel where the policy picks the plugin, else the torch ops."""
     if not torch.compiler.is_compiling():
         device = probe_device(hist.device)
         module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
         if module is not None:
             try:
-                scale, scale_inv = ops_fp8.scale_update(module, hist, pending, prev, factor, most_recent, out)
-                return scale, scale_inv, hist
+                return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent)
             except RuntimeError:
                 if not _plugin_broken(runtime, "fp8_scale_update", device):
                     raise
-    return fp8_torch.scale_update(hist, pending, prev, factor, most_recent, out)
+    fp8_torch.scale_update(hist, pending, scale, scale_inv, factor, most_recent)
 
 
 def _scale_update_module(device: DeviceInfo, runtime: Runtime):

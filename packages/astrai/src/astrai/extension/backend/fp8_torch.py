@@ -161,28 +161,19 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
     return out[:, :n] if n_pad != n else out
 
 
-def scale_update(hist: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor, factor: float,
-                 most_recent: bool, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delayed scaling's end of step: ``(scale, scale_inv, history)`` for histories stacked
-    along the leading dimensions (``hist [..., L]``, newest first) and the step's amaxes
-    (``pending``, shaped like ``prev``, the previous scales). The history gains the step
-    as its newest slot and drops its oldest; ``amax`` is the new history's max (NaN if any
-    slot is NaN) or, ``most_recent``, the step's own; ``scale = amax * factor`` unless the
-    amax is zero or not finite (then ``prev`` stays). ``pending`` is zeroed. Every op is
-    elementwise or a max, so stacking more rows changes no value. With ``out = (scale,
-    scale_inv)`` the update is in place: those receive the new scales (``prev`` may be
-    ``out[0]``) and ``hist`` the new history; they are what it returns."""
+def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+                 factor: float, most_recent: bool) -> None:
+    """Delayed scaling's end of step, in place, for histories stacked along the leading
+    dimensions (``hist [..., L]``, newest first) and the step's amaxes (``pending``, shaped
+    like ``scale``). The history gains the step as its newest slot and drops its oldest;
+    ``amax`` is the new history's max (NaN if any slot is NaN) or, ``most_recent``, the
+    step's own; ``scale`` becomes ``amax * factor`` unless the amax is zero or not finite
+    (then it keeps its value), ``scale_inv`` its reciprocal; ``pending`` is zeroed. Every
+    op is elementwise or a max, so stacking more rows changes no value."""
     full = torch.cat((pending.unsqueeze(-1), hist[..., :-1]), -1)
     amax = pending if most_recent else full.amax(-1)
     usable = amax.nan_to_num(0.0, 0.0)  # zero where amax is zero, inf or NaN (never negative)
-    if out is None:
-        scale = torch.where(usable > 0, usable * factor, prev)
-        pending.zero_()
-        return scale, scale.reciprocal(), full
-    scale, scale_inv = out
-    torch.where(usable > 0, usable * factor, prev, out=scale)
+    torch.where(usable > 0, usable * factor, scale, out=scale)
     torch.reciprocal(scale, out=scale_inv)
     hist.copy_(full)
     pending.zero_()
-    return scale, scale_inv, hist

@@ -243,18 +243,14 @@ def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: 
 
 
 # ---------------------------------------------------------------------------- scale update
-def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, prev_scale: torch.Tensor,
-                 factor: float, most_recent: bool,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delayed scaling's end of step for ``rows`` amax histories at once, one plugin kernel
-    (``fp8_scale_update``; its contract in docs/plugins.md): ``hist`` (float32, contiguous,
-    ``[..., L]``) gains ``pending`` (one amax per row) as its newest slot in place, and
-    ``pending`` is zeroed; returns new ``(scale, scale_inv)`` shaped like ``prev_scale``, or
-    writes them into ``out`` (``prev_scale`` may be ``out[0]``: the kernel reads it first).
-    Arguments taken as valid (the FP8 linear's end of step made them; the binding still
-    checks them before the launch), ``module`` from ``_plugin.require``."""
-    scale, scale_inv = (torch.empty_like(prev_scale), torch.empty_like(prev_scale)) if out is None else out
-    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending),
-                     tensor_arg(prev_scale), tensor_arg(scale), tensor_arg(scale_inv), float(factor),
-                     bool(most_recent))
-    return scale, scale_inv
+def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
+                 scale_inv: torch.Tensor, factor: float, most_recent: bool) -> None:
+    """Delayed scaling's end of step for ``rows`` amax histories at once, in place, one
+    plugin kernel (``fp8_scale_update``; its contract in docs/plugins.md): ``hist``
+    (float32, contiguous, ``[..., L]``) gains ``pending`` (one amax per row) as its newest
+    slot, ``pending`` is zeroed, ``scale`` (read first, as the previous scales) and
+    ``scale_inv`` receive the new scales. Arguments taken as valid (the FP8 linear's end
+    of step made them; the binding still checks them before the launch), ``module`` from
+    ``_plugin.require``."""
+    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(scale),
+           tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent))
