@@ -15,7 +15,7 @@
 #include "decode_split_kv_mma.cuh"
 #include "prefill_split_q.cuh"
 #include "prefill_split_q_mma.cuh"
-#include "prefill_wgmma.cuh"
+#include "prefill_ws.cuh"
 
 namespace astrai::attn {
 
@@ -111,21 +111,22 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 // Whether the current device is an sm_90 (Hopper) GPU.
 inline bool device_is_sm90() { return device_arch() == 90; }
 
-// The wgmma prefill (D = 128, HB >= 2, sm_90a): the 8-warp block's packing, two warpgroups.
-template <typename T, class QSched, class KV>
-void launch_prefill_wgmma(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
+// The warp-specialized Hopper prefill (HB >= 2, sm_90a): 128 (row, head) pairs per block,
+// packed like the 8-warp mma.sync block.
+template <typename T, int D, class QSched, class KV>
+void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
     p.blocks_per_tile = prefill_blocks_per_tile(p.group, 8);
     const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
-    using C = PrefillWgmmaConfig;
+    using C = PrefillWsConfig<D>;
     static std::atomic<uint64_t> done{0};
-    set_smem_limit(prefill_wgmma_kernel<T, QSched, KV>, C::kSmemBytes, done);
-    prefill_wgmma_kernel<T, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+    set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);
+    prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 }
 
-// layout = 0: the heuristic: the wgmma kernel where it applies (sm_90 device, sm_90a code,
-// D = 128, HB >= 2), else prefill_warps' mma.sync layout. 4 or 8 forces that many mma.sync
-// warps, kPrefillWgmma the wgmma kernel where it applies (benchmarks and tests).
+// layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
+// sm_90a code, HB >= 2), else prefill_warps' mma.sync layout. 4 or 8 forces that many
+// mma.sync warps, kPrefillWgmma the Hopper kernel where it applies (benchmarks and tests).
 constexpr int kPrefillWgmma = 90;
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
@@ -136,9 +137,9 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
     prefill_scalar_kernel<T, D, QSched, KV><<<grid, 32 * kPrefillWarps, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 #else
-    if constexpr (D == 128 && built_for_sm90()) {
+    if constexpr (built_for_sm90()) {
         if ((layout == 0 || layout == kPrefillWgmma) && p.head_block >= 2 && device_is_sm90())
-            return launch_prefill_wgmma<T, QSched, KV>(p, num_q_tiles, batch, stream);
+            return launch_prefill_ws<T, D, QSched, KV>(p, num_q_tiles, batch, stream);
     }
     const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);
     if constexpr (D <= 128) {

@@ -82,6 +82,15 @@ struct KvTileLoader {
 
     // Copies tile `tile` into the K tile at k_dst and the V tile at v_dst (zero-filled past kv_end).
     __device__ __forceinline__ void load(int tile, uint32_t k_dst, uint32_t v_dst) const {
+        copy<true, true>(tile, k_dst, v_dst);
+    }
+    // K or V alone (the warp-specialized kernel streams them through separate rings).
+    __device__ __forceinline__ void load_k(int tile, uint32_t dst) const { copy<true, false>(tile, dst, 0); }
+    __device__ __forceinline__ void load_v(int tile, uint32_t dst) const { copy<false, true>(tile, 0, dst); }
+
+  private:
+    template <bool kK, bool kV>
+    __device__ __forceinline__ void copy(int tile, uint32_t k_dst, uint32_t v_dst) const {
         const T* kg = static_cast<const T*>(p.k);
         const T* vg = static_cast<const T*>(p.v);
 #pragma unroll
@@ -95,8 +104,8 @@ struct KvTileLoader {
             for (int line = 0; line < kLines; ++line) {
                 const int c = line * kThreadsPerRow + ld_c;
                 const uint32_t off = Tile::offset(r, c);
-                cp_async_16(k_dst + off, kg + ko + c * 8, ok);
-                cp_async_16(v_dst + off, vg + vo + c * 8, ok);
+                if constexpr (kK) cp_async_16(k_dst + off, kg + ko + c * 8, ok);
+                if constexpr (kV) cp_async_16(v_dst + off, vg + vo + c * 8, ok);
             }
         }
     }

@@ -118,7 +118,7 @@ void launch_prefill_layout_t(const AttentionParams& p, int D, unsigned tiles, in
     }
 }
 
-// warps = 0: the launch heuristic's layout; else 4 or 8 mma.sync warps or the wgmma kernel
+// warps = 0: the launch heuristic's layout; else 4 or 8 mma.sync warps or the Hopper kernel
 // (kPrefillWgmma) when the head packing, D and the device allow it (else the heuristic's).
 void launch_prefill_layout(const AttentionParams& p, bool bf16, int D, unsigned tiles, int warps) {
     if (bf16) return launch_prefill_layout_t<__nv_bfloat16>(p, D, tiles, warps);
@@ -184,7 +184,7 @@ bool prefill_case(const std::vector<int>& q_lens, const std::vector<int>& prefix
 }
 
 void bench() {
-    std::printf("\n-- paged timings (median, us; prefill layout: 4 / 8 mma.sync warps, 90 wgmma) --\n");
+    std::printf("\n-- paged timings (median, us; prefill layout: 4 / 8 mma.sync warps, 90 warp-specialized wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
     for (int page : {1, 16})
         for (int B : {1, 16, 64}) {
@@ -211,9 +211,10 @@ void bench() {
 }
 
 
-void bench_prefill() {
-    const int Hq = 32, Hkv = 8, D = 128;
-    for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}}) {
+template <int D>
+void bench_prefill_d() {
+    const int Hq = 32, Hkv = 8;
+    for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
         const int B = B_, L = L_;
         std::vector<int> lens(B, L), qo = {0}, tb, ti;
         for (int b = 0; b < B; ++b) {
@@ -234,15 +235,24 @@ void bench_prefill() {
         p.scale_log2 = scale_log2(D);
         p.qo_indptr = d_qo.ptr; p.q_tile_to_batch = d_tb.ptr; p.q_tile_to_index = d_ti.ptr;
         p.num_q_tiles = int(tb.size());
-        for (int warps : {4, 8, kPrefillWgmma}) {
-            const double us = time_us([&] {
-                launch_prefill_d<__nv_bfloat16, 128, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
-            }, 10);
-            const double flops = 4.0 * B * Hq * double(L) * (L + 1) / 2 * D;
-            std::printf("paged prefill bf16 32/8 d128 page=16 %dx%-5d causal layout=%-2d %9.1f us %6.1f TFLOP/s\n",
-                        B, L, warps, us, flops / us * 1e-6);
+        for (bool causal : {true, false}) {
+            p.causal = causal;
+            for (int warps : {prefill_warps(p.group, D), kPrefillWgmma}) {
+                const double us = time_us([&] {
+                    launch_prefill_d<__nv_bfloat16, D, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
+                }, 10);
+                const double flops = 4.0 * B * Hq * double(L) * (causal ? (L + 1) / 2.0 : L) * D;
+                std::printf("paged prefill bf16 32/8 d%-3d page=16 %2dx%-5d %-9s layout=%-2d %9.1f us %6.1f TFLOP/s\n",
+                            D, B, L, causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
+            }
         }
     }
+}
+
+void bench_prefill() {
+    bench_prefill_d<64>();
+    bench_prefill_d<128>();
+    bench_prefill_d<256>();
 }
 
 }  // namespace
@@ -263,6 +273,13 @@ int main(int argc, char** argv) {
         check(prefill_case({1, 1, 1000}, {0, 7, 24}, page, 32, 8, 128, true, true));
         check(prefill_case({65, 200}, {0, 300}, page, 16, 16, 256, true, false));
         check(prefill_case({33, 129}, {10, 0}, page, 24, 8, 128, true, true));  // G = 3
+    }
+    // the warp-specialized Hopper kernel's head dims, group sizes and a large page
+    for (int page : {1, 16, 64}) {
+        check(prefill_case({70, 10, 130}, {0, 33, 64}, page, 32, 8, 256, true, true));
+        check(prefill_case({1, 1, 1000}, {0, 7, 24}, page, 32, 8, 64, true, false));
+        check(prefill_case({257, 64}, {700, 0}, page, 64, 2, 128, false, true));  // G = 32
+        check(prefill_case({129, 5}, {64, 1}, page, 16, 8, 256, false, false));   // G = 2
     }
     // a page size that is not a power of two (the kernels divide instead of shifting)
     check(decode_case({1, 50, 301}, 3, 32, 8, 128, true));

@@ -28,7 +28,7 @@ Strides strides_for(int L, int H, int D, bool bhld) {
     return {int64_t(L) * H * D, int64_t(H) * D, D};
 }
 
-enum class Impl { Mma, Scalar, Wgmma };  // Wgmma: the sm_90a prefill (D = 128, G >= 2)
+enum class Impl { Mma, Scalar, Wgmma };  // Wgmma: the warp-specialized sm_90a prefill (G >= 2)
 
 void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
     if (impl == Impl::Mma) {
@@ -53,13 +53,20 @@ void launch_decode(const AttentionParams& p, bool bf16, int D, Impl impl) {
 
 void launch_prefill(const AttentionParams& p, bool bf16, int D, Impl impl) {
     const unsigned tiles = unsigned(num_q_tiles(p.q_len));
-    if (impl == Impl::Wgmma) {
-        if (bf16) launch_prefill_d<__nv_bfloat16, 128, DenseQSchedule, ContigKV>(p, tiles, p.batch, 0, kPrefillWgmma);
-        else launch_prefill_d<__half, 128, DenseQSchedule, ContigKV>(p, tiles, p.batch, 0, kPrefillWgmma);
-        return;
-    }
-    if (impl == Impl::Mma) {
-        dispatch_prefill<DenseQSchedule, ContigKV>(p, bf16 ? DType::BFloat16 : DType::Float16, D, tiles, p.batch, 0);
+    if (impl != Impl::Scalar) {
+        // Mma: the mma.sync layout the heuristic picks off Hopper; Wgmma: the Hopper kernel.
+        const int layout = impl == Impl::Wgmma ? kPrefillWgmma : prefill_warps(p.group, D);
+        auto go = [&](auto tag, auto dtag) {
+            launch_prefill_d<decltype(tag), decltype(dtag)::value, DenseQSchedule, ContigKV>(p, tiles, p.batch, 0,
+                                                                                               layout);
+        };
+        auto by_d = [&](auto tag) {
+            if (D == 64) go(tag, std::integral_constant<int, 64>{});
+            if (D == 128) go(tag, std::integral_constant<int, 128>{});
+            if (D == 256) go(tag, std::integral_constant<int, 256>{});
+        };
+        if (bf16) by_d(__nv_bfloat16{}); else by_d(__half{});
+        CK(cudaGetLastError());
         return;
     }
     const dim3 grid(tiles * p.head_block, p.kv_heads * p.head_groups, p.batch);
@@ -173,7 +180,7 @@ bool run_case(const Case& c, Impl impl, bool decode) {
 }
 
 void bench() {
-    std::printf("\n-- timings (median of 50, us; prefill layout: 4 / 8 mma.sync warps, 90 wgmma) --\n");
+    std::printf("\n-- timings (median of 50, us; prefill layout: 4 / 8 mma.sync warps, 90 warp-specialized wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
     for (int B : {1, 4, 16, 32, 64}) {
         const int S = 4096;
@@ -199,33 +206,39 @@ void bench() {
         std::printf("decode  bf16 GQA 32/8 d128 B=%-3d kv=%d splits=%-2d  %8.2f us  %6.2f TB/s\n", B, S,
                     p.num_splits, us, bytes / us * 1e-6);
     }
-    for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}}) {
-        const int B = B_, L = L_;
-        const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv * D;
-        DeviceBuffer<uint16_t> q(qe), k(ke), v(ke), o(qe);
-        HostTensor h; h.random(qe, g_rng, true); q.upload(h.bits);
-        h.random(ke, g_rng, true); k.upload(h.bits); v.upload(h.bits);
-        AttentionParams p;
-        p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr;
-        p.q_stride_b = int64_t(L) * Hq * D; p.q_stride_l = Hq * D; p.q_stride_h = D;
-        p.k_stride_b = p.v_stride_b = int64_t(L) * Hkv * D; p.k_stride_l = p.v_stride_l = Hkv * D; p.k_stride_h = p.v_stride_h = D;
-        p.o_stride_b = p.q_stride_b; p.o_stride_l = Hq * D; p.o_stride_h = D;
-        p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv; p.group = Hq / Hkv;
-        p.head_block = prefill_head_block(p.group); p.head_groups = prefill_head_groups(p.group);
-        p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
-        for (bool causal : {true, false}) {
-            p.causal = causal;
-            for (int warps : {4, 8, kPrefillWgmma}) {
-                const double us = time_us([&] {
-                    launch_prefill_d<__nv_bfloat16, 128, DenseQSchedule, ContigKV>(p, unsigned(num_q_tiles(L)), B, 0,
-                                                                                  warps);
-                }, 20);
-                const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
-                std::printf("prefill bf16 GQA 32/8 d128 %dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", B, L,
-                            causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
+    for (int D : {64, 128, 256})
+        for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
+            const int B = B_, L = L_;
+            const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv * D;
+            DeviceBuffer<uint16_t> q(qe), k(ke), v(ke), o(qe);
+            HostTensor h; h.random(qe, g_rng, true); q.upload(h.bits);
+            h.random(ke, g_rng, true); k.upload(h.bits); v.upload(h.bits);
+            AttentionParams p;
+            p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr;
+            p.q_stride_b = int64_t(L) * Hq * D; p.q_stride_l = Hq * D; p.q_stride_h = D;
+            p.k_stride_b = p.v_stride_b = int64_t(L) * Hkv * D; p.k_stride_l = p.v_stride_l = Hkv * D; p.k_stride_h = p.v_stride_h = D;
+            p.o_stride_b = p.q_stride_b; p.o_stride_l = Hq * D; p.o_stride_h = D;
+            p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv; p.group = Hq / Hkv;
+            p.head_block = prefill_head_block(p.group); p.head_groups = prefill_head_groups(p.group);
+            p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
+            for (bool causal : {true, false}) {
+                p.causal = causal;
+                for (int layout : {prefill_warps(p.group, D), kPrefillWgmma}) {
+                    auto run = [&](auto dtag) {
+                        launch_prefill_d<__nv_bfloat16, decltype(dtag)::value, DenseQSchedule, ContigKV>(
+                            p, unsigned(num_q_tiles(L)), B, 0, layout);
+                    };
+                    const double us = time_us([&] {
+                        if (D == 64) run(std::integral_constant<int, 64>{});
+                        if (D == 128) run(std::integral_constant<int, 128>{});
+                        if (D == 256) run(std::integral_constant<int, 256>{});
+                    }, 20);
+                    const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
+                    std::printf("prefill bf16 GQA 32/8 d%-3d %2dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", D, B,
+                                L, causal ? "causal" : "noncausal", layout, us, flops / us * 1e-6);
+                }
             }
         }
-    }
 }
 
 }  // namespace
@@ -260,8 +273,18 @@ int main(int argc, char** argv) {
         for (const auto& c : decode_cases) { ++total; fails += !run_case(c, impl, true); }
         for (const auto& c : prefill_cases) { ++total; fails += !run_case(c, impl, false); }
     }
-    for (const auto& c : prefill_cases)
-        if (c.D == 128 && c.Hq / c.Hkv >= 2) { ++total; fails += !run_case(c, Impl::Wgmma, false); }
+    // The Hopper kernel (G >= 2): every case above plus fp16 / d256 / large-group ones.
+    std::vector<Case> ws_cases = prefill_cases;
+    ws_cases.insert(ws_cases.end(), {
+        {2, 333, 333, 32, 8, 256, true, true, false, 0},
+        {2, 333, 333, 32, 8, 64, false, true, true, 0},
+        {1, 129, 700, 64, 2, 256, false, true, false, 0},  // G = 32, chunked (q < kv)
+        {2, 200, 200, 16, 8, 64, true, false, false, 3},
+        {1, 1000, 1000, 32, 8, 128, false, true, false, 0},
+        {2, 150, 150, 32, 16, 256, true, false, true, 2},
+    });
+    for (const auto& c : ws_cases)
+        if (c.Hq / c.Hkv >= 2) { ++total; fails += !run_case(c, Impl::Wgmma, false); }
     std::printf("\n%d/%d cases passed\n", total - fails, total);
     if (do_bench) bench();
     return fails ? 1 : 0;

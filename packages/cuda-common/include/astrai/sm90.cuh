@@ -1,0 +1,91 @@
+// Hopper (sm_90a) synchronisation primitives shared by the plugins' warp-specialized kernels:
+//   mbarrier      init / arrive / cp.async completion arrive / try_wait.parity
+//   proxy fence   generic-proxy shared-memory writes -> async proxy (wgmma, TMA) reads
+//   wgmma         fence / commit_group / wait_group
+//   named barriers between warpgroups, and setmaxnreg register hand-over
+// Everything here is device code that only sm_90a accepts; callers compile it only there.
+#pragma once
+
+#include <cstdint>
+
+namespace astrai::sm90 {
+
+// ---- mbarrier ------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes freshly initialised barriers visible to the other threads and to the async proxy.
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Arrives on `bar` once every cp.async this thread issued so far has landed; counts against
+// the barrier's expected arrivals (noinc), so init it with the number of copying threads.
+__device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// Waits until the phase of `bar` with this parity has completed (the k-th completion, from
+// 0, has parity k & 1; a fresh barrier counts a virtual phase of parity 1 as complete).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+
+// ---- proxies and wgmma ---------------------------------------------------------------
+
+// Orders this thread's view of shared memory written through the generic proxy (stores,
+// cp.async) before its following async-proxy accesses (wgmma operand reads, TMA).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+// Waits until at most `Pending` committed wgmma groups of this warpgroup are in flight.
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
+}
+
+// ---- named barriers and registers ----------------------------------------------------
+
+// bar.sync / bar.arrive on hardware barrier `id` (0 is __syncthreads') with `threads`
+// participants, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+
+}  // namespace astrai::sm90
