@@ -139,12 +139,17 @@ def test_no_spills_at_head_dim_up_to_128(build):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
 
 
-def test_wgmma_prefill_has_no_spills(build):
+def test_hopper_prefill_has_no_spills(build):
     _, log = build
-    wgmma = {k: v for k, v in _ptxas_report(log).items() if "prefill_wgmma_kernel" in k}
-    assert len(wgmma) == 2 * 2, sorted(wgmma)  # prefill + paged prefill, bf16 + fp16
-    for name, r in wgmma.items():
+    ws = {k: v for k, v in _ptxas_report(log).items() if "prefill_ws_kernel" in k}
+    assert len(ws) == 2 * 2 * 3, sorted(ws)  # prefill + paged prefill, bf16 + fp16, d 64 / 128 / 256
+    for name, r in ws.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+
+
+def test_wgmma_header_matches_its_generator():
+    gen = load_module("astrai_attn_gen_wgmma", PLUGIN / "csrc" / "gen_wgmma.py")
+    assert (PLUGIN / "csrc" / "wgmma_ops.cuh").read_text() == gen.render(), "re-run gen_wgmma.py"
 
 
 def _sass_bodies(build_dir) -> dict[str, str]:
@@ -162,16 +167,20 @@ def _sass_bodies(build_dir) -> dict[str, str]:
     return bodies
 
 
-def test_wgmma_prefill_uses_warpgroup_mma(build):
+def test_hopper_prefill_is_warp_specialized_wgmma(build):
     build_dir, _ = build
-    wgmma = {f: b for f, b in _sass_bodies(build_dir).items() if "prefill_wgmma_kernel" in f}
-    assert len(wgmma) == 2 * 2, sorted(wgmma)  # prefill + paged prefill, bf16 + fp16
-    for func, body in wgmma.items():
+    ws = {f: b for f, b in _sass_bodies(build_dir).items() if "prefill_ws_kernel" in f}
+    assert len(ws) == 2 * 2 * 3, sorted(ws)  # prefill + paged prefill, bf16 + fp16, d 64 / 128 / 256
+    for func, body in ws.items():
+        d = int(re.search(r"Li(\d+)E", func).group(1))
+        bn = 128 if d <= 128 else 64  # K/V rows per tile
         # S = Q K^T reads both operands from shared memory: the destination, then one descriptor
-        assert re.search(r"HGMMA\.64x128x16\.F32\S* R\d+, gdesc\[", body), f"{func}: no S = Q K^T wgmma"
-        assert re.search(r"HGMMA\.64x128x16\.F32.*tnspB", body), f"{func}: no P V wgmma with V transposed"
+        assert re.search(rf"HGMMA\.64x{bn}x16\.F32\S* R\d+, gdesc\[", body), f"{func}: no S = Q K^T wgmma"
+        assert re.search(rf"HGMMA\.64x{d}x16\.F32.*tnspB", body), f"{func}: no P V wgmma with V transposed"
         assert "HMMA" not in body, f"{func}: mma.sync left in the wgmma kernel"
-        assert "LDGSTS" in body, f"{func}: no cp.async"
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{func}: no register hand-over"
+        assert "LDGSTS" in body and "ARRIVES.LDGSTSBAR" in body, f"{func}: no cp.async completing on an mbarrier"
+        assert not re.search(r"\b(STL|LDL)\b", body), f"{func}: local-memory traffic"
 
 
 def test_mma_kernels_use_tensor_cores(build):

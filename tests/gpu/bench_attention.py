@@ -1,6 +1,7 @@
-"""Attention benchmark: the astrai-attention kernels side by side with torch SDPA (cuDNN and
+"""Decode benchmark: the astrai-attention decode kernels side by side with torch SDPA (cuDNN and
 flash backends on contiguous K/V, their best case) and with the torch fallback backend on
-the same paged cache. Prints a table of times, bandwidth / TFLOP/s and ratios; ``--json``
+the same paged cache (prefill: bench_prefill.py). Prints a table of times, bandwidth and
+ratios; ``--json``
 writes the rows. Times are medians of CUDA-graph replays (no host overhead on any side).
 
     python tests/gpu/bench_attention.py [--json out.json] [--quick]
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_cases import Paged, ragged_plan  # noqa: E402
+from attention_cases import Paged  # noqa: E402
 from graph_timing import graph_time_ms  # noqa: E402
 
 from astrai.extension.ops import attention as ops  # noqa: E402
@@ -94,35 +95,6 @@ def fallback_decode(q, k, v, B, S, Hkv, D, dt):
     return backend.fwd_decode(q, None, None, kv_cache=cache, layer_id=0, mask=None, is_causal=True)
 
 
-def bench_prefill(rows, quick):
-    Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
-    for B, L in [(4, 4096), (1, 16384)]:
-        flops = 4 * B * Hq * D * L * (L + 1) / 2  # causal
-        q = torch.randn(B, L, Hq, D, device="cuda", dtype=dt)
-        k = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
-        v = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cache = Paged([L] * B, 16, Hkv, D, dt, spare_pages=0)
-        qo, tb, ti = ragged_plan([L] * B)
-        qp = q.reshape(B * L, Hq, D)
-        res = {
-            "astrai paged p16 (ragged)": try_time(lambda: ops.attn_paged_prefill(
-                qp, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti,
-                True)),
-            "astrai contiguous": try_time(lambda: ops.attn_prefill(q, k, v, is_causal=True)),
-            "sdpa flash": try_time(lambda: sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, True)),
-            "sdpa cudnn": try_time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, True)),
-        }
-        for impl, t in res.items():
-            row = {"kind": "prefill", "shape": f"{B}x{L} causal GQA 32/8 d128 bf16", "impl": impl}
-            if isinstance(t, float):
-                row.update(us=t, tflops=flops / t * 1e-6)
-            else:
-                row["error"] = t
-            rows.append(row)
-        del cache
-
-
 def add_ratios(rows):
     for row in rows:
         peers = {r["impl"]: r for r in rows if r["shape"] == row["shape"] and "us" in r}
@@ -139,7 +111,6 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[dict] = []
     bench_decode(rows, args.quick)
-    bench_prefill(rows, args.quick)
     add_ratios(rows)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'shape':<36} {'impl':<28} {'us':>9} {'TB/s':>6} {'TFLOP/s':>8} {'x cuDNN':>8} {'x flash':>8}")

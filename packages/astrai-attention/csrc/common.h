@@ -45,6 +45,8 @@ struct AttentionParams {
     int blocks_per_tile = 1;  // prefill: blocks sharing one 64-row host Q tile (set by the launcher)
     int head_groups = 1;  // ceil(group / rows-per-block heads): grid.y = kv_heads * head_groups
     bool causal = false;  // bottom-right aligned: row i sees kv j <= i + kv_len - q_len
+    // Persistent prefill: the logical grid (x, y) its blocks walk as work items, x fastest.
+    int work_grid_x = 0, work_grid_y = 0, num_work = 0;
     float scale_log2 = 0.f;  // softmax scale * log2(e)
 
     // Paged K/V.

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "astrai/check.h"
@@ -111,13 +112,37 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 // Whether the current device is an sm_90 (Hopper) GPU.
 inline bool device_is_sm90() { return device_arch() == 90; }
 
-// The warp-specialized Hopper prefill (HB >= 2, sm_90a): 128 (row, head) pairs per block,
-// packed like the 8-warp mma.sync block.
+// The current device's multiprocessor count, asked of the driver once per device.
+inline int device_sm_count() {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> sms[kMaxDevices];  // 0: not asked yet
+    int dev = 0;
+    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    std::atomic<int>& slot = sms[dev % kMaxDevices];
+    int n = slot.load(std::memory_order_relaxed);
+    if (n == 0) {
+        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        slot.store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
+// launch_prefill_d's layout value that forces the Hopper kernel where it applies.
+constexpr int kPrefillWgmma = 90;
+
+// The warp-specialized Hopper prefill (HB >= 2, sm_90a): 128 (row, head) pairs per work
+// item, packed like the 8-warp mma.sync block; persistent: one block per SM walks them.
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
-    p.blocks_per_tile = prefill_blocks_per_tile(p.group, 8);
-    const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
     using C = PrefillWsConfig<D>;
+    p.blocks_per_tile = prefill_blocks_per_tile(p.group, 8);
+    dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    if (C::kPersistent) {
+        p.work_grid_x = int(grid.x);
+        p.work_grid_y = int(grid.y);
+        p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
+        grid = dim3(unsigned(std::min(p.num_work, device_sm_count())));
+    }
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);
     prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
@@ -127,7 +152,6 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
 // sm_90a code, HB >= 2), else prefill_warps' mma.sync layout. 4 or 8 forces that many
 // mma.sync warps, kPrefillWgmma the Hopper kernel where it applies (benchmarks and tests).
-constexpr int kPrefillWgmma = 90;
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
 #ifdef ASTRAI_NO_MMA

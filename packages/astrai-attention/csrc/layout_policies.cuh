@@ -26,16 +26,25 @@ struct QWork {
     int64_t o_off;
 };
 
+// A block's coordinates in the launch grid, (q tile block, kv head group, request). A
+// persistent kernel walks the same coordinates as work items; grid_x is the grid's x extent.
+struct BlockCoord {
+    int x, y, z, grid_x;
+    __device__ static BlockCoord of_launch() {
+        return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x)};
+    }
+};
+
 // The block's index along the Q tiles: reversed for causal launches.
-__device__ __forceinline__ int q_block_index(const AttentionParams& p) {
-    return p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+__device__ __forceinline__ int q_block_index(const AttentionParams& p, const BlockCoord& c) {
+    return p.causal ? c.grid_x - 1 - c.x : c.x;
 }
 
 struct DenseQSchedule {
-    __device__ static QWork get(const AttentionParams& p) {
+    __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
         const int bpt = p.blocks_per_tile;
-        const int bx = q_block_index(p);
-        const int b = blockIdx.z;
+        const int bx = q_block_index(p, c);
+        const int b = c.z;
         QWork w;
         w.b = b;
         w.row_base = (bx / bpt) * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
@@ -47,9 +56,9 @@ struct DenseQSchedule {
 };
 
 struct PackedQSchedule {
-    __device__ static QWork get(const AttentionParams& p) {
+    __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
         const int bpt = p.blocks_per_tile;
-        const int bx = q_block_index(p);
+        const int bx = q_block_index(p, c);
         const int host_tile = bx / bpt;
         const int b = p.q_tile_to_batch[host_tile];
         const int start = p.qo_indptr[b];

@@ -19,12 +19,13 @@ struct PrefillSpan {
 };
 
 template <class KV>
-__device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, const QWork& qw, int bn) {
+__device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, const QWork& qw, int bn,
+                                                    int head_group_index = blockIdx.y) {
     PrefillSpan s;
     const int hb = p.head_block;
     s.rows_blk = kQTileRows / p.blocks_per_tile;
-    s.kvh = blockIdx.y / p.head_groups;
-    s.head0 = s.kvh * p.group + (blockIdx.y % p.head_groups) * hb;
+    s.kvh = head_group_index / p.head_groups;
+    s.head0 = s.kvh * p.group + (head_group_index % p.head_groups) * hb;
     s.nslots = min(hb, s.kvh * p.group + p.group - s.head0);
     s.kv_len = KV::kv_len(p, qw.b);
     s.diag = s.kv_len - qw.q_len;

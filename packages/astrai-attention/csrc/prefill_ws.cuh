@@ -13,7 +13,8 @@
 //                              P V runs on the tensor cores; wait P V; release V_{t-1};
 //                              rescale O, pack P_t.
 // With kPingPong the two consumer warpgroups also take turns issuing their GEMMs (named
-// barriers), so one's softmax overlaps the other's MMAs.
+// barriers), so one's softmax overlaps the other's MMAs. With kPersistent one block per SM
+// walks the work items, its producer running ahead into the next item's Q and K/V.
 // Tiles are 64-element panels of 128-byte rows with the 128-byte swizzle the wgmma
 // descriptors describe (PanelTile).
 #pragma once
@@ -36,31 +37,57 @@ struct PanelTile {
     }
 };
 
+// Tuning knobs, fixed at build time; ci/gpu-tune-prefill builds and times the variants.
+// Measured on an H200 (GQA 32/8 bf16, TFLOP/s at 4x4096 / 1x16384 / 16x1024, causal):
+//   ping-pong           d64 +6-8 %, d128 -3..+5 %, d256 -3 %: on for d <= 128
+//   persistent grid     d128 453 / 519 / 297 against 470 / 560 / 274 one block per item
+//                       (a static round-robin of items; long sequences lose): off
+//   BN 192 at d64, 80 at d256: spill (and serialize the wgmma at d64): not built
+#ifndef ASTRAI_PREFILL_PINGPONG
+#define ASTRAI_PREFILL_PINGPONG 1
+#endif
+#ifndef ASTRAI_PREFILL_PERSISTENT
+#define ASTRAI_PREFILL_PERSISTENT 0
+#endif
+#ifndef ASTRAI_PREFILL_BN64
+#define ASTRAI_PREFILL_BN64 128
+#endif
+#ifndef ASTRAI_PREFILL_BN256
+#define ASTRAI_PREFILL_BN256 64
+#endif
+
 template <int D_>
 struct PrefillWsConfig {
     static_assert(D_ == 64 || D_ == 128 || D_ == 256, "head_dim must be 64, 128 or 256");
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
-    static constexpr int kBN = D <= 128 ? 128 : 64;  // K/V rows per tile: S and O fit the registers
+    // K/V rows per tile: S, P and O fit the consumers' registers
+    static constexpr int kBN = D == 64 ? ASTRAI_PREFILL_BN64 : D == 128 ? 128 : ASTRAI_PREFILL_BN256;
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kThreads = 3 * 128;
     // The block starts with 168 registers a thread (64K / 384, rounded down to 8), and the
     // consumers' setmaxnreg.inc waits until the producer's .dec left that much in the pool:
     // 128 x producer + 256 x consumer <= 384 x 168. Neither role spills (the producer keeps
     // its page ids and copy offsets; d256's O alone takes 128 registers a thread).
-    static constexpr int kProducerRegs = D == 256 ? 64 : 96;
+    static constexpr int kProducerRegs = D == 256 ? 64 : 104;
     static constexpr int kConsumerRegs = D == 256 ? 216 : 200;
     static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "register pool overcommitted");
-    static constexpr bool kPingPong = false;
+    static constexpr bool kPingPong = ASTRAI_PREFILL_PINGPONG != 0 && D <= 128;  // measured slower at d256
+    // One block per SM walking the work items (d256's consumers have no registers to spare
+    // for the loop: one block per item there).
+    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128;
     static constexpr int kTileBytes = kBN * D * 2;
     static constexpr int kQBytes = kRows * D * 2;
-    // full K, full V, empty K, empty V per stage, and Q's
-    static constexpr int kBarriers = 4 * kStages + 1;
-    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBytes + 8 * kBarriers;
+    // Q slots: a persistent block loads the next work item's Q while it finishes this one
+    // (d256's 64 KB Q leaves room for one).
+    static constexpr int kQBuffers = D == 256 ? 1 : 2;
+    // full K, full V, empty K, empty V per stage; full and empty per Q slot
+    static constexpr int kBarriers = 4 * kStages + 2 * kQBuffers;
+    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBuffers * kQBytes + 8 * kBarriers;
     static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
 };
 
-// Shared-memory map: K ring, V ring, Q, then the barriers.
+// Shared-memory map: K ring, V ring, Q slots, then the barriers.
 template <class C>
 struct PrefillWsSmem {
     uint32_t k, v, q, bars;
@@ -68,40 +95,50 @@ struct PrefillWsSmem {
         k = (base + 1023u) & ~1023u;
         v = k + C::kStages * C::kTileBytes;
         q = v + C::kStages * C::kTileBytes;
-        bars = q + C::kQBytes;
+        bars = q + C::kQBuffers * C::kQBytes;
     }
     __device__ uint32_t k_stage(int s) const { return k + s * C::kTileBytes; }
     __device__ uint32_t v_stage(int s) const { return v + s * C::kTileBytes; }
+    __device__ uint32_t q_slot(int s) const { return q + s * C::kQBytes; }
     __device__ uint32_t full_k(int s) const { return bars + 8 * s; }
     __device__ uint32_t full_v(int s) const { return bars + 8 * (C::kStages + s); }
     __device__ uint32_t empty_k(int s) const { return bars + 8 * (2 * C::kStages + s); }
     __device__ uint32_t empty_v(int s) const { return bars + 8 * (3 * C::kStages + s); }
-    __device__ uint32_t q_full() const { return bars + 8 * (4 * C::kStages); }
+    __device__ uint32_t q_full(int s) const { return bars + 8 * (4 * C::kStages + s); }
+    __device__ uint32_t q_empty(int s) const { return bars + 8 * (4 * C::kStages + C::kQBuffers + s); }
+};
+
+// Where a block is in its rings: `tiles` K/V tiles and `items` work items (Q loads) so far.
+// Use u of a ring slot completes its barrier's phase u, of parity u & 1.
+struct RingPos {
+    int tiles = 0, items = 0;
 };
 
 #if ASTRAI_ATTN_SM90
-// Warpgroup 0: Q, then K_t / V_t into stage t % kStages once the consumers released it.
+// Warpgroup 0, one work item: Q into its slot, then K_t / V_t into their ring stages, each
+// once the consumers released the slot's previous use.
 template <typename T, class C, class KV>
 __device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
-                                                   const PrefillWsSmem<C>& sm) {
+                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
     using sm90::mbar_arrive_on_cp_async;
     using sm90::mbar_wait;
-    load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q);
-    mbar_arrive_on_cp_async(sm.q_full());
+    const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
+    if (q_use > 0) mbar_wait(sm.q_empty(qs), (q_use - 1) & 1);
+    load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
+    mbar_arrive_on_cp_async(sm.q_full(qs));
+    ++pos.items;
     KvTileLoader<T, KV, PanelTile<C::kBN>, C::D, C::kBN, 128> kv(p, qw, sp);
     if (sp.n_tiles > 0) kv.fetch(0);
-    for (int t = 0; t < sp.n_tiles; ++t) {
-        const int s = t % C::kStages;
-        const uint32_t released = (t / C::kStages - 1) & 1;  // parity of the release of tile t - kStages
-        if (t >= C::kStages) mbar_wait(sm.empty_k(s), released);
+    for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
+        const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
+        if (use > 0) mbar_wait(sm.empty_k(s), (use - 1) & 1);
         kv.load_k(t, sm.k_stage(s));
         mbar_arrive_on_cp_async(sm.full_k(s));
-        if (t >= C::kStages) mbar_wait(sm.empty_v(s), released);
+        if (use > 0) mbar_wait(sm.empty_v(s), (use - 1) & 1);
         kv.load_v(t, sm.v_stage(s));
         mbar_arrive_on_cp_async(sm.full_v(s));
         if (t + 1 < sp.n_tiles) kv.fetch(t + 1);
     }
-    cp_async_wait<0>();  // nothing in flight when the thread exits
 }
 
 // S = Q K^T for this warpgroup's 64 rows: D / 16 k-steps over the Q and K panels.
@@ -131,7 +168,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::D / 8][4], const uint32_t
 // Warpgroups 1 and 2.
 template <typename T, class C, class KV>
 __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
-                                                   const PrefillWsSmem<C>& sm) {
+                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
     using namespace sm90;
     constexpr int NT = C::kBN / 8;
     const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7: block rows 16 cw .. 16 cw + 15
@@ -141,7 +178,9 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     const int slot = cw / wph;
     const int row0 = qw.row_base + (cw % wph) * 16 + (lane >> 2);  // rows row0, row0 + 8
     const uint8_t* mask = p.mask ? p.mask + int64_t(qw.b) * p.mask_stride_b : nullptr;
-    const uint32_t q_wg = sm.q + wg * 64 * 128;
+    const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
+    ++pos.items;
+    const uint32_t q_wg = sm.q_slot(qs) + wg * 64 * 128;
     // Ping-pong: warpgroup g issues after barrier 1 + g, then lets the other one go.
     auto my_turn = [&] {
         if constexpr (C::kPingPong) named_barrier_sync(1 + wg, 256);
@@ -157,33 +196,36 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     uint32_t pa[NT / 2][4];
 
     const int n = sp.n_tiles;
+    mbar_wait(sm.q_full(qs), q_use & 1);
     if (n > 0) {
         if (wg == 1) your_turn();  // warpgroup 0 issues first
-        mbar_wait(sm.q_full(), 0);
         float s[NT][4];
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
             const int col0 = t * C::kBN;
             if (tile_needs_mask<C::kBN>(p, qw, sp, col0, mask)) mask_scores(s, p, qw, sp, col0, row0, mask);
             online_softmax<NT>(st, s, p.scale_log2, alpha);
         };
+        // Ring position of tile t of this item: stage, and the parity of its use.
+        auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };
+        auto parity = [&](int t) { return uint32_t((pos.tiles + t) / C::kStages) & 1; };
         // Tile 0: S_0 alone.
-        mbar_wait(sm.full_k(0), 0);
+        mbar_wait(sm.full_k(stage(0)), parity(0));
         fence_proxy_async();
         my_turn();
         wgmma_fence();
-        issue_qk<T, C>(s, q_wg, sm.k_stage(0));
+        issue_qk<T, C>(s, q_wg, sm.k_stage(stage(0)));
         wgmma_commit();
         your_turn();
         wgmma_wait<0>();
         fence_accumulators(s);
-        mbar_arrive(sm.empty_k(0));
+        mbar_arrive(sm.empty_k(stage(0)));
         float alpha[2];
         softmax_tile(0, alpha);
         pack_probs<T>(s, pa);
 
         for (int t = 1; t < n; ++t) {
-            const int sk = t % C::kStages, sv = (t - 1) % C::kStages;
-            mbar_wait(sm.full_k(sk), (t / C::kStages) & 1);
+            const int sk = stage(t), sv = stage(t - 1);
+            mbar_wait(sm.full_k(sk), parity(t));
             fence_proxy_async();
             my_turn();
             fence_accumulators(o);
@@ -191,7 +233,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             wgmma_fence();
             issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
             wgmma_commit();
-            mbar_wait(sm.full_v(sv), ((t - 1) / C::kStages) & 1);
+            mbar_wait(sm.full_v(sv), parity(t - 1));
             fence_proxy_async();
             issue_pv<T, C>(o, pa, sm.v_stage(sv));
             wgmma_commit();
@@ -206,9 +248,11 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             rescale_rows(o, alpha);
             pack_probs<T>(s, pa);
         }
+        // Q is no longer read: its slot may take a later item's Q.
+        mbar_arrive(sm.q_empty(qs));
         // The last P V.
-        const int sv = (n - 1) % C::kStages;
-        mbar_wait(sm.full_v(sv), ((n - 1) / C::kStages) & 1);
+        const int sv = stage(n - 1);
+        mbar_wait(sm.full_v(sv), parity(n - 1));
         fence_proxy_async();
         my_turn();
         fence_accumulators(o);
@@ -220,20 +264,24 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         wgmma_wait<0>();
         fence_accumulators(o);
         mbar_arrive(sm.empty_v(sv));
+        pos.tiles += n;
+    } else {
+        mbar_arrive(sm.q_empty(qs));
     }
     if (slot < sp.nslots) store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
 }
 #endif
 
+// One block per launch coordinate, or (C::kPersistent) a persistent grid whose blocks walk
+// the work items blockIdx.x, blockIdx.x + gridDim.x, ... of the logical grid
+// (work_grid_x, work_grid_y, *) x fastest: the producer runs ahead into the next item's Q and
+// K/V while the consumers finish this one.
 template <typename T, int D, class QSched, class KV>
 __global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1) prefill_ws_kernel(const AttentionParams p) {
 #if ASTRAI_ATTN_SM90
     using C = PrefillWsConfig<D>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
-    const QWork qw = QSched::get(p);
-    if (qw.row_base >= qw.q_len) return;  // uniform per block
-    const PrefillSpan sp = prefill_span<KV>(p, qw, C::kBN);
     if (threadIdx.x == 0) {
         for (int s = 0; s < C::kStages; ++s) {
             sm90::mbar_init(sm.full_k(s), 128);  // one cp.async arrival per producer thread
@@ -241,16 +289,40 @@ __global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1) prefill_ws_ke
             sm90::mbar_init(sm.empty_k(s), 256);  // every consumer thread releases
             sm90::mbar_init(sm.empty_v(s), 256);
         }
-        sm90::mbar_init(sm.q_full(), 128);
+        for (int s = 0; s < C::kQBuffers; ++s) {
+            sm90::mbar_init(sm.q_full(s), 128);
+            sm90::mbar_init(sm.q_empty(s), 256);
+        }
         sm90::mbar_init_fence();
     }
     __syncthreads();
+    // Work item w of this block, read after setmaxnreg (no value lives across it: each role
+    // gets its register file anew).
+    auto for_each_item = [&](auto&& body) {
+        if constexpr (C::kPersistent) {
+            const int gxy = p.work_grid_x * p.work_grid_y;
+            for (int w = blockIdx.x; w < p.num_work; w += gridDim.x)
+                body(BlockCoord{w % p.work_grid_x, (w % gxy) / p.work_grid_x, w / gxy, p.work_grid_x});
+        } else {
+            body(BlockCoord::of_launch());
+        }
+    };
+    RingPos pos;
     if (threadIdx.x < 128) {
         sm90::setmaxnreg_dec<C::kProducerRegs>();
-        prefill_ws_produce<T, C, KV>(p, qw, sp, sm);
+        for_each_item([&](const BlockCoord& c) {
+            const QWork qw = QSched::get(p, c);
+            if (qw.row_base >= qw.q_len) return;  // the same items are skipped by every role
+            prefill_ws_produce<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+        });
+        cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {
         sm90::setmaxnreg_inc<C::kConsumerRegs>();
-        prefill_ws_consume<T, C, KV>(p, qw, sp, sm);
+        for_each_item([&](const BlockCoord& c) {
+            const QWork qw = QSched::get(p, c);
+            if (qw.row_base >= qw.q_len) return;
+            prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+        });
     }
 #else
     __trap();  // only sm_90a code exists; the launcher never selects it elsewhere

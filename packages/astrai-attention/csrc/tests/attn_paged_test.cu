@@ -22,6 +22,8 @@ using namespace astrai::attn;
 
 namespace {
 
+bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
+
 int g_sms = 132;
 std::mt19937 g_rng(4321);
 
@@ -238,6 +240,7 @@ void bench_prefill_d() {
         for (bool causal : {true, false}) {
             p.causal = causal;
             for (int warps : {prefill_warps(p.group, D), kPrefillWgmma}) {
+                if (g_ws_only && warps != kPrefillWgmma) continue;
                 const double us = time_us([&] {
                     launch_prefill_d<__nv_bfloat16, D, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
                 }, 10);
@@ -259,7 +262,10 @@ void bench_prefill() {
 
 int main(int argc, char** argv) {
     bool do_bench = true;
-    for (int i = 1; i < argc; ++i) if (std::string(argv[i]) == "--no-bench") do_bench = false;
+    for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--no-bench") do_bench = false;
+        if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
+    }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
     int fails = 0, total = 0;
     auto check = [&](bool ok) { ++total; fails += !ok; };
@@ -285,6 +291,9 @@ int main(int argc, char** argv) {
     check(decode_case({1, 50, 301}, 3, 32, 8, 128, true));
     check(prefill_case({70, 10, 130}, {5, 0, 9}, 3, 32, 8, 128, true, true));
     std::printf("\n%d/%d cases passed\n", total - fails, total);
-    if (do_bench) { bench(); bench_prefill(); }
+    if (do_bench) {
+        if (!g_ws_only) bench();
+        bench_prefill();
+    }
     return fails ? 1 : 0;
 }

@@ -93,6 +93,7 @@ struct Case {
 };
 
 int g_sms = 132;
+bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
 std::mt19937 g_rng(1234);
 
 // One prefill (Lq > 1 or causal) or decode (Lq == 1) case; returns pass/fail.
@@ -183,6 +184,7 @@ void bench() {
     std::printf("\n-- timings (median of 50, us; prefill layout: 4 / 8 mma.sync warps, 90 warp-specialized wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
     for (int B : {1, 4, 16, 32, 64}) {
+        if (g_ws_only) break;
         const int S = 4096;
         const size_t kv_elems = size_t(B) * S * Hkv * D;
         DeviceBuffer<uint16_t> q(size_t(B) * Hq * D), k(kv_elems), v(kv_elems), o(size_t(B) * Hq * D);
@@ -224,6 +226,7 @@ void bench() {
             for (bool causal : {true, false}) {
                 p.causal = causal;
                 for (int layout : {prefill_warps(p.group, D), kPrefillWgmma}) {
+                    if (g_ws_only && layout != kPrefillWgmma) continue;
                     auto run = [&](auto dtag) {
                         launch_prefill_d<__nv_bfloat16, decltype(dtag)::value, DenseQSchedule, ContigKV>(
                             p, unsigned(num_q_tiles(L)), B, 0, layout);
@@ -245,7 +248,10 @@ void bench() {
 
 int main(int argc, char** argv) {
     bool do_bench = true;
-    for (int i = 1; i < argc; ++i) if (std::string(argv[i]) == "--no-bench") do_bench = false;
+    for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--no-bench") do_bench = false;
+        if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
+    }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
     int fails = 0, total = 0;
     std::vector<Case> decode_cases = {

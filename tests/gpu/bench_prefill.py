@@ -1,0 +1,142 @@
+"""Prefill benchmark: the astrai-attention prefill (contiguous K/V and a paged cache) side by
+side with cuDNN and FlashAttention-2 through torch SDPA, in one run, for head dims 64 / 128 /
+256, causal and not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of
+128-1024 tokens (GQA 32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
+``[B, H, L, D]`` inputs and on the transposed view of ``[B, L, H, D]``, and the faster is
+reported; the ragged batch runs FA2's varlen kernel (cuDNN has no varlen entry in SDPA, so
+its figure there is the padded batch). Times are medians of CUDA-graph replays; TFLOP/s
+count the causal mask's half.
+
+    python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_cases import Paged, ragged_plan  # noqa: E402
+from graph_timing import graph_time_ms  # noqa: E402
+
+HQ, HKV, DT = 32, 8, torch.bfloat16
+
+
+def time_us(fn) -> float | str:
+    try:
+        return graph_time_ms(fn, calls=5, rounds=7) * 1e3
+    except Exception as exc:  # a backend that does not take this shape
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
+
+
+def best(*times):
+    ok = [t for t in times if isinstance(t, float)]
+    return min(ok) if ok else times[0]
+
+
+def sdpa_best(backend, q, k, v, causal):
+    """SDPA on contiguous [B, H, L, D] and on the transposed [B, L, H, D] view: the faster."""
+    def call(qq, kk, vv):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=True)
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qc, kc, vc = (x.contiguous() for x in (qt, kt, vt))
+    return best(time_us(lambda: call(qc, kc, vc)), time_us(lambda: call(qt, kt, vt)))
+
+
+def fa2_varlen(q, k, v, cu, max_len, causal):
+    """FlashAttention-2's varlen kernel on packed [total, H, D] tensors."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)
+
+
+def flops(lens, d, causal) -> float:
+    return sum(4.0 * HQ * d * n * ((n + 1) / 2 if causal else n) for n in lens)
+
+
+def bench_shape(rows, name, lens, d, causal, ops):
+    total = sum(lens)
+    q = torch.randn(total, HQ, d, device="cuda", dtype=DT)
+    cache = Paged(lens, 16, HKV, d, DT, spare_pages=0)
+    qo, tb, ti = ragged_plan(lens)
+    res = {"astrai paged p16": time_us(lambda: ops.attn_paged_prefill(
+        q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))}
+    uniform = len(set(lens)) == 1
+    if uniform:
+        b, n = len(lens), lens[0]
+        qd = q.view(b, n, HQ, d)
+        k = torch.randn(b, n, HKV, d, device="cuda", dtype=DT)
+        v = torch.randn(b, n, HKV, d, device="cuda", dtype=DT)
+        res["astrai contiguous"] = time_us(lambda: ops.attn_prefill(qd, k, v, is_causal=causal))
+        res["sdpa cudnn"] = sdpa_best(SDPBackend.CUDNN_ATTENTION, qd, k, v, causal)
+        res["sdpa flash"] = sdpa_best(SDPBackend.FLASH_ATTENTION, qd, k, v, causal)
+    else:
+        k = torch.randn(total, HKV, d, device="cuda", dtype=DT)
+        v = torch.randn(total, HKV, d, device="cuda", dtype=DT)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+        res["flash varlen"] = time_us(lambda: fa2_varlen(q, k, v, cu, max(lens), causal))
+    work = flops(lens, d, causal)
+    for impl, t in res.items():
+        row = {"shape": name, "d": d, "causal": causal, "impl": impl}
+        if isinstance(t, float):
+            row.update(us=t, tflops=work / t * 1e-6)
+        else:
+            row["error"] = t
+        rows.append(row)
+
+
+def add_ratios(rows):
+    for row in rows:
+        same = {r["impl"]: r for r in rows
+                if (r["shape"], r["d"], r["causal"]) == (row["shape"], row["d"], row["causal"]) and "us" in r}
+        for peer, key in (("sdpa cudnn", "x_cudnn"), ("sdpa flash", "x_flash"), ("flash varlen", "x_flash")):
+            if "us" in row and peer in same:
+                row[key] = same[peer]["us"] / row["us"]
+        if row["impl"] == "astrai paged p16" and "astrai contiguous" in same and "us" in row:
+            row["paged_vs_contiguous"] = same["astrai contiguous"]["us"] / row["us"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="d128 and the ragged batch only")
+    ap.add_argument("--dims", type=int, nargs="*", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    from astrai.extension.ops import attention as ops
+
+    rng = random.Random(0)
+    ragged = [rng.randint(128, 1024) for _ in range(64)]
+    shapes = {"4x4096": [4096] * 4, "1x16384": [16384], "16x1024": [1024] * 16, "ragged 64x128-1024": ragged}
+    dims = args.dims or ([128] if args.quick else [64, 128, 256])
+    rows: list[dict] = []
+    for d in dims:
+        for causal in (True, False):
+            for name, lens in shapes.items():
+                bench_shape(rows, name, lens, d, causal, ops)
+                torch.cuda.empty_cache()
+    add_ratios(rows)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians")
+    print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<18} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
+          f" {'paged/contig':>12}")
+    for r in rows:
+        head = f"{r['d']:>3} {'causal' if r['causal'] else 'full':<6} {r['shape']:<19} {r['impl']:<18}"
+        if "error" in r:
+            print(f"{head} {r['error']}")
+            continue
+        print(f"{head} {r['us']:9.1f} {r['tflops']:8.1f} {r.get('x_cudnn', float('nan')):8.2f} "
+              f"{r.get('x_flash', float('nan')):6.2f} {r.get('paged_vs_contiguous', float('nan')):12.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
