@@ -3,9 +3,10 @@ side with cuDNN and FlashAttention-2 through torch SDPA, in one run, for head di
 256, causal and not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of
 128-1024 tokens (GQA 32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
 ``[B, H, L, D]`` inputs and on the transposed view of ``[B, L, H, D]``, and the faster is
-reported; the ragged batch runs FA2's varlen kernel (cuDNN has no varlen entry in SDPA, so
-its figure there is the padded batch). Times are medians of CUDA-graph replays; TFLOP/s
-count the causal mask's half.
+reported; "torch path" is what ``attention()`` runs without the plugin (SDPA's own choice
+of kernel), "attention()" what it resolves to with it. The ragged batch runs FA2's varlen
+kernel (SDPA has no varlen entry for cuDNN). Times are medians of CUDA-graph replays;
+TFLOP/s count the causal mask's half.
 
     python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128]
 """
@@ -25,6 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_cases import Paged, ragged_plan  # noqa: E402
 from graph_timing import graph_time_ms  # noqa: E402
+
+from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 
 HQ, HKV, DT = 32, 8, torch.bfloat16
 
@@ -52,6 +55,11 @@ def sdpa_best(backend, q, k, v, causal):
     return best(time_us(lambda: call(qc, kc, vc)), time_us(lambda: call(qt, kt, vt)))
 
 
+def torch_path(q, k, v, causal):
+    with attn_backend(ATTN_BACKEND.TORCH_NATIVE):
+        return attention(q, k, v, is_causal=causal)
+
+
 def fa2_varlen(q, k, v, cu, max_len, causal):
     """FlashAttention-2's varlen kernel on packed [total, H, D] tensors."""
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)
@@ -77,6 +85,10 @@ def bench_shape(rows, name, lens, d, causal, ops):
         res["astrai contiguous"] = time_us(lambda: ops.attn_prefill(qd, k, v, is_causal=causal))
         res["sdpa cudnn"] = sdpa_best(SDPBackend.CUDNN_ATTENTION, qd, k, v, causal)
         res["sdpa flash"] = sdpa_best(SDPBackend.FLASH_ATTENTION, qd, k, v, causal)
+        # What attention() runs without the plugin (the torch backend: SDPA's own choice), and
+        # what it resolves to with it.
+        res["torch path"] = time_us(lambda: torch_path(qd, k, v, causal))
+        res["attention()"] = time_us(lambda: attention(qd, k, v, is_causal=causal))
     else:
         k = torch.randn(total, HKV, d, device="cuda", dtype=DT)
         v = torch.randn(total, HKV, d, device="cuda", dtype=DT)
@@ -96,7 +108,8 @@ def add_ratios(rows):
     for row in rows:
         same = {r["impl"]: r for r in rows
                 if (r["shape"], r["d"], r["causal"]) == (row["shape"], row["d"], row["causal"]) and "us" in r}
-        for peer, key in (("sdpa cudnn", "x_cudnn"), ("sdpa flash", "x_flash"), ("flash varlen", "x_flash")):
+        for peer, key in (("sdpa cudnn", "x_cudnn"), ("sdpa flash", "x_flash"), ("flash varlen", "x_flash"),
+                          ("torch path", "x_torch_path")):
             if "us" in row and peer in same:
                 row[key] = same[peer]["us"] / row["us"]
         if row["impl"] == "astrai paged p16" and "astrai contiguous" in same and "us" in row:
@@ -125,14 +138,15 @@ def main() -> None:
     add_ratios(rows)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians")
     print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<18} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
-          f" {'paged/contig':>12}")
+          f" {'x torch':>7} {'paged/contig':>12}")
     for r in rows:
         head = f"{r['d']:>3} {'causal' if r['causal'] else 'full':<6} {r['shape']:<19} {r['impl']:<18}"
         if "error" in r:
             print(f"{head} {r['error']}")
             continue
         print(f"{head} {r['us']:9.1f} {r['tflops']:8.1f} {r.get('x_cudnn', float('nan')):8.2f} "
-              f"{r.get('x_flash', float('nan')):6.2f} {r.get('paged_vs_contiguous', float('nan')):12.2f}")
+              f"{r.get('x_flash', float('nan')):6.2f} {r.get('x_torch_path', float('nan')):7.2f} "
+              f"{r.get('paged_vs_contiguous', float('nan')):12.2f}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                          "rows": rows}, indent=1))
