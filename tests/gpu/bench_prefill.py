@@ -8,14 +8,20 @@ of kernel), "attention()" what it resolves to with it. The ragged batch runs FA2
 kernel (SDPA has no varlen entry for cuDNN). Times are medians of CUDA-graph replays;
 TFLOP/s count the causal mask's half.
 
-    python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128]
+    python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128] [--write-table t.json]
+
+``--write-table`` turns the run into the plugin's measured preference table for dense prefill
+(``astrai_attention.prefill_table``), stamped with the commit ($ASTRAI_COMMIT or git's).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from graph_timing import graph_time_ms  # noqa: E402
 
 from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 HQ, HKV, DT = 32, 8, torch.bfloat16
 
 
@@ -121,6 +128,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="d128 and the ragged batch only")
     ap.add_argument("--dims", type=int, nargs="*", default=None)
+    ap.add_argument("--write-table", type=Path, help="write the dense-prefill preference table here")
     args = ap.parse_args()
     torch.manual_seed(0)
     from astrai.extension.ops import attention as ops
@@ -147,9 +155,18 @@ def main() -> None:
         print(f"{head} {r['us']:9.1f} {r['tflops']:8.1f} {r.get('x_cudnn', float('nan')):8.2f} "
               f"{r.get('x_flash', float('nan')):6.2f} {r.get('x_torch_path', float('nan')):7.2f} "
               f"{r.get('paged_vs_contiguous', float('nan')):12.2f}")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.write_table:
+        sys.path.insert(0, str(REPO / "packages" / "astrai-attention" / "src"))
+        from astrai_attention import prefill_table
+
+        commit = os.environ.get("ASTRAI_COMMIT") or subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        table = prefill_table.from_bench(result, commit=commit or "unknown", date=str(datetime.date.today()))
+        args.write_table.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"{args.write_table}: {len(table['classes'])} classes")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import json
 from importlib.resources import files
 from typing import Any
 
+from . import prefill_table
+
 __all__ = ["build_info", "manifest"]
 
 API_VERSION = 1
@@ -36,6 +38,16 @@ def build_info() -> dict[str, Any]:
     return json.loads(files(__name__).joinpath("build_info.json").read_text(encoding="utf-8"))
 
 
+def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The op specs; with sm_90a code, dense prefill carries its measured table against torch
+    SDPA (manifest key ``prefer``: the core runs it only where the table says it is faster)."""
+    ops = {name: dict(spec) for name, spec in _OPS.items()}
+    table = prefill_table.load() if "sm_90a" in info["sass_archs"] else None
+    if table is not None:
+        ops["attn_prefill"]["prefer"] = {"90": table}
+    return ops
+
+
 def manifest() -> dict[str, Any]:
     info = build_info()
     return {
@@ -46,5 +58,5 @@ def manifest() -> dict[str, Any]:
         "cuda": info["cuda"],
         "sass_archs": list(info["sass_archs"]),
         "ptx_archs": list(info["ptx_archs"]),
-        "ops": {name: dict(spec) for name, spec in _OPS.items()},
+        "ops": _ops(info),
     }

@@ -1,0 +1,84 @@
+"""The measured sm_90 preference table for dense prefill: the plugin against torch SDPA.
+
+A call of ``attention()`` without a KV cache has a peer outside the plugin: the core's torch
+backend (SDPA, with whatever kernel SDPA picks). ``prefill_table.json`` (next to this file)
+holds both times per shape class, measured side by side on an H200 by
+``tests/gpu/bench_prefill.py --write-table`` (or this module on a saved benchmark JSON)::
+
+    python -m astrai_attention.prefill_table bench_prefill.json --commit 1a2b3c4 --date 2026-12-01 \\
+        -o packages/astrai-attention/src/astrai_attention/prefill_table.json
+
+It becomes the ``attn_prefill`` op's ``prefer`` entry for arch 90 (docs/plugins.md), in the
+manifest's generic form: ``m`` = query rows of the call (batch x q_len), ``n`` = KV length,
+``k`` = head_dim, ``mode`` = ``"causal"`` or ``"full"``. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+TABLE_FILE = "prefill_table.json"
+FORMAT = 1
+PEER = "torch"  # the core's name for its SDPA backend
+OURS, THEIRS = "astrai contiguous", "torch path"  # bench_prefill.py's row names
+
+
+def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, Any]:
+    """The table of one ``bench_prefill.py --json`` result: every uniform shape where both the
+    plugin's dense prefill and the torch path were timed."""
+    rows = bench.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("benchmark JSON has no 'rows'")
+    timed = {(r["shape"], r["d"], r["causal"], r["impl"]): r for r in rows if "us" in r}
+    classes = []
+    for (shape, d, causal, impl), ours in timed.items():
+        peer = timed.get((shape, d, causal, THEIRS))
+        if impl != OURS or peer is None:
+            continue
+        batch, length = (int(x) for x in shape.split("x"))
+        classes.append({"m": batch * length, "n": length, "k": int(d), "mode": "causal" if causal else "full",
+                        "ours_ms": round(ours["us"] / 1e3, 5), "peer_ms": round(peer["us"] / 1e3, 5),
+                        "ratio": round(peer["us"] / ours["us"], 3)})
+    if not classes:
+        raise ValueError(f"benchmark JSON has no shape with both {OURS!r} and {THEIRS!r} timed")
+    device = str(bench.get("device", "unknown GPU"))
+    return {
+        "format": FORMAT,
+        "device": device,
+        "sm": 90,
+        "torch": str(bench.get("torch", "")),
+        "commit": commit,
+        "date": date,
+        "source": "tests/gpu/bench_prefill.py (medians of CUDA-graph replays, GQA 32/8 bf16)",
+        "peer": PEER,
+        "measured": f"{device}, commit {commit}, {date}",
+        "classes": classes,
+    }
+
+
+def load() -> dict[str, Any] | None:
+    """The shipped table, or None when this build carries none."""
+    path = files(__package__).joinpath(TABLE_FILE)
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json", type=Path)
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    args = ap.parse_args(argv)
+    table = from_bench(json.loads(args.bench_json.read_text()), commit=args.commit, date=args.date)
+    args.output.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"{args.output}: {len(table['classes'])} classes")
+
+
+if __name__ == "__main__":
+    main()
