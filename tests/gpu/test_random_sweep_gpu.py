@@ -116,7 +116,8 @@ def test_paged_attention_through_the_public_api_random(seed):
                     ks, vs = history[(layer, s)]
                     ks.append(k[0, start:start + n])
                     vs.append(v[0, start:start + n])
-                    ref = attention_ref64(q[:, start:start + n], torch.cat(ks)[None], torch.cat(vs)[None], is_causal=True)
+                    ref = attention_ref64(q[:, start:start + n], torch.cat(ks)[None], torch.cat(vs)[None],
+                                          is_causal=True)
                     assert_attention_close(out[:, start:start + n], ref, dtype, f"seed {seed} layer {layer} seq {s}")
                     start += n
 
