@@ -11,6 +11,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def require_plugin():
+    """``require_plugin(op)``: the op's registry status on this CUDA device, or a failure
+    (never a skip) with the reason ``astrai doctor`` prints. On a CUDA machine the GPU
+    tests exist to run the kernels: a plugin that is missing or rejected there is a bug
+    of the build or the install, not a reason to pass."""
+
+    def require(op: str):
+        from astrai.extension.device import probe_device
+        from astrai.extension.runtime import current_runtime
+
+        status = current_runtime().registry.op_status(op, probe_device("cuda"))
+        if not status.usable:
+            pytest.fail(f"{op}: no usable plugin on this CUDA device: {status.reason} (see `astrai doctor`)",
+                        pytrace=False)
+        return status
+
+    return require
+
+
 @pytest.fixture(scope="session")
 def rotary_build():
     """The one astrai-rotary +cu130 build (sm_80 + sm_90a + PTX) every rotary packaging test

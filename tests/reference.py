@@ -48,6 +48,43 @@ def attention_ref(
     return out
 
 
+def attention_ref64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_ref`` computed with float64 matmuls on the inputs' device (fast enough for
+    the GPU tests' long sequences), with the scale of its rounding errors: returns
+    ``(out, magnitude)``, both float64 ``[B, Lq, Hq, D]``, ``magnitude = sum_j p_j |v_j|``
+    (see ``checks.attention_mismatch``). Values at masked-out positions must be finite."""
+    q, k, v = (t.detach().to(torch.float64) for t in (q, k, v))
+    b, lq, hq, d = q.shape
+    lkv, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    keep = torch.ones(b, lq, lkv, dtype=torch.bool, device=q.device)
+    if mask is not None:
+        mask = mask.to(q.device)
+        keep &= mask[:, None, :] if mask.dim() == 2 else mask
+    if is_causal:
+        i = torch.arange(lq, device=q.device)[:, None]
+        keep &= torch.arange(lkv, device=q.device)[None, :] <= i + (lkv - lq)
+    # [B, Hkv, G * Lq, D] against [B, Hkv, Lkv, D]: head h reads kv head h // group
+    qh = q.permute(0, 2, 1, 3).reshape(b, hkv, group * lq, d)
+    kh, vh = (t.permute(0, 2, 1, 3).contiguous() for t in (k, v))
+    scores = (qh @ kh.transpose(-1, -2)).view(b, hkv, group, lq, lkv) / math.sqrt(d)
+    keep = keep[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = torch.where(keep.any(dim=-1, keepdim=True), probs, 0.0)  # rows without a key: 0
+    probs = probs.view(b, hkv, group * lq, lkv)
+
+    def heads_last(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(b, hq, lq, d).permute(0, 2, 1, 3)
+
+    return heads_last(probs @ vh), heads_last(probs @ vh.abs())
+
+
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary on interleaved pairs, in float64: ``x [B, L, H, D]``, ``cos``/``sin`` ``[L, D/2]``."""
     x = x.detach().to(torch.float64).cpu()

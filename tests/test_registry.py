@@ -1,5 +1,6 @@
 """The plugin registry over fake entry points: accepted, rejected, lazily loaded."""
 
+import sys
 import warnings
 
 import pytest
@@ -181,7 +182,41 @@ def test_from_environment(monkeypatch):
     assert reg.deny == {"astrai-fp8", "acme"} and not reg.enabled and reg.plugins() == ()
 
 
-def test_real_entry_point_group_never_breaks():
-    # Whatever is installed here, discovery returns records and never raises.
-    for record in Registry().plugins():
+STANDIN = {  # distribution name: (entry point line, module source)
+    "acme-standin": ("standin = acme_standin:manifest",
+                     f"def manifest():\n    return {manifest(name='acme-standin')!r}\n"),
+    "acme-broken": ("broken = acme_missing_module:manifest", None),
+}
+
+
+@pytest.fixture
+def standin_plugins(tmp_path, monkeypatch):
+    """Two plugins installed the way pip installs them (a ``*.dist-info`` with an
+    ``entry_points.txt`` on sys.path): one good, one whose module is missing, so the real
+    entry-point discovery has something to find on a machine with no plugin (CI)."""
+    for dist, (entry_point, source) in STANDIN.items():
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+        (info / "entry_points.txt").write_text(f"[astrai.kernels]\n{entry_point}\n")
+        if source:
+            (tmp_path / f"{dist.replace('-', '_')}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("acme_standin", None)
+
+
+@pytest.mark.filterwarnings("ignore::astrai.extension.registry.PluginRejectedWarning")
+def test_real_entry_point_group_never_breaks(standin_plugins):
+    # Whatever is installed here, discovery returns records and never raises; the two
+    # stand-ins are among them, one accepted and one rejected with its reason.
+    records = Registry().plugins()
+    for record in records:
         assert record.manifest is not None or record.rejected
+    by_dist = {r.distribution: r for r in records}
+    good, broken = by_dist["acme-standin"], by_dist["acme-broken"]
+    assert good.manifest.name == "acme-standin" and not good.rejected
+    assert broken.manifest is None
+    assert broken.rejected == "entry point raised ModuleNotFoundError: No module named 'acme_missing_module'"
+    status = Registry().op_status("rotary_emb", CPU)
+    assert dict(status.trace)["acme-standin"] == "rejected: CUDA plugin (built for CUDA 13.0); no CUDA device"

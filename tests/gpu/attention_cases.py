@@ -1,15 +1,24 @@
-"""Helpers for the attention GPU tests, benchmark and sanitizer script: random inputs,
-a float32 GPU reference, paged caches with shuffled page tables, and direct calls into
-the compiled modules with poisoned outputs."""
+"""Helpers for the attention GPU tests, benchmark and sanitizer scripts: seeded inputs whose
+edge keys carry weight and paged caches with shuffled page tables (``attention_inputs``),
+the float64 reference with its element-wise check (``reference``, ``checks``), and
+direct calls into the compiled modules with NaN-poisoned outputs."""
 
 from __future__ import annotations
 
-import math
+import sys
+from pathlib import Path
 
 import torch
 
-from astrai.extension.abi import dtype_code, stream_handle
-from astrai.extension.ops import _plugin
+TESTS = str(Path(__file__).resolve().parent.parent)
+if TESTS not in sys.path:  # the scripts here run with only tests/gpu on the path
+    sys.path.insert(0, TESTS)
+from attention_inputs import Paged, dense_inputs, generator, paged_inputs, random_mask, seed_of  # noqa: E402, F401
+from checks import assert_attention_close  # noqa: E402
+from reference import attention_ref64  # noqa: E402
+
+from astrai.extension.abi import dtype_code, stream_handle  # noqa: E402
+from astrai.extension.ops import _plugin  # noqa: E402
 
 Q_TILE_ROWS = 64
 
@@ -26,65 +35,15 @@ def rand(shape, dtype, device="cuda", layout="BLHD", gen=None) -> torch.Tensor:
     return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
 
-def reference(q, k, v, mask=None, causal=False) -> torch.Tensor:
-    """float32 attention on the GPU: q ``[B, Lq, Hq, D]``, k/v ``[B, Lkv, Hkv, D]``, mask bool
-    ``[B, Lkv]`` / ``[B, Lq, Lkv]`` (True = keep), bottom-right causal; empty rows -> 0."""
-    b, lq, hq, d = q.shape
-    lkv, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    out = torch.empty(b, lq, hq, d, dtype=torch.float32, device=q.device)
-    keep = torch.ones(lq, lkv, dtype=torch.bool, device=q.device)
-    if causal:
-        keep &= torch.arange(lkv, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lkv - lq)
-    for i in range(b):
-        kk = k[i].float().repeat_interleave(g, dim=1)
-        vv = v[i].float().repeat_interleave(g, dim=1)
-        row_keep = keep
-        if mask is not None:
-            row_keep = keep & (mask[i][None, :] if mask.dim() == 2 else mask[i])
-        s = torch.einsum("ihd,jhd->hij", q[i].float(), kk) / math.sqrt(d)
-        s = s.masked_fill(~row_keep[None], float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        out[i] = torch.einsum("hij,jhd->ihd", p, vv)
-    return out
+def reference(q, k, v, mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(out, magnitude)`` on the inputs' device (``reference.attention_ref64``)."""
+    return attention_ref64(q, k, v, mask, causal)
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> float:
-    """Every element finite, relative L2 error and max error under the dtype's tolerance."""
-    got = got.float()
-    assert torch.isfinite(got).all(), f"{what}: non-finite output (unwritten or NaN)"
-    rel = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-    err = (got - ref).abs().max().item()
-    tol_rel, tol_abs = (1.2e-2, 6e-2) if dtype == torch.bfloat16 else (4e-3, 1.5e-2)
-    assert rel < tol_rel and err < tol_abs, f"{what}: rel {rel:.2e} max {err:.2e}"
-    return rel
-
-
-class Paged:
-    """A paged cache ``[P, page, Hkv, D]`` holding per-request K/V in shuffled pages."""
-
-    def __init__(self, kv_lens, page, hkv, d, dtype, device="cuda", spare_pages=3):
-        self.kv_lens_host = list(kv_lens)
-        self.page = page
-        counts = [-(-n // page) for n in kv_lens]
-        indptr = [0]
-        for c in counts:
-            indptr.append(indptr[-1] + c)
-        num_pages = indptr[-1] + spare_pages
-        perm = torch.randperm(num_pages, device="cpu")[: indptr[-1]]
-        self.k_cache = torch.randn(num_pages, page, hkv, d, device=device).to(dtype)
-        self.v_cache = torch.randn(num_pages, page, hkv, d, device=device).to(dtype)
-        self.kv_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
-        self.kv_indices = perm.to(torch.int32).to(device)
-        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-
-    def gather(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request b's K/V as contiguous ``[kv_len, Hkv, D]``."""
-        n = self.kv_lens_host[b]
-        pages = self.kv_indices[self.kv_indptr[b]: self.kv_indptr[b + 1]].long()
-        k = self.k_cache[pages].flatten(0, 1)[:n]
-        v = self.v_cache[pages].flatten(0, 1)[:n]
-        return k, v
+def assert_close(got: torch.Tensor, ref, dtype: torch.dtype, what: str) -> None:
+    """Every element of ``got`` within ``dtype`` rounding of the float64 reference
+    (``checks.attention_mismatch``)."""
+    assert_attention_close(got, ref, dtype, what)
 
 
 def ragged_plan(q_lens, device="cuda"):
