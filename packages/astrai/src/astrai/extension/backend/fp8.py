@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
 from ..ops import _plugin as ops_plugin
 from ..ops import fp8 as ops_fp8
@@ -264,14 +265,14 @@ def check_gemm_args(a: object, b: object, scale: object, bias: object) -> None:
 # The shape is not passed here: under dynamic shapes the sizes are symbolic (dynamo offers
 # no way to tell them from ints inside the trace), so a measured preference table keeps
 # cuBLASLt in compiled graphs; the trace says "needs the call's M, N, K".
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _choose_gemm_while_compiling(runtime: Runtime | None, device: str, a_fmt: str, b_fmt: str,
                                  backend: str | None) -> tuple[str, int | None]:
     info = probe_device(torch.device(device))
     return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend), info.sm
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _choose_quantize_while_compiling(runtime: Runtime | None, device: str, x_dtype: torch.dtype,
                                      fmt: str, backend: str | None) -> str:
     return choose_quantize(probe_device(torch.device(device)), x_dtype, fmt, runtime=runtime, backend=backend)
