@@ -398,12 +398,15 @@ def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runti
 
 
 def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
-    if choose_quantize(device, x_dtype, fmt, runtime=runtime) != "plugin":
+    module = None
+    if choose_quantize(device, x_dtype, fmt, runtime=runtime) == "plugin":
+        module = _usable_module("fp8_quantize", device, runtime)
+    if module is None:
         def run_torch(x, multiplier, out_layout, amax=None):
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
 
         return run_torch
-    launch = ops_fp8.quantize_launcher(_ops_module("fp8_quantize", device), fmt)
+    launch = ops_fp8.quantize_launcher(module, fmt)
 
     def run(x, multiplier, out_layout, amax=None):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
@@ -481,8 +484,15 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
 def _scale_update_module(device: DeviceInfo, runtime: Runtime):
     if choose_scale_update(device, runtime=runtime) != "plugin":
         return None
-    return _ops_module("fp8_scale_update", device)
+    return _usable_module("fp8_scale_update", device, runtime)
 
 
-def _ops_module(op: str, device: DeviceInfo):
-    return ops_plugin.require(op, torch.device("cuda", device.index))
+def _usable_module(op: str, device: DeviceInfo, runtime: Runtime):
+    """The plugin module serving ``op``; None when loading it just failed (the registry
+    marked the op unusable, with a warning): the torch path serves it then."""
+    try:
+        return ops_plugin.require(op, torch.device("cuda", device.index))
+    except RuntimeError:
+        if not _plugin_broken(runtime, op, device):
+            raise
+        return None
