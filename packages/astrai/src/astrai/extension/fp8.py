@@ -30,6 +30,7 @@ import enum
 import functools
 import itertools
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -158,7 +159,8 @@ class TensorScaling:
     @property
     def amax_history(self) -> torch.Tensor:
         done = self._group.tensors[0][self._row]  # completed steps, newest first
-        current = self._slot if self._ref is None else torch.maximum(self._slot, self._ref)
+        current = self._slot if self._recorded else self._group._zero  # an abandoned slot is not read
+        current = current if self._ref is None else torch.maximum(current, self._ref)
         return torch.cat((current.reshape(1), done[:-1]))
 
     def scale_for(self, x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +212,12 @@ class TensorScaling:
             self._window.clear()
         self._in_window = {}
         self._window_closed = False
+
+    def _abandon_step(self) -> None:
+        """Forget what the step in progress recorded (its backward pass raised): the slot's
+        amax is never read again, as the step's first quantization overwrites it."""
+        self._recorded, self._ref = False, None
+        self._tokens = set()
 
     def _close_step(self) -> None:
         """After an update: bump ``epoch`` unless the scale provably kept its value.
@@ -769,20 +777,25 @@ def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, in
 
 
 _pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
-_pending_lock = threading.Lock()
+_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its callback is freed
 
 
 def _end_with_backward(state: Fp8LinearState) -> None:
     """Have ``state``'s gradient step end when this backward pass ends: one callback per
-    pass updates every state it used together (``_end_steps``)."""
+    pass updates every state it used together (``_end_steps``).
+
+    A pass that raises never runs its callback: the engine frees it unrun, and the states
+    the pass used forget the gradient amaxes it recorded (``_abandon_backward_pass``), so
+    the next pass neither folds them into its step nor finds the state still pending."""
     state._backward_pending = True
     task = torch._C._current_graph_task_id()
     with _pending_lock:
         states = _pending.get(task)
         if states is None:
             states = _pending[task] = []
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_end_backward_pass, task))
+            callback = functools.partial(_end_backward_pass, task)
+            weakref.finalize(callback, _abandon_backward_pass, task)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
         states.append(state)
 
 
@@ -792,6 +805,16 @@ def _end_backward_pass(task: int) -> None:
     for state in states:
         state._backward_pending = False
     _end_steps([(state.backward_roles, state.recipe) for state in states])
+
+
+def _abandon_backward_pass(task: int) -> None:
+    """The callback of ``task`` was freed: after it ran (nothing left to do) or unrun."""
+    with _pending_lock:
+        states = _pending.pop(task, [])
+    for state in states:
+        state._backward_pending = False
+        for role in state.backward_roles.roles:
+            role._abandon_step()
 
 
 def _fp8_capable(x, weight, bias) -> bool:
