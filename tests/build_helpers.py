@@ -4,6 +4,7 @@ loading a built module, or a plugin package's manifest, from a path."""
 from __future__ import annotations
 
 import glob
+import importlib.machinery
 import importlib.util
 import shutil
 import sys
@@ -40,3 +41,33 @@ def plugin_manifest_of(package_dir: Path, name: str) -> dict[str, Any]:
         return module.manifest()
     finally:
         del sys.modules[spec.name]
+
+
+def require_toolkit(cuda: str = "13.0") -> None:
+    """Skip the calling test (or fixture) unless ci/build-wheels can build CUDA ``cuda``
+    plugins here: a local nvcc of that version (CUDACXX or PATH) or a provisioned toolkit.
+    The reason is the one ci/build-wheels itself gives."""
+    import pytest
+
+    script = Path(__file__).resolve().parents[1] / "ci" / "build-wheels"
+    loader = importlib.machinery.SourceFileLoader("_build_wheels_under_test", str(script))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    build_wheels = sys.modules.get(loader.name)
+    if build_wheels is None:
+        build_wheels = importlib.util.module_from_spec(spec)
+        sys.modules[loader.name] = build_wheels  # its dataclasses look their module up there
+        loader.exec_module(build_wheels)
+    try:
+        build_wheels.select_toolkit(cuda, provision=False)
+    except SystemExit as exc:
+        pytest.skip(f"needs a CUDA {cuda} toolkit: {str(exc).removeprefix('build-wheels: ')}")
+
+
+def require_nvcc() -> None:
+    """Skip the calling test unless a CUDA compiler (any version) is in CUDACXX or on PATH."""
+    import os
+
+    import pytest
+
+    if not (os.environ.get("CUDACXX") or shutil.which("nvcc")):
+        pytest.skip("needs a CUDA toolkit: no nvcc on PATH (or CUDACXX)")

@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from build_helpers import find_tool, load_module, plugin_manifest_of
+from build_helpers import find_tool, load_module, plugin_manifest_of, require_toolkit
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
@@ -117,6 +117,7 @@ def wheelhouse(tmp_path_factory) -> Path:
     reuse = os.environ.get("ASTRAI_TEST_FP8_WHEELHOUSE")
     if reuse:
         return Path(reuse)
+    require_toolkit("13.0")
     out = tmp_path_factory.mktemp("wheelhouse")
     env = dict(os.environ, ASTRAI_CUDA_ARCHS=ARCHS, CMAKE_BUILD_PARALLEL_LEVEL="2")
     build = subprocess.run([sys.executable, str(REPO / "ci" / "build-wheels"), "--cuda", "13.0",
