@@ -17,6 +17,7 @@ from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import Registry
 from ..extension.runtime import current_runtime
 from .install_hint import INSTALLERS, install_command
+from .output import reader_may_leave
 
 FALLBACKS = {
     "attn_decode": "torch SDPA",
@@ -122,9 +123,10 @@ def render(report: dict, console: Console) -> None:
 
 def main(args) -> int:
     report = collect()
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render(report, Console(width=160))
+    with reader_may_leave():
+        if args.json:
+            json.dump(report, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            render(report, Console(width=160))
     return 0
