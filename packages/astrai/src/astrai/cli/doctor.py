@@ -12,11 +12,11 @@ from rich.table import Table
 
 from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
-from ..extension.install import cuda_index_tag
+from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, index_is_published
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import Registry
 from ..extension.runtime import current_runtime
-from .install_hint import INSTALLERS, install_command
+from .install_hint import INSTALLERS, extra_of, install_command
 from .output import reader_may_leave
 
 FALLBACKS = {
@@ -64,12 +64,33 @@ def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
     return rows
 
 
-def _install_commands(device: DeviceInfo) -> dict:
-    commands = {kind: install_command(device.driver_cuda, kind) for kind in INSTALLERS}
+def _installed(registry: Registry) -> tuple[str | None, tuple[int, int] | None]:
+    """The extra that reinstalls the project's plugins found here, and their CUDA build."""
+    extras, cuda = set(), None
+    for record in registry.plugins():
+        extra = PLUGIN_EXTRAS.get(record.name) or PLUGIN_EXTRAS.get(record.distribution or "")
+        if extra is not None:
+            extras.add(extra)
+            if record.manifest is not None and record.manifest.cuda is not None:
+                cuda = cuda or record.manifest.cuda
+    return extra_of(extras), cuda
+
+
+def _install_commands(device: DeviceInfo, registry: Registry) -> dict:
+    """Per installer, the command that gives this machine what it should have: the plugins
+    installed here (all of them when none is) from the build the driver runs, or, without
+    a usable driver, the build installed here (the core alone when no plugin is)."""
+    extra, installed_cuda = _installed(registry)
+    driver = device.driver_cuda if cuda_index_tag(device.driver_cuda) is not None else installed_cuda
+    commands = {kind: install_command(driver, kind, extra or "all") for kind in INSTALLERS}
     if device.type != "cuda" or cuda_index_tag(device.driver_cuda) is None:
         why = "no CUDA device" if device.type != "cuda" else "the driver is too old for any published build"
         commands["note"] = (f"{why}: the torch fallbacks serve every op; the plugins need an NVIDIA GPU "
                             "with a CUDA 12.4+ driver")
+    if not index_is_published():
+        commands["unpublished"] = ("no release is published on these indexes and channels yet: build "
+                                   "the wheels and a local index from source (docs/install.md, "
+                                   "'From source'), or set ASTRAI_INDEX_URL to an index you serve")
     return commands
 
 
@@ -86,7 +107,7 @@ def collect(runtime=None) -> dict:
         "device": device.describe(),
         "plugins": _plugin_rows(runtime.registry, device),
         "ops": _op_rows(runtime.registry, device),
-        "install": _install_commands(device),
+        "install": _install_commands(device, runtime.registry),
     }
 
 
@@ -119,6 +140,8 @@ def render(report: dict, console: Console) -> None:
     for kind in ("pip", "conda", "pixi"):
         if kind in install:
             console.print(f"install ({kind}): {install[kind]}", soft_wrap=True)
+    if "unpublished" in install:
+        console.print(f"[yellow]{install['unpublished']}[/yellow]", soft_wrap=True)
 
 
 def main(args) -> int:
