@@ -14,7 +14,7 @@ from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
 from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, index_is_published
 from ..extension.ops._plugin import PLUGIN_OF_OP
-from ..extension.registry import Registry
+from ..extension.registry import OpStatus, Registry
 from ..extension.runtime import current_runtime
 from .install_hint import INSTALLERS, extra_of, install_command
 from .output import reader_may_leave
@@ -50,17 +50,24 @@ def _plugin_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
     return rows
 
 
+def backend_name(op: str, status: OpStatus, device: DeviceInfo, kernel: bool | None = None) -> str:
+    """What runs ``op`` on ``device``, in the words doctor uses: the plugin's CUDA kernel or
+    the torch fallback. ``kernel`` says whether a call took the kernel (``astrai bench``
+    knows); None: whenever the plugin is usable (doctor's view)."""
+    if kernel is None:
+        kernel = status.usable and status.native is not False
+    if kernel:
+        return f"CUDA kernel from {status.reason}"
+    if status.usable and status.native is False:
+        return f"{FALLBACKS[op]} (the {status.plugin.name} kernel is emulated on sm_{device.sm})"
+    return FALLBACKS[op]
+
+
 def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
     rows = []
     for op in PLUGIN_OF_OP:
         status = registry.op_status(op, device)
-        if status.usable and status.native is False:
-            backend = f"{FALLBACKS[op]} (the {status.plugin.name} kernel is emulated on sm_{device.sm})"
-        elif status.usable:
-            backend = f"CUDA kernel from {status.reason}"
-        else:
-            backend = FALLBACKS[op]
-        rows.append({"op": op, "backend": backend, "plugin_status": status.reason})
+        rows.append({"op": op, "backend": backend_name(op, status, device), "plugin_status": status.reason})
     return rows
 
 
