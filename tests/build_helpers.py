@@ -4,6 +4,7 @@ loading a built module, or a plugin package's manifest, from a path."""
 from __future__ import annotations
 
 import glob
+import os
 import importlib.machinery
 import importlib.util
 import shutil
@@ -71,3 +72,41 @@ def require_nvcc() -> None:
 
     if not (os.environ.get("CUDACXX") or shutil.which("nvcc")):
         pytest.skip("needs a CUDA toolkit: no nvcc on PATH (or CUDACXX)")
+
+
+def host_module(name: str, source: Path, depends: list[Path]) -> ModuleType:
+    """The pybind11 module ``name`` built from one C++ ``source`` with the host compiler (no
+    nvcc), cached under build/host-modules/ by the hash of ``source`` and ``depends``;
+    skips the caller when there is no C++ compiler."""
+    import hashlib
+    import subprocess
+    import sysconfig
+
+    import pybind11
+    import pytest
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler", allow_module_level=True)
+    digest = hashlib.sha256()
+    for path in (source, *depends):
+        digest.update(path.read_bytes())
+    folder = Path(__file__).resolve().parents[1] / "build" / "host-modules" / f"{name}-{digest.hexdigest()[:16]}"
+    target = folder / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        staging = folder / f".{target.name}.{os.getpid()}"
+        includes = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+        built = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", *includes, str(source), "-o",
+                                str(staging)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building {name} from {source} failed:\n{built.stderr[-4000:]}")
+        staging.rename(target)  # atomic: a concurrent builder finds a whole module or none
+    return load_module(name, target, register=True)
+
+
+def sm90_planner() -> ModuleType:
+    """The Hopper GEMM planner (csrc/gemm/sm90/planning.h) bound for Python, host-only."""
+    sm90 = Path(__file__).resolve().parents[1] / "packages" / "astrai-fp8" / "csrc" / "gemm" / "sm90"
+    return host_module("_sm90_planning", sm90 / "tests" / "planning_module.cpp",
+                       [sm90 / "planning.h", sm90 / "planning_bind.h"])
