@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from ..extension import ATTN_BACKEND, apply_rotary_emb, attention, attn_backend
+from ..extension import ATTN_BACKEND, apply_rotary_emb, attention, attn_backend, fp8_autocast
 from ..extension.backend import fp8 as fp8_policy
 from ..extension.backend.rotary import rotary_torch
 from ..extension.device import probe_device
@@ -175,8 +175,8 @@ def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) 
                 flops=flops, op="attention", plugin_op="attn_paged_prefill")
 
 
-def _rotary_case(device, dtype, tokens, heads=32, d=128) -> Case:
-    x = torch.randn(1, tokens, heads, d, device=device, dtype=dtype)
+def _rotary_case(device, dtype, tokens, heads=32, d=128, batch=1) -> Case:
+    x = torch.randn(batch, tokens, heads, d, device=device, dtype=dtype)
     angles = torch.randn(tokens, d // 2, device=device)
     cos, sin = angles.cos(), angles.sin()
 
@@ -189,7 +189,8 @@ def _rotary_case(device, dtype, tokens, heads=32, d=128) -> Case:
             return rotary_torch(x, cos, sin)
 
     nbytes = 2 * x.numel() * x.element_size() + 2 * cos.numel() * 4
-    return Case("rotary", f"{tokens} tok x {heads} x {d}", run, run_torch, bytes=nbytes, op="rotary_emb",
+    shape = f"{tokens} tok x {heads} x {d}" if batch == 1 else f"{batch} x {tokens} tok x {heads} x {d}"
+    return Case("rotary", shape, run, run_torch, bytes=nbytes, op="rotary_emb",
                 plugin_op="rotary_emb")
 
 
@@ -209,13 +210,32 @@ def _fp8_case(device, m, n, k) -> Case:
                 plugin_op="fp8_gemm")
 
 
+def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
+    """The FP8 linear's inference forward (``fp8_autocast`` around ``nn.Linear``), against
+    the bf16 linear it replaces."""
+    lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+    def run():
+        with torch.no_grad(), fp8_autocast():
+            return lin(x)
+
+    def run_torch():
+        with torch.no_grad():
+            return lin(x)
+
+    return Case("fp8 linear forward", f"M={m} N={n} K={k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm",
+                plugin_op="fp8_gemm")
+
+
 def cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         dtype = torch.bfloat16
-        out = [_decode_case(device, dtype, 1, 4096), _decode_case(device, dtype, 16, 4096),
-               _prefill_case(device, dtype, 1, 4096), _rotary_case(device, dtype, 16384)]
+        out = [*(_decode_case(device, dtype, b, 4096) for b in (1, 8, 64)),
+               _prefill_case(device, dtype, 1, 4096),
+               _rotary_case(device, dtype, 1, batch=64), _rotary_case(device, dtype, 16384)]
         if torch.cuda.get_device_capability(device) >= (8, 9):
-            out.append(_fp8_case(device, 4096, 4096, 4096))
+            out += [_fp8_case(device, 4096, 4096, 4096), _fp8_linear_case(device, 16), _fp8_linear_case(device, 1024)]
         if quick:
             out = [_decode_case(device, dtype, 4, 1024), _prefill_case(device, dtype, 1, 1024),
                    _rotary_case(device, dtype, 2048)]
