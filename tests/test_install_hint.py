@@ -97,7 +97,6 @@ def test_doctor_suggests_what_is_installed(monkeypatch, installed, extra):
     from astrai.cli import doctor
     from astrai.extension.device import DeviceInfo
     from astrai.extension.registry import Registry
-    from astrai.extension.runtime import Runtime
 
     monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
     eps = [FakeEntryPoint(name.removeprefix("astrai-"), manifest(name=name)) for name in installed]
