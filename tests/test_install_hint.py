@@ -120,3 +120,17 @@ def test_doctor_without_plugins_suggests_the_core_or_everything():
     h200 = DeviceInfo(type="cuda", index=0, name="H200", capability=(9, 0), driver_cuda=(12, 8))
     assert doctor._install_commands(cpu, empty)["pip"] == "pip install astrai"
     assert doctor._install_commands(h200, empty)["pip"] == f'pip install "astrai[all]" --extra-index-url {CU124}'
+
+
+def test_a_missing_plugin_error_says_the_index_is_unpublished(monkeypatch):
+    from astrai.extension.ops import _plugin
+    from astrai.extension.registry import Registry
+    from astrai.extension.runtime import Runtime, use_runtime
+
+    monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
+    with use_runtime(Runtime(Registry(lambda: []))):
+        with pytest.raises(RuntimeError, match=r'astrai\[rotary\]" .* no release is published on that index yet'):
+            _plugin.require("rotary_emb", "cpu")
+        monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
+        with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:8000/whl/cu130$"):
+            _plugin.require("rotary_emb", "cpu")

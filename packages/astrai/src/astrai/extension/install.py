@@ -27,6 +27,13 @@ def index_is_published() -> bool:
     return PUBLISHED or "ASTRAI_INDEX_URL" in os.environ
 
 
+def unpublished_note() -> str:
+    """What to add after a pip command naming an index that has no release yet."""
+    if index_is_published():
+        return ""
+    return " (no release is published on that index yet: build it from source, docs/install.md)"
+
+
 def cuda_index_tag(driver_cuda: tuple[int, int] | None) -> str | None:
     """'cu130' for a CUDA 13 driver, 'cu124' for 12.4..12.9, None when no build can run."""
     if driver_cuda is None:

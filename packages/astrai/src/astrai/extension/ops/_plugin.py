@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from ..device import DeviceInfo, probe_device
-from ..install import PLUGIN_EXTRAS, pip_command
+from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
 from ..registry import Registry, failure
 from ..runtime import current_runtime
 
@@ -123,6 +123,6 @@ def require(op: str, device: torch.device | str | None = None) -> GuardedModule:
             guard = guards[(op, info)] = GuardedModule(registry.load(op, info), op, info, registry)
         return guard
     plugin = PLUGIN_OF_OP.get(op, "a plugin providing it")
-    hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) if plugin in PLUGIN_EXTRAS else ""
+    hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) + unpublished_note() if plugin in PLUGIN_EXTRAS else ""
     raise RuntimeError(f"astrai.extension.ops.{op} needs the {plugin} plugin, which is not usable "
                        f"here ({status.reason}). Install it with: {hint}".rstrip())
