@@ -129,7 +129,7 @@ def test_a_missing_plugin_error_says_the_index_is_unpublished(monkeypatch):
 
     monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
     with use_runtime(Runtime(Registry(lambda: []))):
-        with pytest.raises(RuntimeError, match=r'astrai\[rotary\]" .* no release is published on that index yet'):
+        with pytest.raises(RuntimeError, match=r'astrai\[rotary\]" .*\(no release is published on that index yet'):
             _plugin.require("rotary_emb", "cpu")
         monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
         with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:8000/whl/cu130$"):
