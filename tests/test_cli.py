@@ -51,5 +51,5 @@ def test_bench_runs_end_to_end(tmp_path):
     assert "astrai bench on" in out.stdout
     results = json.loads((tmp_path / "b.json").read_text())["results"]
     assert {r["name"] for r in results} >= {"paged decode", "prefill causal", "rotary"}
-    assert all(r["ms"] > 0 and r["speedup"] > 0 for r in results)
+    assert all(r["eager_ms"] > 0 for r in results)
     assert (tmp_path / "b.png").stat().st_size > 1000

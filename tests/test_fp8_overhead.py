@@ -11,10 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from astrai.extension._fp8 import scaling as scaling_module
+from astrai.extension._fp8 import state as state_module
+from astrai.extension._fp8 import weights as weights_module
+from astrai.extension._fp8.scaling import _RoleGroup
 from astrai.extension.backend import fp8_torch
 from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
 
 _NO_KERNEL = {"empty", "empty_strided", "lift_fresh"}
+
+
+def _simulate_capture(monkeypatch, capturing) -> None:
+    """What the FP8 layer believes about CUDA graph capture (``capturing(device)``)."""
+    for module in (scaling_module, state_module, weights_module):
+        monkeypatch.setattr(module, "capturing", capturing)
 
 
 @pytest.fixture(autouse=True)
@@ -355,11 +365,9 @@ def test_one_region_updates_like_one_region_per_linear():
 def test_nothing_made_during_a_graph_capture_is_kept(monkeypatch):
     """Kernels captured into a CUDA graph run only on replay: neither the FP8 weight nor
     cuBLASLt's unit scale may be cached from inside a capture (simulated here)."""
-    from astrai.extension import fp8 as fp8_layer
-
     cpu = torch.device("cpu")
     assert fp8_torch._one(cpu) is fp8_torch._one(cpu) and fp8_torch._one(cpu).item() == 1.0
-    monkeypatch.setattr(fp8_layer, "capturing", lambda device: True)
+    _simulate_capture(monkeypatch, lambda device: True)
     monkeypatch.setattr(fp8_torch, "capturing", lambda device: True)
     assert fp8_torch._one(cpu) is not fp8_torch._one(cpu)
     lin = torch.nn.Linear(16, 8)
@@ -389,8 +397,6 @@ def test_a_captured_training_step_updates_the_state_in_place(monkeypatch):
     together are updated one by one there (a regrouping copy would leave the captured
     kernels on the old tensors); a state that took part in a capture caches no weight copy
     since (its replays move the scale behind the host's back)."""
-    from astrai.extension import fp8 as fp8_layer
-
     torch.manual_seed(0)
     graphed = _mlp(2)
     eager = copy.deepcopy(graphed)
@@ -406,12 +412,12 @@ def test_a_captured_training_step_updates_the_state_in_place(monkeypatch):
             h.float().square().sum().backward()
     before = _live_state(graphed)
     for capture, model in ((True, graphed), (False, eager)):
-        monkeypatch.setattr(fp8_layer, "capturing", lambda device, c=capture: c)
+        _simulate_capture(monkeypatch, lambda device, c=capture: c)
         for x in xs[2:]:  # both linears in one region now
             with fp8_autocast(recipe=recipe):
                 y = model(x)
             y.backward(gy)
-    monkeypatch.setattr(fp8_layer, "capturing", lambda device: False)
+    _simulate_capture(monkeypatch, lambda device: False)
     assert _live_state(graphed) == before
     for a, b in zip(graphed, eager):
         if isinstance(a, torch.nn.Linear):
@@ -429,8 +435,6 @@ def test_weight_copies_inside_a_graph_capture(monkeypatch, quantize_calls):
     ``cache_weights=True`` and a copy with a scale of its own, made before the capture
     under True, is valid: the graph reads that copy, which stays alive for it. Once a
     graph captured an update, only such copies are reused, until the weight changes."""
-    from astrai.extension import fp8 as fp8_layer
-
     recipe = DelayedScaling(amax_history_len=2)
     x = torch.randn(4, 16)
     for cache_weights, reused in ((None, False), (True, True)):
@@ -447,9 +451,9 @@ def test_weight_copies_inside_a_graph_capture(monkeypatch, quantize_calls):
                 forward()
             entry = fp8_state(lin)._weight_cache
             assert entry is not None and entry.frozen == reused
-            monkeypatch.setattr(fp8_layer, "capturing", lambda device: True)
+            _simulate_capture(monkeypatch, lambda device: True)
             assert forward() != reused
-            monkeypatch.setattr(fp8_layer, "capturing", lambda device: False)
+            _simulate_capture(monkeypatch, lambda device: False)
             state = fp8_state(lin)
             assert state.forward_roles.graphed
             assert [kept is entry for kept in state._in_graphs] == ([True] if reused else [])
@@ -550,10 +554,8 @@ def test_epoch_changes_exactly_when_the_window_union_does(steps, length, algo):
     """The weight cache's epoch, kept per step from counts, bumps exactly when the set of
     weight contents in the scale's window differs from the previous update's (the first
     update always): the definition, checked against a rebuilt union."""
-    from astrai.extension import fp8 as fp8_layer
-
     recipe = DelayedScaling(amax_history_len=length, amax_compute_algo=algo)
-    role = fp8_layer._RoleGroup("e4m3", 1, recipe, torch.device("cpu"), tracked=(True,)).roles[0]
+    role = _RoleGroup("e4m3", 1, recipe, torch.device("cpu"), tracked=(True,)).roles[0]
     window = length if algo == "max" else 1
     slots: list[frozenset[int]] = []
     previous = None

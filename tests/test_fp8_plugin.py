@@ -1,13 +1,13 @@
 """The astrai-fp8 plugin on a machine without a GPU.
 
-* Launch planning as pure functions (``astrai_fp8.planning``): every crossover of the
-  tile rules, the NN swap, the shared-memory fallback.
+* Launch planning through the bound C++ planner (``_fp8_ops.plan``, no GPU needed):
+  every crossover of the tile rules, the NN swap, the shared-memory fallback.
 * One module-scoped build (``ci/build-wheels`` for CUDA 13.0, asked for sm_86 + sm_89 +
   sm_90a + sm_120; sm_86 is skipped) feeds the rest: the manifest against cuobjdump, the SASS of
   the GEMM (native ``QMMA.16832.F32.E4M3.E4M3`` on sm_89; on sm_90a the same ``mma.sync``
   becomes ``F2FP...UNPACK_B`` + ``HMMA.16816``, the emulation the manifest's
-  ``native_sm`` documents), the ptxas register report (no spills), the C++
-  planner against the Python mirror, and the C++ validation, which raises before any
+  ``native_sm`` documents), the ptxas register report (no spills), and the C++
+  validation, which raises before any
   CUDA call; the scale update's SASS keeps IEEE multiply and reciprocal under fast math.
 """
 
@@ -22,86 +22,100 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from build_helpers import find_tool, load_module, plugin_manifest_of
+from build_helpers import find_tool, load_module, plugin_manifest_of, require_toolkit, sm90_planner
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "packages" / "astrai-fp8" / "src"))
-from astrai_fp8 import planning  # noqa: E402
 
 ARCHS = "86;89;90a;120"  # sm_86 must be skipped (FP8 needs sm_89+); sm_89 / sm_120 native, sm_90a emulated
 H200 = dict(sms=132, smem_per_sm=233472, smem_per_block=232448)
 L20 = dict(sms=92, smem_per_sm=102400, smem_per_block=101376)
 
 
-# ============================================================ planning (pure, fast)
-def _tile(m, n, *, trans_a=False, trans_b=True, dev=H200):
-    return planning.plan(m, n, 4096, trans_a=trans_a, trans_b=trans_b, **dev).tile
+# ============================================================ planning (the bound C++ planner)
+# ``_fp8_ops.plan`` runs ``canonicalize_gemm`` + ``plan_gemm`` of csrc/gemm.cuh, the code
+# fp8_gemm launches with: the rules are tested there, with no mirror to keep in step.
+def _plan(compiled, m, n, k=4096, *, trans_a=False, trans_b=True, dev=H200) -> dict:
+    return compiled.plan(m, n, k, trans_a, trans_b, dev["sms"], dev["smem_per_sm"], dev["smem_per_block"])
 
 
-def test_small_m_takes_the_64x64_cta():
-    assert _tile(1, 8192) == "64x64"
-    assert _tile(64, 28672) == "64x64"
+def _tile(compiled, m, n, **kw) -> str:
+    return _plan(compiled, m, n, **kw)["tile"]
 
 
-def test_64_but_not_128_divisible_takes_64x64():
-    assert _tile(1088, 1088) == "64x64"
-    assert _tile(1216, 4096) == "64x64"
-    assert _tile(1024, 4160) == "64x64"
+@pytest.mark.slow
+def test_small_m_takes_the_64x64_cta(compiled):
+    assert _tile(compiled, 1, 8192) == "64x64"
+    assert _tile(compiled, 64, 28672) == "64x64"
 
 
-def test_crosswise_switches_to_128x128_at_one_and_a_half_waves():
+@pytest.mark.slow
+def test_64_but_not_128_divisible_takes_64x64(compiled):
+    assert _tile(compiled, 1088, 1088) == "64x64"
+    assert _tile(compiled, 1216, 4096) == "64x64"
+    assert _tile(compiled, 1024, 4160) == "64x64"
+
+
+@pytest.mark.slow
+def test_crosswise_switches_to_128x128_at_one_and_a_half_waves(compiled):
     sms = H200["sms"]
     # 128 x 128 tiles: 1.5 waves of 132 SMs = 198 tiles; 16 x 12 = 192 < 198 <= 16 x 13 = 208
-    assert _tile(2048, 1536, trans_b=False) == "64x64"
-    assert _tile(2048, 1664, trans_b=False) == "128x128"
+    assert _tile(compiled, 2048, 1536, trans_b=False) == "64x64"
+    assert _tile(compiled, 2048, 1664, trans_b=False) == "128x128"
     assert 16 * 12 < 1.5 * sms <= 16 * 13
-    assert _tile(4096, 4096, trans_a=True, trans_b=False) == "128x128"  # XX, 1024 tiles
+    assert _tile(compiled, 4096, 4096, trans_a=True, trans_b=False) == "128x128"  # XX, 1024 tiles
 
 
-def test_congruous_sub_wave_bands():
+@pytest.mark.slow
+def test_congruous_sub_wave_bands(compiled):
     # fill = 128x128 tiles / 132: < 3/8 -> 64x64, < 5/8 -> 128x64, else 128x128
-    assert _tile(768, 768) == "64x64"      # 36 tiles, 0.27 of a wave
-    assert _tile(1024, 1024) == "128x64"   # 64 tiles, 0.48
-    assert _tile(1280, 1024) == "128x64"   # 80 tiles, 0.61
-    assert _tile(1408, 1024) == "128x128"  # 88 tiles, 0.67
-    assert _tile(1024, 1664) == "128x128"  # 104 tiles, 0.79
+    assert _tile(compiled, 768, 768) == "64x64"      # 36 tiles, 0.27 of a wave
+    assert _tile(compiled, 1024, 1024) == "128x64"   # 64 tiles, 0.48
+    assert _tile(compiled, 1280, 1024) == "128x64"   # 80 tiles, 0.61
+    assert _tile(compiled, 1408, 1024) == "128x128"  # 88 tiles, 0.67
+    assert _tile(compiled, 1024, 1664) == "128x128"  # 104 tiles, 0.79
 
 
-def test_congruous_wave_math():
+@pytest.mark.slow
+def test_congruous_wave_math(compiled):
     # just past one wave: 2 big tile-times vs 3 narrow ones at 0.53 -> narrow
-    assert planning.choose_tile(128 * 133, 128, True, True, 132) == "128x64"
+    assert _tile(compiled, 128 * 133, 128) == "128x64"
     # exactly two waves: 2 big vs 4 narrow * 0.53 = 2.12 -> big
-    assert planning.choose_tile(128 * 264, 128, True, True, 132) == "128x128"
-    assert _tile(8192, 8192) == "128x128"
-    assert _tile(1024, 8192) == "128x128"
+    assert _tile(compiled, 128 * 264, 128) == "128x128"
+    assert _tile(compiled, 8192, 8192) == "128x128"
+    assert _tile(compiled, 1024, 8192) == "128x128"
 
 
-def test_shared_memory_budget_falls_back_to_smaller_ctas():
+@pytest.mark.slow
+def test_shared_memory_budget_falls_back_to_smaller_ctas(compiled):
     tiny = dict(sms=132, smem_per_sm=60000, smem_per_block=60000)
-    assert _tile(8192, 8192, dev=tiny) == "128x64"  # 64 KiB ring does not fit
+    assert _tile(compiled, 8192, 8192, dev=tiny) == "128x64"  # 64 KiB ring does not fit
     tinier = dict(sms=132, smem_per_sm=40000, smem_per_block=40000)
-    assert _tile(8192, 8192, dev=tinier) == "64x64"
-    assert _tile(8192, 8192, trans_b=False, dev=tiny) == "64x64"  # crosswise: no 128x64 kernel
-    assert planning.plan(8192, 8192, 64, trans_a=False, trans_b=True, **L20).ctas_per_sm == 1
+    assert _tile(compiled, 8192, 8192, dev=tinier) == "64x64"
+    assert _tile(compiled, 8192, 8192, trans_b=False, dev=tiny) == "64x64"  # crosswise: no 128x64 kernel
+    assert _plan(compiled, 8192, 8192, 64, dev=L20)["ctas_per_sm"] == 1
 
 
-def test_nn_swap_and_layout_pairs():
-    p = planning.plan(100, 300, 64, trans_a=True, trans_b=True, sms=132)
-    assert p.swap_ab and p.layouts == "CX"
-    assert (p.tiles_m, p.tiles_n) == (5, 2)  # the kernel problem is 300 x 100
-    pairs = {(ta, tb): planning.plan(256, 256, 64, trans_a=ta, trans_b=tb, sms=132)
+@pytest.mark.slow
+def test_nn_swap_and_layout_pairs(compiled):
+    p = _plan(compiled, 100, 300, 64, trans_a=True, trans_b=True)
+    assert p["swap_ab"] and p["layouts"] == "CX"
+    assert (p["tiles_m"], p["tiles_n"]) == (5, 2)  # the kernel problem is 300 x 100
+    pairs = {(ta, tb): _plan(compiled, 256, 256, 64, trans_a=ta, trans_b=tb)
              for ta, tb in itertools.product((False, True), repeat=2)}
-    assert {k: (v.layouts, v.swap_ab) for k, v in pairs.items()} == {
+    assert {k: (v["layouts"], v["swap_ab"]) for k, v in pairs.items()} == {
         (False, True): ("CC", False), (False, False): ("CX", False),
         (True, False): ("XX", False), (True, True): ("CX", True)}
 
 
-def test_grid_and_grouped_raster_size():
-    p = planning.plan(1000, 3000, 512, trans_a=False, trans_b=True, sms=132)
-    assert p.grid == p.tiles_m * p.tiles_n
-    assert p.group_m == min(p.tiles_m, 8)
+@pytest.mark.slow
+def test_grid_and_grouped_raster_size(compiled):
+    for m, n in ((1000, 3000), (64, 64), (8192, 1024), (16384, 28672)):
+        p = _plan(compiled, m, n, 512)
+        assert p["grid"] == p["tiles_m"] * p["tiles_n"]
+        assert p["tiles_m"] == -(-m // p["block_m"]) and p["tiles_n"] == -(-n // p["block_n"])
+        assert p["group_m"] == min(p["tiles_m"], 8)
     with pytest.raises(ValueError, match="positive"):
-        planning.plan(0, 1, 1, trans_a=False, trans_b=True, sms=132)
+        _plan(compiled, 0, 1, 1)
 
 
 # ============================================================ the build (slow, once)
@@ -117,6 +131,7 @@ def wheelhouse(tmp_path_factory) -> Path:
     reuse = os.environ.get("ASTRAI_TEST_FP8_WHEELHOUSE")
     if reuse:
         return Path(reuse)
+    require_toolkit("13.0")
     out = tmp_path_factory.mktemp("wheelhouse")
     env = dict(os.environ, ASTRAI_CUDA_ARCHS=ARCHS, CMAKE_BUILD_PARALLEL_LEVEL="2")
     build = subprocess.run([sys.executable, str(REPO / "ci" / "build-wheels"), "--cuda", "13.0",
@@ -226,15 +241,18 @@ def test_ptxas_report_has_no_spills(wheelhouse):
 
 
 @pytest.mark.slow
-def test_cpp_planner_matches_the_python_mirror(compiled):
-    ms = [1, 16, 64, 100, 128, 384, 1000, 1024, 1088, 2048, 4096, 8192, 16384]
-    ns = [64, 1024, 1088, 4096, 8192, 28672]
-    for (m, n), (ta, tb), dev in itertools.product(itertools.product(ms, ns),
-                                                   itertools.product((False, True), repeat=2),
-                                                   (H200, L20)):
-        want = planning.plan(m, n, 4096, trans_a=ta, trans_b=tb, **dev)
-        got = compiled.plan(m, n, 4096, ta, tb, dev["sms"], dev["smem_per_sm"], dev["smem_per_block"])
-        assert got == want.__dict__, (m, n, ta, tb, dev)
+def test_the_binary_carries_the_hopper_planner(compiled):
+    """``_fp8_ops.sm90`` is planning.h as the binary runs it: the plans of the host-only build
+    the CPU tests use (tests/test_fp8_sm90.py), trace included."""
+    host, bound = sm90_planner(), compiled.sm90
+    assert [c.name for c in bound.TILE_CONFIGS] == [c.name for c in host.TILE_CONFIGS]
+    for (m, n, k), accum, sms in itertools.product(
+            ((1, 8192, 8192), (64, 28672, 8192), (1000, 1000, 1024), (8192, 8192, 8192), (128, 128, 40)),
+            ("promote", "fast"), (132, 114)):
+        got = bound.plan(bound.ProblemShape(m, n, k), bound.DeviceLimits(9, 0, sms, 232448), accum)
+        want = host.plan(host.ProblemShape(m, n, k), host.DeviceLimits(9, 0, sms, 232448), accum)
+        fields = ("ok", "config", "cluster", "tiles_m", "tiles_n", "num_tiles", "grid", "k_blocks", "cost", "trace")
+        assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields], (m, n, k, accum, sms)
 
 
 # ------------------------------------------------------------ C++ validation, no GPU

@@ -76,3 +76,61 @@ def test_the_install_guide_shows_the_commands_doctor_prints():
     assert install_command(None, "conda") in guide
     for step in install_command((13, 0), "pixi").split(" && "):
         assert step in guide
+
+
+def test_several_extras_join_in_one_command():
+    assert install_command((13, 0), "pip", "rotary,fp8") == f'pip install "astrai[rotary,fp8]" --extra-index-url {CU130}'
+    assert shlex.split(install_command((12, 6), "conda", "attention,fp8"))[-3:] == [
+        "astrai-attention", "astrai-fp8", "cuda-version=12"]
+    with pytest.raises(ValueError, match="extra"):
+        install_command((13, 0), "pip", "rotary,flash")
+
+
+@pytest.mark.parametrize("installed, extra", [
+    (("astrai-attention", "astrai-rotary", "astrai-fp8"), "all"),
+    (("astrai-fp8", "astrai-rotary"), "rotary,fp8"),
+    (("astrai-attention",), "attention"),
+])
+def test_doctor_suggests_what_is_installed(monkeypatch, installed, extra):
+    from fakes import FakeEntryPoint, entry_points, manifest
+
+    from astrai.cli import doctor
+    from astrai.extension.device import DeviceInfo
+    from astrai.extension.registry import Registry
+
+    monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
+    eps = [FakeEntryPoint(name.removeprefix("astrai-"), manifest(name=name)) for name in installed]
+    registry = Registry(entry_points(*eps))
+    for device in (DeviceInfo(type="cpu", index=None, name="cpu", capability=None, driver_cuda=None),
+                   DeviceInfo(type="cuda", index=0, name="H200", capability=(9, 0), driver_cuda=(13, 1))):
+        install = doctor._install_commands(device, registry)
+        assert install["pip"] == f'pip install "astrai[{extra}]" --extra-index-url {CU130}'  # the +cu130 builds
+        assert "docs/install.md" in install["unpublished"]
+    monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
+    assert "unpublished" not in doctor._install_commands(device, registry)
+
+
+def test_doctor_without_plugins_suggests_the_core_or_everything():
+    from astrai.cli import doctor
+    from astrai.extension.device import DeviceInfo
+    from astrai.extension.registry import Registry
+
+    empty = Registry(lambda: [])
+    cpu = DeviceInfo(type="cpu", index=None, name="cpu", capability=None, driver_cuda=None)
+    h200 = DeviceInfo(type="cuda", index=0, name="H200", capability=(9, 0), driver_cuda=(12, 8))
+    assert doctor._install_commands(cpu, empty)["pip"] == "pip install astrai"
+    assert doctor._install_commands(h200, empty)["pip"] == f'pip install "astrai[all]" --extra-index-url {CU124}'
+
+
+def test_a_missing_plugin_error_says_the_index_is_unpublished(monkeypatch):
+    from astrai.extension.ops import _plugin
+    from astrai.extension.registry import Registry
+    from astrai.extension.runtime import Runtime, use_runtime
+
+    monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
+    with use_runtime(Runtime(Registry(lambda: []))):
+        with pytest.raises(RuntimeError, match=r'astrai\[rotary\]" .*\(no release is published on that index yet'):
+            _plugin.require("rotary_emb", "cpu")
+        monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
+        with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:8000/whl/cu130$"):
+            _plugin.require("rotary_emb", "cpu")

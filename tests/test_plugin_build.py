@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from build_helpers import find_tool, load_module, plugin_manifest_of
+from build_helpers import find_tool, load_module, plugin_manifest_of, require_nvcc
 from wheel_cache import core_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -434,6 +434,7 @@ def test_version_tag_follows_the_toolkit(tmp_path, monkeypatch):
 def test_no_mma_escape_hatch_is_recorded(tmp_path):
     """ASTRAI_NO_MMA=ON reaches the compile definitions and build_info.json (a configure, no
     compile); the wheel built without it records no_mma false (test_build_info_...)."""
+    require_nvcc()  # CMake's project(... CUDA) finds the compiler
     cmakedir = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True,
                               text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASTRAI_")}

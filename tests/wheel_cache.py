@@ -25,6 +25,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from build_helpers import require_toolkit
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "build" / "test-wheels"
 PY = "cp%d%d" % sys.version_info[:2]
@@ -70,6 +72,7 @@ def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a") -> Path:
         for stale in [*CACHE.glob(f"{prefix}*"), *CACHE.glob(f".{prefix}*")]:
             if stale.is_dir():  # older sources, or a build that was killed
                 shutil.rmtree(stale, ignore_errors=True)
+        require_toolkit(cuda)
         staging = Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=CACHE))
         env = dict(os.environ, ASTRAI_CUDA_ARCHS=archs, CMAKE_BUILD_PARALLEL_LEVEL="2")
         build = subprocess.run([sys.executable, str(ROOT / "ci" / "build-wheels"), "--cuda", cuda, "--plugins",

@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[2]
 import sm90_capi  # noqa: E402
-from astrai_fp8.sm90_planning import TILE_CONFIGS  # noqa: E402
+from astrai_fp8._fp8_ops import sm90 as sm90_planner  # noqa: E402 - the binary's own planner
+
+TILE_CONFIGS = sm90_planner.TILE_CONFIGS
 from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
 from graph_timing import graph_times_ms  # noqa: E402
 

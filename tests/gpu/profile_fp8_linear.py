@@ -114,7 +114,7 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
     """Inclusive host microseconds per training step spent in each piece of the FP8 linear
     (wall time inside the function, nested pieces counted in their callers too), beside the
     floor any Python autograd.Function pays: the same bf16 linear written as one."""
-    from astrai.extension import fp8 as fp8_mod
+    from astrai.extension._fp8 import linear as fp8_mod  # the FP8 linear's Function
 
     dev = "cuda"
     lin = torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16)

@@ -4,6 +4,7 @@
 //   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
 //   scale_update(hist, pending, prev_scale, scale, scale_inv, factor, most_recent, stream)
 //   plan(m, n, k, trans_a, trans_b, sms, smem_per_sm, smem_per_block) -> dict   (no GPU)
+//   sm90.plan(shape, device, accum, force_config) ...: the Hopper planner (planning_bind.h)
 //   build_info() -> dict
 // Tensors are tuples (data_ptr, shape, strides_in_elements, dtype_code) (ABI 1); bias may
 // be None. Every argument is checked before the first CUDA call (ValueError naming it);
@@ -23,6 +24,7 @@
 #include "astrai/tensor_arg.h"
 #include "gemm.cuh"
 #include "gemm/sm90/entry.h"
+#include "gemm/sm90/planning_bind.h"
 #include "quantize.cuh"
 #include "scale_update.cuh"
 
@@ -306,4 +308,6 @@ PYBIND11_MODULE(_fp8_ops, m) {
   m.def("plan", &astrai::fp8::plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"),
         py::arg("trans_b"), py::arg("sms"), py::arg("smem_per_sm"), py::arg("smem_per_block"),
         "The launch plan fp8_gemm would use (pure host function, no GPU needed).");
+  astrai::fp8::sm90::bind_planning(
+      m.def_submodule("sm90", "The Hopper (sm_90a) GEMM's planner, csrc/gemm/sm90/planning.h (no GPU needed)."));
 }

@@ -1,5 +1,6 @@
-// Host planning for the Hopper FP8 GEMM: pure functions (no CUDA calls), mirrored line by
-// line in astrai_fp8/sm90_planning.py and tested on the CPU.
+// Host planning for the Hopper FP8 GEMM: pure functions (no CUDA calls). The one copy of
+// these rules: Python reaches it through planning_bind.h (``_fp8_ops.sm90``, and a
+// host-only module the CPU tests build from this header with the host compiler).
 //
 //   can_implement(shape, device) -> "" or the reason this path cannot take the problem
 //   plan(shape, device, accum)   -> the tile config with the smallest estimated time
@@ -36,7 +37,7 @@ struct TileConfig {
     bool swap;    // swap-AB: 128-row tiles over N, bn columns over M (small M only)
 };
 
-// Kept in step with the instantiations in dispatch.cuh and the Python mirror.
+// Kept in step with the instantiations in dispatch.cuh.
 inline constexpr TileConfig kTileConfigs[] = {
     {0, 256, 4, false, 1, 1.00, true, false},
     {1, 192, 5, true, 1, 0.935, true, false},
@@ -101,12 +102,17 @@ struct Plan {
     std::string trace;   // one line per candidate: accepted (with its cost) or why not
 };
 
+// "sm90 128x256x128 s4 fast cluster 1": how traces and benchmarks name a config.
+inline std::string config_name(const TileConfig& c) {
+    return std::string(c.swap ? "sm90 swap-AB " : "sm90 ") + "128x" + std::to_string(c.bn) + "x128 s" +
+           std::to_string(c.stages) + (c.promote ? " promote" : " fast") + " cluster " +
+           std::to_string(c.cluster);
+}
+
 // The plan for one tile config, or ok == false with the reason in `trace`.
 inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const TileConfig& c) {
     Plan p;
-    p.trace = std::string(c.swap ? "sm90 swap-AB " : "sm90 ") + "128x" + std::to_string(c.bn) +
-              "x128 s" + std::to_string(c.stages) +
-              (c.promote ? " promote" : " fast") + " cluster " + std::to_string(c.cluster) + ": ";
+    p.trace = config_name(c) + ": ";
     if (smem_bytes(c) > d.smem_optin) {
         p.trace += "needs " + std::to_string(smem_bytes(c)) + " B shared memory, device allows " +
                    std::to_string(d.smem_optin) + "\n";

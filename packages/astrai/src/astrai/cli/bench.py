@@ -1,9 +1,17 @@
-"""``astrai bench``: every op through the resolver, side by side with the torch path.
+"""``astrai bench``: what each op costs a user, and what of it is the GPU's.
 
-Each case builds fresh random inputs, runs the public entry point (whatever backend the
-resolver picks here) and the plain torch path on the same inputs, and reports the median
-time, the achieved bandwidth or arithmetic rate, and the speed-up over torch. Without a
-CUDA device the cases shrink to CPU sizes and the table says so.
+Each case builds fresh random inputs and times the public entry point (whatever backend
+the resolver picks here) three ways:
+
+- **eager**: per call, calls back to back as a model makes them: what a user measures;
+- **graph**: per call, the same calls captured in a CUDA graph and replayed: the GPU's
+  time, without the host's (the rate is computed from it);
+- **host overhead**: eager minus graph, the Python and launch cost above the kernels.
+
+On a GPU the torch path of the same call is timed eagerly too, for the speed-up. Without
+a CUDA device there are neither graphs nor kernels: the cases shrink to CPU sizes, the
+table says it times the torch fallbacks, and it has no speed-up column (it would compare
+the fallback with itself). The JSON keeps every figure (null where not measured).
 """
 
 from __future__ import annotations
@@ -19,11 +27,14 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from ..extension import ATTN_BACKEND, apply_rotary_emb, attention, attn_backend
+from ..extension import ATTN_BACKEND, apply_rotary_emb, attention, attn_backend, fp8_autocast
 from ..extension.backend import fp8 as fp8_policy
 from ..extension.backend.rotary import rotary_torch
+from ..extension.device import probe_device
 from ..extension.kv_cache import PagedKVCache
 from ..extension.runtime import current_runtime
+from .doctor import backend_name
+from .output import reader_may_leave
 
 
 @dataclass
@@ -34,42 +45,83 @@ class Case:
     run_torch: Callable[[], object]  # the torch path
     bytes: float = 0.0  # fewest bytes the op must move
     flops: float = 0.0
-    op: str = ""  # resolver op name, to report the chosen backend
+    op: str = ""  # resolver op name, to find the chosen backend
+    plugin_op: str = ""  # the plugin op doctor lists, to name that backend as doctor does
+
+
+# resolver choices that run a plugin's CUDA kernel (every other choice is a torch path)
+KERNEL_CHOICES = frozenset({"cuda", "plugin"})
 
 
 @dataclass
 class Result:
     name: str
     shape: str
-    backend: str
-    ms: float
-    torch_ms: float
+    backend: str  # as doctor names it
+    choice: str  # the resolver's name for it
+    eager_ms: float  # per call, eager, back to back
+    graph_ms: float | None  # per call, replayed in a CUDA graph (None: no CUDA device, or not capturable)
+    torch_ms: float | None  # the torch path, eager (None without a CUDA device)
     rate: str
 
     @property
-    def speedup(self) -> float:
-        return self.torch_ms / self.ms
+    def host_overhead_ms(self) -> float | None:
+        return None if self.graph_ms is None else self.eager_ms - self.graph_ms
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.torch_ms is None else self.torch_ms / self.eager_ms
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"host_overhead_ms": self.host_overhead_ms, "speedup": self.speedup}
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: module load, autotuning, allocator
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
+
+
+def eager_ms(fn: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float:
+    """Median per-call milliseconds of ``calls`` back-to-back calls (one sync at the end)."""
+    fn()  # warm-up: module load, decisions, allocator
+    samples = []
+    for _ in range(rounds):
+        _sync(device)
         t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float | None:
+    """Median per-call milliseconds of ``calls`` calls captured in one CUDA graph and
+    replayed; None when ``fn`` cannot be captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # capture wants the lazy work done off the capture stream
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        return None
+    graph.replay()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
 
 
 def _decode_case(device, dtype, batch, kv_len, page_size=16, hq=32, hkv=8, d=128) -> Case:
@@ -96,7 +148,7 @@ def _decode_case(device, dtype, batch, kv_len, page_size=16, hq=32, hkv=8, d=128
 
     kv_bytes = 2 * batch * (kv_len + 1) * hkv * d * dtype.itemsize
     return Case("paged decode", f"B={batch} kv={kv_len} {hq}/{hkv}x{d} page={page_size}", run, run_torch,
-                bytes=kv_bytes, op="attention")
+                bytes=kv_bytes, op="attention", plugin_op="attn_paged_decode")
 
 
 def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) -> Case:
@@ -120,11 +172,11 @@ def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) 
 
     flops = 4 * batch * hq * seq * seq * d / 2  # causal: half of QK^T and PV
     return Case("prefill causal", f"B={batch} L={seq} {hq}/{hkv}x{d} page={page_size}", run, run_torch,
-                flops=flops, op="attention")
+                flops=flops, op="attention", plugin_op="attn_paged_prefill")
 
 
-def _rotary_case(device, dtype, tokens, heads=32, d=128) -> Case:
-    x = torch.randn(1, tokens, heads, d, device=device, dtype=dtype)
+def _rotary_case(device, dtype, tokens, heads=32, d=128, batch=1) -> Case:
+    x = torch.randn(batch, tokens, heads, d, device=device, dtype=dtype)
     angles = torch.randn(tokens, d // 2, device=device)
     cos, sin = angles.cos(), angles.sin()
 
@@ -137,7 +189,9 @@ def _rotary_case(device, dtype, tokens, heads=32, d=128) -> Case:
             return rotary_torch(x, cos, sin)
 
     nbytes = 2 * x.numel() * x.element_size() + 2 * cos.numel() * 4
-    return Case("rotary", f"{tokens} tok x {heads} x {d}", run, run_torch, bytes=nbytes, op="rotary_emb")
+    shape = f"{tokens} tok x {heads} x {d}" if batch == 1 else f"{batch} x {tokens} tok x {heads} x {d}"
+    return Case("rotary", shape, run, run_torch, bytes=nbytes, op="rotary_emb",
+                plugin_op="rotary_emb")
 
 
 def _fp8_case(device, m, n, k) -> Case:
@@ -152,16 +206,36 @@ def _fp8_case(device, m, n, k) -> Case:
     def run_torch():  # the bf16 GEMM the FP8 path replaces
         return (dense_a @ dense_b) * scale
 
-    return Case("fp8 gemm vs bf16", f"{m}x{n}x{k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm")
+    return Case("fp8 gemm vs bf16", f"{m}x{n}x{k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm",
+                plugin_op="fp8_gemm")
+
+
+def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
+    """The FP8 linear's inference forward (``fp8_autocast`` around ``nn.Linear``), against
+    the bf16 linear it replaces."""
+    lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+    def run():
+        with torch.no_grad(), fp8_autocast():
+            return lin(x)
+
+    def run_torch():
+        with torch.no_grad():
+            return lin(x)
+
+    return Case("fp8 linear forward", f"M={m} N={n} K={k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm",
+                plugin_op="fp8_gemm")
 
 
 def cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         dtype = torch.bfloat16
-        out = [_decode_case(device, dtype, 1, 4096), _decode_case(device, dtype, 16, 4096),
-               _prefill_case(device, dtype, 1, 4096), _rotary_case(device, dtype, 16384)]
+        out = [*(_decode_case(device, dtype, b, 4096) for b in (1, 8, 64)),
+               _prefill_case(device, dtype, 1, 4096),
+               _rotary_case(device, dtype, 1, batch=64), _rotary_case(device, dtype, 16384)]
         if torch.cuda.get_device_capability(device) >= (8, 9):
-            out.append(_fp8_case(device, 4096, 4096, 4096))
+            out += [_fp8_case(device, 4096, 4096, 4096), _fp8_linear_case(device, 16), _fp8_linear_case(device, 1024)]
         if quick:
             out = [_decode_case(device, dtype, 4, 1024), _prefill_case(device, dtype, 1, 1024),
                    _rotary_case(device, dtype, 2048)]
@@ -172,13 +246,18 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             _rotary_case(device, torch.bfloat16, 512 * size), _fp8_case(device, 128 * size, 128 * size, 128 * size)]
 
 
-def _backend_of(case: Case) -> str:
-    """The backend the resolver picks for ``case.run`` (decided afresh, not the torch run's)."""
-    resolver = current_runtime().resolver
-    resolver.clear()
+def _backend_of(case: Case, device: torch.device) -> tuple[str, str]:
+    """(doctor's name, the resolver's name) of the backend ``case.run`` takes, decided afresh."""
+    runtime = current_runtime()
+    runtime.resolver.clear()
     case.run()
-    decisions = [d for d in resolver.decisions(case.op) if d.source != "explicit"]
-    return decisions[-1].chosen if decisions else "-"
+    decisions = [d for d in runtime.resolver.decisions(case.op) if d.source != "explicit"]
+    choice = decisions[-1].chosen if decisions else "torch"
+    info = probe_device(device)
+    status = runtime.registry.op_status(case.plugin_op, info)
+    if choice == "flash":
+        return "flash-attn", choice
+    return backend_name(case.plugin_op, status, info, kernel=choice in KERNEL_CHOICES), choice
 
 
 def _rate(case: Case, ms: float) -> str:
@@ -191,28 +270,52 @@ def _rate(case: Case, ms: float) -> str:
 
 
 def run_all(device: torch.device, quick: bool, only: list[str] | None) -> list[Result]:
-    repeats = 5 if device.type == "cpu" or quick else 30
+    gpu = device.type == "cuda"
+    calls, rounds = (20, 10) if gpu and not quick else (5, 5)
     results = []
     selected = [c for c in cases(device, quick) if not only or any(o in c.name for o in only)]
     for case in track(selected, description="benchmarking", transient=True):
-        backend = _backend_of(case)
-        ms = _time_ms(case.run, device, repeats)
-        torch_ms = _time_ms(case.run_torch, device, repeats)
-        results.append(Result(case.name, case.shape, backend, ms, torch_ms, _rate(case, ms)))
+        backend, choice = _backend_of(case, device)
+        eager = eager_ms(case.run, device, calls, rounds)
+        graph = graph_ms(case.run, device, calls, rounds) if gpu else None
+        torch_ms = eager_ms(case.run_torch, device, calls, rounds) if gpu else None
+        rate = _rate(case, eager if graph is None else graph)
+        results.append(Result(case.name, case.shape, backend, choice, eager, graph, torch_ms, rate))
     return results
 
 
+def _us(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f}"
+
+
 def render(results: list[Result], device: torch.device, console: Console) -> None:
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    gpu = device.type == "cuda"
+    where = torch.cuda.get_device_name(device) if gpu else "CPU (no CUDA device): the torch fallbacks"
     table = Table(title=f"astrai bench on {where}")
-    for column in ("op", "shape", "backend", "ms", "rate", "torch ms", "speed-up"):
+    columns = ["op", "shape", "backend", "eager us/call"]
+    if gpu:
+        columns += ["graph us/call", "host overhead us", "rate (graph)", "torch eager us", "speed-up"]
+    else:
+        columns += ["rate"]
+    for column in columns:
         table.add_column(column)
     for r in results:
-        table.add_row(r.name, r.shape, r.backend, f"{r.ms:.3f}", r.rate, f"{r.torch_ms:.3f}", f"{r.speedup:.2f}x")
+        row = [r.name, r.shape, r.backend, _us(r.eager_ms)]
+        if gpu:
+            speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+            row += [_us(r.graph_ms), _us(r.host_overhead_ms), r.rate, _us(r.torch_ms), speedup]
+        else:
+            row += [r.rate]
+        table.add_row(*row)
     console.print(table)
-    if device.type != "cuda":
-        console.print("[yellow]no CUDA device: these are the torch fallbacks at small CPU sizes, "
-                      "not kernel figures[/yellow]")
+    if gpu:
+        console.print("eager: per call as a model makes them; graph: the same calls replayed in a CUDA "
+                      "graph (the GPU's time); host overhead: the difference. Speed-up: torch path eager "
+                      "over eager.", soft_wrap=True)
+    else:
+        console.print("[yellow]no CUDA device: this times the torch fallbacks (every op's backend here) "
+                      "at small CPU sizes; no kernel, no CUDA graph and no speed-up to report[/yellow]",
+                      soft_wrap=True)
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -223,9 +326,13 @@ def plot(results: list[Result], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(results) + 1.5))
     labels = [f"{r.name}\n{r.shape}" for r in results]
-    ax.barh(labels, [r.speedup for r in results])
-    ax.axvline(1.0, color="grey", linestyle="--")
-    ax.set_xlabel("speed-up over the torch path")
+    if all(r.speedup is not None for r in results):
+        ax.barh(labels, [r.speedup for r in results])
+        ax.axvline(1.0, color="grey", linestyle="--")
+        ax.set_xlabel("speed-up over the torch path (eager)")
+    else:  # no GPU: the fallbacks' own times, nothing to compare them with
+        ax.barh(labels, [r.eager_ms * 1e3 for r in results])
+        ax.set_xlabel("eager us per call (torch fallbacks, no CUDA device)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -234,11 +341,12 @@ def plot(results: list[Result], path: str) -> None:
 def main(args) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     results = run_all(device, args.quick, args.ops)
-    render(results, device, Console(width=160))
+    with reader_may_leave():
+        render(results, device, Console(width=160))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "results": [asdict(r) | {"speedup": r.speedup} for r in results]},
-                      f, indent=2)
+            json.dump({"device": str(device), "kernels": device.type == "cuda",
+                       "results": [r.to_json() for r in results]}, f, indent=2)
     if args.plot:
         plot(results, args.plot)
     return 0

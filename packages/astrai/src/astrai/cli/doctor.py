@@ -12,11 +12,12 @@ from rich.table import Table
 
 from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
-from ..extension.install import cuda_index_tag
+from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, index_is_published
 from ..extension.ops._plugin import PLUGIN_OF_OP
-from ..extension.registry import Registry
+from ..extension.registry import OpStatus, Registry
 from ..extension.runtime import current_runtime
-from .install_hint import INSTALLERS, install_command
+from .install_hint import INSTALLERS, extra_of, install_command
+from .output import reader_may_leave
 
 FALLBACKS = {
     "attn_decode": "torch SDPA",
@@ -49,26 +50,54 @@ def _plugin_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
     return rows
 
 
+def backend_name(op: str, status: OpStatus, device: DeviceInfo, kernel: bool | None = None) -> str:
+    """What runs ``op`` on ``device``, in the words doctor uses: the plugin's CUDA kernel or
+    the torch fallback. ``kernel`` says whether a call took the kernel (``astrai bench``
+    knows); None: whenever the plugin is usable (doctor's view)."""
+    if kernel is None:
+        kernel = status.usable and status.native is not False
+    if kernel:
+        return f"CUDA kernel from {status.reason}"
+    if status.usable and status.native is False:
+        return f"{FALLBACKS[op]} (the {status.plugin.name} kernel is emulated on sm_{device.sm})"
+    return FALLBACKS[op]
+
+
 def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
     rows = []
     for op in PLUGIN_OF_OP:
         status = registry.op_status(op, device)
-        if status.usable and status.native is False:
-            backend = f"{FALLBACKS[op]} (the {status.plugin.name} kernel is emulated on sm_{device.sm})"
-        elif status.usable:
-            backend = f"CUDA kernel from {status.reason}"
-        else:
-            backend = FALLBACKS[op]
-        rows.append({"op": op, "backend": backend, "plugin_status": status.reason})
+        rows.append({"op": op, "backend": backend_name(op, status, device), "plugin_status": status.reason})
     return rows
 
 
-def _install_commands(device: DeviceInfo) -> dict:
-    commands = {kind: install_command(device.driver_cuda, kind) for kind in INSTALLERS}
+def _installed(registry: Registry) -> tuple[str | None, tuple[int, int] | None]:
+    """The extra that reinstalls the project's plugins found here, and their CUDA build."""
+    extras, cuda = set(), None
+    for record in registry.plugins():
+        extra = PLUGIN_EXTRAS.get(record.name) or PLUGIN_EXTRAS.get(record.distribution or "")
+        if extra is not None:
+            extras.add(extra)
+            if record.manifest is not None and record.manifest.cuda is not None:
+                cuda = cuda or record.manifest.cuda
+    return extra_of(extras), cuda
+
+
+def _install_commands(device: DeviceInfo, registry: Registry) -> dict:
+    """Per installer, the command that gives this machine what it should have: the plugins
+    installed here (all of them when none is) from the build the driver runs, or, without
+    a usable driver, the build installed here (the core alone when no plugin is)."""
+    extra, installed_cuda = _installed(registry)
+    driver = device.driver_cuda if cuda_index_tag(device.driver_cuda) is not None else installed_cuda
+    commands = {kind: install_command(driver, kind, extra or "all") for kind in INSTALLERS}
     if device.type != "cuda" or cuda_index_tag(device.driver_cuda) is None:
         why = "no CUDA device" if device.type != "cuda" else "the driver is too old for any published build"
         commands["note"] = (f"{why}: the torch fallbacks serve every op; the plugins need an NVIDIA GPU "
                             "with a CUDA 12.4+ driver")
+    if not index_is_published():
+        commands["unpublished"] = ("no release is published on these indexes and channels yet: build "
+                                   "the wheels and a local index from source (docs/install.md, "
+                                   "'From source'), or set ASTRAI_INDEX_URL to an index you serve")
     return commands
 
 
@@ -85,7 +114,7 @@ def collect(runtime=None) -> dict:
         "device": device.describe(),
         "plugins": _plugin_rows(runtime.registry, device),
         "ops": _op_rows(runtime.registry, device),
-        "install": _install_commands(device),
+        "install": _install_commands(device, runtime.registry),
     }
 
 
@@ -118,13 +147,16 @@ def render(report: dict, console: Console) -> None:
     for kind in ("pip", "conda", "pixi"):
         if kind in install:
             console.print(f"install ({kind}): {install[kind]}", soft_wrap=True)
+    if "unpublished" in install:
+        console.print(f"[yellow]{install['unpublished']}[/yellow]", soft_wrap=True)
 
 
 def main(args) -> int:
     report = collect()
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render(report, Console(width=160))
+    with reader_may_leave():
+        if args.json:
+            json.dump(report, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            render(report, Console(width=160))
     return 0

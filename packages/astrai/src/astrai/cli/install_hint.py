@@ -11,6 +11,8 @@ Package names match what ``recipe/recipe.yaml`` builds: ``astrai`` (the core),
 'conda install -c https://astrai-kernels.github.io/conda -c conda-forge astrai-kernels "cuda-version=12"'
 >>> install_command(None, "pip")
 'pip install astrai'
+>>> install_command((13, 0), "pip", "attention,fp8")
+'pip install "astrai[attention,fp8]" --extra-index-url https://astrai-kernels.github.io/whl/cu130'
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ EXTRAS = ("all", *PLUGIN_EXTRAS.values())
 DEFAULT_CONDA_CHANNEL = "https://astrai-kernels.github.io/conda"
 
 
+def extra_of(plugins: set[str]) -> str | None:
+    """The extra that installs these plugin extras (``{"fp8", "rotary"}``): "all" for
+    every one, "rotary,fp8" for some (in ``EXTRAS`` order), None for none."""
+    chosen = [extra for extra in EXTRAS[1:] if extra in plugins]
+    if not chosen:
+        return None
+    return "all" if len(chosen) == len(EXTRAS) - 1 else ",".join(chosen)
+
+
 def conda_channel() -> str:
     return os.environ.get("ASTRAI_CONDA_CHANNEL", DEFAULT_CONDA_CHANNEL).rstrip("/")
 
 
 def conda_package(extra: str) -> str:
-    """The conda package that provides ``astrai[extra]``: ``astrai-fp8``, or ``astrai-kernels`` for all."""
-    return "astrai-kernels" if extra == "all" else f"astrai-{extra}"
+    """The conda package(s) that provide ``astrai[extra]``: ``astrai-fp8``, ``astrai-kernels``
+    for all, ``astrai-rotary astrai-fp8`` for "rotary,fp8"."""
+    return "astrai-kernels" if extra == "all" else " ".join(f"astrai-{part}" for part in extra.split(","))
 
 
 def install_command(driver_cuda: tuple[int, int] | None, installer: str, extra: str = "all") -> str:
@@ -41,8 +53,9 @@ def install_command(driver_cuda: tuple[int, int] | None, installer: str, extra: 
     """
     if installer not in INSTALLERS:
         raise ValueError(f"installer must be one of {', '.join(INSTALLERS)}, got {installer!r}")
-    if extra not in EXTRAS:
-        raise ValueError(f"extra must be one of {', '.join(EXTRAS)}, got {extra!r}")
+    if extra not in EXTRAS and not (isinstance(extra, str) and set(extra.split(",")) <= set(EXTRAS[1:])):
+        raise ValueError(f"extra must be one of {', '.join(EXTRAS)} or several plugin extras joined by "
+                         f"commas, got {extra!r}")
     if driver_cuda is not None and (
         len(driver_cuda) != 2 or not all(isinstance(part, int) and part >= 0 for part in driver_cuda)
     ):

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 
 DEFAULT_INDEX_URL = "https://astrai-kernels.github.io/whl"
+# Nothing is published at the default index and channel yet: the commands naming them
+# work once a release is, or against an index of your own (ASTRAI_INDEX_URL, ci/make-index).
+PUBLISHED = False
 # Published CUDA builds, newest first: (major, minor) -> index folder.
 PUBLISHED_CUDA = ((13, 0), (12, 4))
 
@@ -17,6 +20,18 @@ PLUGIN_EXTRAS = {"astrai-attention": "attention", "astrai-rotary": "rotary", "as
 
 def index_url() -> str:
     return os.environ.get("ASTRAI_INDEX_URL", DEFAULT_INDEX_URL).rstrip("/")
+
+
+def index_is_published() -> bool:
+    """False while the commands name the default index, which has no release yet."""
+    return PUBLISHED or "ASTRAI_INDEX_URL" in os.environ
+
+
+def unpublished_note() -> str:
+    """What to add after a pip command naming an index that has no release yet."""
+    if index_is_published():
+        return ""
+    return " (no release is published on that index yet: build it from source, docs/install.md)"
 
 
 def cuda_index_tag(driver_cuda: tuple[int, int] | None) -> str | None:

@@ -5,7 +5,9 @@ it found with either a parsed manifest or the reason it was rejected, and answer
 "which plugin runs op X on device D, or why none can" without importing any compiled
 code. The compiled module is imported by ``load`` the first time an op runs.
 
-Nothing here raises at discovery: a plugin that breaks is a rejected plugin.
+Nothing here raises at discovery: a plugin that breaks is a rejected plugin. Whatever a
+plugin's code raises (at discovery, import or launch) is contained, ``SystemExit`` and
+other ``BaseException`` included: only ``KeyboardInterrupt`` passes through.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class OpStatus:
     native: bool | None = None  # runs on native instructions there (manifest ``native_sm``)
 
 
+def failure(exc: BaseException) -> str:
+    """How a contained plugin exception reads in a rejection reason."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _environment_list(name: str) -> frozenset[str] | None:
     raw = os.environ.get(name)
     if raw is None:
@@ -132,9 +140,23 @@ class Registry:
         if not self.enabled:
             return ()
         records = []
-        for ep in self._entry_points():
-            dist = getattr(getattr(ep, "dist", None), "name", None)
-            record = PluginRecord(entry_point=f"{ep.name} = {ep.value}", distribution=dist)
+        try:
+            entry_points = list(self._entry_points())
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # broken metadata of some distribution
+            return (PluginRecord(entry_point=f"(the {GROUP} entry points)", distribution=None,
+                                 rejected=f"reading the entry points raised {failure(exc)}"),)
+        for ep in entry_points:
+            try:
+                dist = getattr(getattr(ep, "dist", None), "name", None)
+                record = PluginRecord(entry_point=f"{ep.name} = {ep.value}", distribution=dist)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                records.append(PluginRecord(entry_point=repr(ep), distribution=None,
+                                            rejected=f"reading the entry point raised {failure(exc)}"))
+                continue
             names = {ep.name, dist} - {None}
             if self.allow is not None and not names & self.allow:
                 record.rejected = "not in ASTRAI_PLUGINS_ALLOW"
@@ -159,13 +181,20 @@ class Registry:
         try:
             obj = ep.load()
             raw = obj() if callable(obj) else obj
-        except Exception as exc:  # a broken plugin must never break import astrai
-            record.rejected = f"entry point raised {type(exc).__name__}: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a broken plugin (even one calling sys.exit) must never break astrai
+            record.rejected = f"entry point raised {failure(exc)}"
             return
         try:
             manifest = parse_manifest(raw)
         except ManifestError as exc:
             record.rejected = str(exc)
+            return
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # an object posing as a manifest whose reads raise
+            record.rejected = f"reading the manifest raised {failure(exc)}"
             return
         if not manifest.core_requires.contains(self.core_version, prereleases=True):
             record.rejected = (
@@ -254,8 +283,10 @@ class Registry:
                 if module is None:
                     try:
                         module = self._import(status.spec.module)
-                    except Exception as exc:
-                        reason = f"importing {status.spec.module} failed: {type(exc).__name__}: {exc}"
+                    except KeyboardInterrupt:
+                        raise
+                    except BaseException as exc:  # SystemExit included: the process goes on
+                        reason = f"importing {status.spec.module} failed: {failure(exc)}"
                         self.mark_unusable(op, device, reason)
                         raise RuntimeError(f"{op}: {status.plugin.name}: {reason}") from exc
                     self._modules[status.spec.module] = module

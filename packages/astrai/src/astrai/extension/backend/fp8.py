@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
 from ..ops import _plugin as ops_plugin
 from ..ops import fp8 as ops_fp8
@@ -264,14 +265,14 @@ def check_gemm_args(a: object, b: object, scale: object, bias: object) -> None:
 # The shape is not passed here: under dynamic shapes the sizes are symbolic (dynamo offers
 # no way to tell them from ints inside the trace), so a measured preference table keeps
 # cuBLASLt in compiled graphs; the trace says "needs the call's M, N, K".
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _choose_gemm_while_compiling(runtime: Runtime | None, device: str, a_fmt: str, b_fmt: str,
                                  backend: str | None) -> tuple[str, int | None]:
     info = probe_device(torch.device(device))
     return choose_gemm(info, a_fmt, b_fmt, runtime=runtime, backend=backend), info.sm
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _choose_quantize_while_compiling(runtime: Runtime | None, device: str, x_dtype: torch.dtype,
                                      fmt: str, backend: str | None) -> str:
     return choose_quantize(probe_device(torch.device(device)), x_dtype, fmt, runtime=runtime, backend=backend)
@@ -397,12 +398,15 @@ def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runti
 
 
 def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
-    if choose_quantize(device, x_dtype, fmt, runtime=runtime) != "plugin":
+    module = None
+    if choose_quantize(device, x_dtype, fmt, runtime=runtime) == "plugin":
+        module = _usable_module("fp8_quantize", device, runtime)
+    if module is None:
         def run_torch(x, multiplier, out_layout, amax=None):
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
 
         return run_torch
-    launch = ops_fp8.quantize_launcher(_ops_module("fp8_quantize", device), fmt)
+    launch = ops_fp8.quantize_launcher(module, fmt)
 
     def run(x, multiplier, out_layout, amax=None):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
@@ -480,8 +484,15 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
 def _scale_update_module(device: DeviceInfo, runtime: Runtime):
     if choose_scale_update(device, runtime=runtime) != "plugin":
         return None
-    return _ops_module("fp8_scale_update", device)
+    return _usable_module("fp8_scale_update", device, runtime)
 
 
-def _ops_module(op: str, device: DeviceInfo):
-    return ops_plugin.require(op, torch.device("cuda", device.index))
+def _usable_module(op: str, device: DeviceInfo, runtime: Runtime):
+    """The plugin module serving ``op``; None when loading it just failed (the registry
+    marked the op unusable, with a warning): the torch path serves it then."""
+    try:
+        return ops_plugin.require(op, torch.device("cuda", device.index))
+    except RuntimeError:
+        if not _plugin_broken(runtime, op, device):
+            raise
+        return None

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
 from ..ops import rotary as ops_rotary
 from ..runtime import Runtime, current_runtime
@@ -120,7 +121,7 @@ def _choose(x: torch.Tensor, runtime: Runtime) -> tuple[str, DeviceInfo]:
     return winner.name, device
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str:
     """The same decision, made once at trace time: dynamo cannot trace the runtime's
     context variables or the resolver's lock, and the choice is fixed per graph anyway."""

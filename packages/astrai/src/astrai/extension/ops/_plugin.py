@@ -8,8 +8,8 @@ from types import ModuleType
 import torch
 
 from ..device import DeviceInfo, probe_device
-from ..install import PLUGIN_EXTRAS, pip_command
-from ..registry import Registry
+from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
+from ..registry import Registry, failure
 from ..runtime import current_runtime
 
 # Which of the project's plugins provides each op (for the error message only:
@@ -48,7 +48,9 @@ def is_image_error(exc: BaseException) -> bool:
 class GuardedModule:
     """A compiled module as the ops wrappers call it: a call failing with an image error
     (``is_image_error``) marks ``op`` unusable on the device (one warning) and re-raises,
-    so the caller's fallback re-resolves to another backend."""
+    so the caller's fallback re-resolves to another backend. A call raising what no op
+    should (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``) does the same,
+    raised as a ``RuntimeError`` naming the op."""
 
     __slots__ = ("_module", "_op", "_device", "_registry", "_calls")
 
@@ -72,6 +74,12 @@ class GuardedModule:
                     self._registry.mark_unusable(
                         self._op, self._device, f"{self._module.__name__}.{name} cannot run here: {exc}")
                 raise
+            except (Exception, KeyboardInterrupt):
+                raise  # argument errors are the caller's; an interrupt is the user's
+            except BaseException as exc:  # a plugin must never end the process
+                reason = f"{self._module.__name__}.{name} raised {failure(exc)}"
+                self._registry.mark_unusable(self._op, self._device, reason)
+                raise RuntimeError(f"{self._op}: {reason}") from exc
 
         self._calls[name] = call
         return call
@@ -115,6 +123,6 @@ def require(op: str, device: torch.device | str | None = None) -> GuardedModule:
             guard = guards[(op, info)] = GuardedModule(registry.load(op, info), op, info, registry)
         return guard
     plugin = PLUGIN_OF_OP.get(op, "a plugin providing it")
-    hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) if plugin in PLUGIN_EXTRAS else ""
+    hint = pip_command(PLUGIN_EXTRAS[plugin], info.driver_cuda) + unpublished_note() if plugin in PLUGIN_EXTRAS else ""
     raise RuntimeError(f"astrai.extension.ops.{op} needs the {plugin} plugin, which is not usable "
                        f"here ({status.reason}). Install it with: {hint}".rstrip())

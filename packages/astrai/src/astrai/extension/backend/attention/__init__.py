@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ...compiling import assume_constant_result
 from ...kv_cache import PagedKVCache
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
@@ -159,7 +160,7 @@ class AttentionPolicy:
 _POLICIES: weakref.WeakValueDictionary[int, AttentionPolicy] = weakref.WeakValueDictionary()
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _select_while_compiling(policy: int, device: str, dtype: torch.dtype, *facts) -> str:
     """``policy.select`` made once at trace time: dynamo cannot trace the runtime's context
     variables or the resolver's lock, and a graph fixes the backend anyway."""
