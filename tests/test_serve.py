@@ -1,0 +1,128 @@
+"""astrai.serve on the CPU (float32): greedy tokens and logits against transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.serve import LLM, ModelConfig, preset
+from astrai.serve.model import DecoderModel, hf_state_dict, load_hf_state_dict
+from astrai.serve.scheduler import Request, Scheduler
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=512)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(num_key_value_heads=2, **COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=1, **COMMON),  # q/k/v bias
+    "mistral": lambda: transformers.MistralConfig(num_key_value_heads=4, sliding_window=None, **COMMON),
+}
+
+
+def _hf(kind: str, seed: int, **overrides):
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():  # make Qwen2's q/k/v biases matter (transformers initialises them to zero)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_greedy_tokens_equal_transformers_generate(kind):
+    hf = _hf(kind, seed=11)
+    prompts = _prompts(12, [1, 5, 23, 40, 9, 64], hf.config.vocab_size)
+    # few slots and a small token budget: requests wait, prompts are chunked, batches are ragged
+    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24)
+    got = llm.generate(prompts, max_new_tokens=10)
+    assert got == [_hf_greedy(hf, p, 10) for p in prompts]
+    stats = llm.last_stats
+    assert stats.prefill_steps > 1 and stats.decode_steps >= 9 and len(stats.ttft) == len(prompts)
+
+
+def test_logits_equal_transformers_forward():
+    hf = _hf("qwen2", seed=13)
+    prompts = _prompts(14, [7, 30], hf.config.vocab_size)
+    llm = LLM.from_transformers(hf, max_batch_tokens=16)
+    tokens, logits = llm.generate(prompts, max_new_tokens=6, return_logits=True)
+    for prompt, new, got in zip(prompts, tokens, logits):
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + new])).logits[0]
+        want = full[len(prompt) - 1: len(prompt) - 1 + len(new)]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_stops_at_eos_like_transformers():
+    hf = _hf("llama", seed=15)
+    prompt = _prompts(16, [12], hf.config.vocab_size)[0]
+    free_run = _hf_greedy(hf, prompt, 12)
+    eos = free_run[4]
+    hf.config.eos_token_id = eos
+    hf.generation_config.eos_token_id = eos
+    want = _hf_greedy(hf, prompt, 12)
+    assert want[-1] == eos and len(want) <= 5
+    got = LLM.from_transformers(hf).generate([prompt, prompt[:5]], max_new_tokens=12)
+    assert got[0] == want
+    assert eos not in got[1][:-1]
+
+
+def test_weights_round_trip_through_transformers_names():
+    hf = _hf("qwen2", seed=17)
+    model = DecoderModel(ModelConfig.from_hf(hf.config), dtype=torch.float32)
+    load_hf_state_dict(model, hf.state_dict())
+    back = hf_state_dict(model)
+    for name, tensor in hf.state_dict().items():
+        if name in back:
+            assert torch.equal(back[name], tensor), name
+    assert set(back) <= set(hf.state_dict())
+
+
+def test_preset_round_trip_to_transformers():
+    llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu", seed=3)
+    hf = llm.to_transformers()
+    prompts = _prompts(18, [3, 17], llm.config.vocab_size)
+    assert llm.generate(prompts, max_new_tokens=8) == [_hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_preset_names():
+    assert preset("llama3-8b-8l").num_layers == 8
+    assert preset("llama3-8b", num_layers=2).hidden_size == 4096
+    with pytest.raises(ValueError, match="preset 'nope'"):
+        preset("nope")
+
+
+def test_scheduler_chunks_and_admits_within_budgets():
+    reqs = [Request(rid=i, prompt=list(range(n)), max_new_tokens=4) for i, n in enumerate([10, 30, 5])]
+    sched = Scheduler(reqs, page_size=4, num_pages=20, max_batch_size=2, max_batch_tokens=16)
+    step = sched.next_step()
+    assert step.kind == "prefill" and [r.rid for r in step.requests] == [0, 1] and step.q_lens == (10, 6)
+    assert step.logits_for == (0,)  # request 1's prompt is not complete yet
+    with pytest.raises(ValueError, match="needs 12 cache pages"):
+        Scheduler([Request(rid=0, prompt=list(range(40)), max_new_tokens=8)], page_size=4, num_pages=10,
+                  max_batch_size=1, max_batch_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_new", "match"),
+    [([[1, 2]], 0, "max_new_tokens"), ([], 4, "prompts must be"), ([[1, -1]], 4, r"prompts\[0\] holds"),
+     ([[1], []], 4, r"prompts\[1\]"), ([[1] * 2040], 10, "passes the model's 2048 positions")],
+)
+def test_bad_input_is_named(prompts, max_new, match):
+    llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, max_new_tokens=max_new)
