@@ -126,3 +126,28 @@ def test_bad_input_is_named(prompts, max_new, match):
     llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, max_new_tokens=max_new)
+
+
+def test_cli_generate_tiny_writes_json_and_plot(tmp_path, capsys):
+    import json
+
+    from astrai.cli.main import main
+
+    out, png = tmp_path / "gen.json", tmp_path / "gen.png"
+    argv = ["generate", "--preset", "tiny", "--requests", "3", "--prompt-len", "4", "40", "--max-new-tokens", "5",
+            "--compare", "hf", "--json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert torch.cuda.is_available() or "torch fallbacks" in text
+    result = json.loads(out.read_text())
+    assert result["engine"]["requests"] == 3 and result["engine"]["new_tokens"] <= 15
+    generate_peer = result["peers"][0]
+    assert generate_peer["agreement"]["token_agreement"] == 1.0  # float32: the same tokens
+    assert png.stat().st_size > 0
+
+
+def test_cli_generate_bad_arguments():
+    from astrai.cli.main import main
+
+    with pytest.raises(SystemExit, match="--prompt-len"):
+        main(["generate", "--preset", "tiny", "--prompt-len", "9", "3"])
