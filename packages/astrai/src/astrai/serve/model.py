@@ -1,12 +1,16 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) written against AstrAI's public API.
 
-Every layer runs ``apply_rotary_emb`` and ``attention(..., kv_cache=cache, layer_id=i)`` over
-the packed tokens of one engine step (``[1, total_tokens, heads, head_dim]``): the cache's
-active plan says which request each token belongs to. Projections are fused (q/k/v in one
+Every layer runs ``apply_rotary_emb_qk`` (NeoX layout, as transformers; per-token positions
+over one cos/sin table) and ``attention(..., kv_cache=cache, layer_id=i)`` over the packed
+tokens of one engine step (``[1, total_tokens, heads, head_dim]``): the cache's active plan
+says which request each token belongs to. Projections are fused (q/k/v in one
 linear, gate/up in one), so ``fp8_autocast`` turns four GEMMs per layer into FP8.
 
 Weights come from transformers (:func:`load_hf_state_dict`) or from a seeded random init
 (:meth:`DecoderModel.random`); :func:`hf_state_dict` gives them back in transformers' names.
+
+A ``rope`` argument below is ``(cos, sin, positions)``: the float32 ``[max_positions,
+head_dim // 2]`` table and the int64 ``[tokens]`` position of every token of the step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..extension import DynamicScaling, PagedKVCache, apply_rotary_emb, attention, fp8_autocast
+from ..extension import DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast
 from .config import ModelConfig
 
 __all__ = ["DecoderModel", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
@@ -28,13 +32,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _interleave_perm(head_dim: int) -> torch.Tensor:
-    """Channel order taking transformers' NeoX rotary layout (pairs ``i, i + D/2``) to the
-    interleaved one (pairs ``2i, 2i + 1``). q and k get the same order, so q . k is unchanged."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
 
 
 class DecoderLayer(nn.Module):
@@ -51,12 +48,14 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **kw)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: PagedKVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                kv_cache: PagedKVCache) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
+        cos, sin, positions = rope
         q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps)).split([c.q_size, c.kv_size, c.kv_size], -1)
-        q = apply_rotary_emb(q.view(1, t, c.num_heads, c.head_dim), rope)
-        k = apply_rotary_emb(k.view(1, t, c.num_kv_heads, c.head_dim), rope)
+        q, k = apply_rotary_emb_qk(q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim),
+                                   (cos, sin), positions=positions, interleaved=False)
         out = attention(q, k, v.view(1, t, c.num_kv_heads, c.head_dim), kv_cache=kv_cache, layer_id=self.layer_id)
         x = x + self.o(out.reshape(t, c.q_size))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
@@ -116,8 +115,7 @@ class DecoderModel(nn.Module):
         stays in the model's dtype.
         """
         x = self.embed(tokens)
-        # TODO(rotary positions): gathers cos/sin per token; apply_rotary_emb(positions=) replaces it
-        rope = (self.rope_cos[positions], self.rope_sin[positions])
+        rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling()) if fp8 else contextlib.nullcontext():
             for layer in self.layers:
                 x = layer(x, rope, kv_cache)
@@ -135,10 +133,8 @@ class DecoderModel(nn.Module):
 
 def load_hf_state_dict(model: DecoderModel, state: dict[str, torch.Tensor]) -> None:
     """Copy transformers' Llama/Mistral/Qwen2 weights (``model.layers.N.self_attn.q_proj.weight``
-    ...) into ``model``, fusing q/k/v and gate/up and reordering q/k rows for the interleaved rotary."""
+    ...) into ``model``, fusing q/k/v and gate/up."""
     c = model.config
-    perm_q = (torch.arange(c.num_heads)[:, None] * c.head_dim + _interleave_perm(c.head_dim)).reshape(-1)
-    perm_k = (torch.arange(c.num_kv_heads)[:, None] * c.head_dim + _interleave_perm(c.head_dim)).reshape(-1)
 
     def get(name: str) -> torch.Tensor:
         if name not in state:
@@ -153,10 +149,10 @@ def load_hf_state_dict(model: DecoderModel, state: dict[str, torch.Tensor]) -> N
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            layer.qkv.weight.copy_(torch.cat([q[perm_q.to(q.device)], k[perm_k.to(k.device)], v]))
+            layer.qkv.weight.copy_(torch.cat([q, k, v]))
             if c.qkv_bias:
                 qb, kb, vb = (get(p + f"self_attn.{n}_proj.bias") for n in "qkv")
-                layer.qkv.bias.copy_(torch.cat([qb[perm_q.to(qb.device)], kb[perm_k.to(kb.device)], vb]))
+                layer.qkv.bias.copy_(torch.cat([qb, kb, vb]))
             layer.o.weight.copy_(get(p + "self_attn.o_proj.weight"))
             layer.gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             layer.down.weight.copy_(get(p + "mlp.down_proj.weight"))
@@ -167,20 +163,17 @@ def load_hf_state_dict(model: DecoderModel, state: dict[str, torch.Tensor]) -> N
 def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
     """``model``'s weights under transformers' names (the inverse of :func:`load_hf_state_dict`)."""
     c = model.config
-    inv = torch.argsort(_interleave_perm(c.head_dim))
-    inv_q = (torch.arange(c.num_heads)[:, None] * c.head_dim + inv).reshape(-1).to(model.device)
-    inv_k = (torch.arange(c.num_kv_heads)[:, None] * c.head_dim + inv).reshape(-1).to(model.device)
     out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = layer.qkv.weight.split([c.q_size, c.kv_size, c.kv_size])
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q[inv_q], k[inv_k]
+        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
         out[p + "self_attn.v_proj.weight"] = v
         if c.qkv_bias:
             qb, kb, vb = layer.qkv.bias.split([c.q_size, c.kv_size, c.kv_size])
-            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb[inv_q], kb[inv_k]
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb, kb
             out[p + "self_attn.v_proj.bias"] = vb
         out[p + "self_attn.o_proj.weight"] = layer.o.weight
         gate, up = layer.gate_up.weight.chunk(2)
