@@ -151,3 +151,15 @@ def test_cli_generate_bad_arguments():
 
     with pytest.raises(SystemExit, match="--prompt-len"):
         main(["generate", "--preset", "tiny", "--prompt-len", "9", "3"])
+
+
+def test_fp8_linears_run_and_stay_close():
+    llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu", seed=1)
+    fp8 = LLM(llm.model, fp8=True)
+    prompts = _prompts(19, [8, 3], llm.config.vocab_size)
+    _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)
+    tokens, approx = fp8.generate(prompts, max_new_tokens=4, return_logits=True)
+    assert [len(t) for t in tokens] == [4, 4]
+    for want, got in zip(exact, approx):
+        rel = float((got[0] - want[0]).norm() / want[0].norm())
+        assert 0 < rel < 0.15  # FP8 (E4M3) linears: changed, but within a few percent

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 
@@ -126,8 +127,12 @@ class LLM:
         cache.add_sequence(_PAD_SEQ)
         cache.plan([_PAD_SEQ], [1])  # owns one page: pad rows of graph replays write and read only there
         if self.use_graphs:
-            self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
-                                       cache, cache.page_table(_PAD_SEQ)[0], self.max_batch_size)
+            try:
+                self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
+                                           cache, cache.page_table(_PAD_SEQ)[0], self.max_batch_size)
+            except RuntimeError as exc:
+                warnings.warn(f"decoding eagerly: {exc}", stacklevel=3)
+                self.use_graphs = False
         self.kv_cache = cache
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,

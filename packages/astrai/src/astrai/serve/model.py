@@ -111,12 +111,14 @@ class DecoderModel(nn.Module):
         ``logit_rows`` only, default all). ``kv_cache.plan(...)`` must describe these tokens.
 
         ``fp8``: the decoder layers' linears run under ``fp8_autocast`` with dynamic scaling
-        (no state carried between steps, so graph replays and eager steps agree); the LM head
-        stays in the model's dtype.
+        (no state carried between steps, so graph replays and eager steps agree) and cached
+        FP8 weight copies (serving never changes the weights; a CUDA graph then reads the
+        copy made in its warm-up step instead of quantizing every weight on every replay).
+        The LM head stays in the model's dtype.
         """
         x = self.embed(tokens)
         rope = (self.rope_cos, self.rope_sin, positions)
-        with fp8_autocast(recipe=DynamicScaling()) if fp8 else contextlib.nullcontext():
+        with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
             for layer in self.layers:
                 x = layer(x, rope, kv_cache)
         if logit_rows is not None:
