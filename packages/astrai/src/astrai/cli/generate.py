@@ -88,7 +88,8 @@ def main(args) -> int:
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
                   f"of {c.head_dim}, {c.num_parameters() / 1e9:.2f} B parameters, {dtype}"
                   f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
-    llm.generate(prompts[:2], max_new_tokens=2)  # warm-up: cache, graphs, kernels
+    llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
+    llm.generate(prompts[:2], max_new_tokens=2)  # warm-up: kernels, resolver decisions
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),

@@ -96,12 +96,20 @@ class LLM:
         """The same weights as a transformers model (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``)."""
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_config(self.config.to_hf(), attn_implementation=attn_implementation,
-                                              dtype=self.model.dtype)
-        hf.load_state_dict(hf_state_dict(self.model), strict=False)
-        return hf.to(self.model.device).eval()
+        with torch.device(self.model.device):  # built (and randomly initialised) where it will run
+            hf = AutoModelForCausalLM.from_config(self.config.to_hf(), attn_implementation=attn_implementation,
+                                                  dtype=self.model.dtype)
+        missing, unexpected = hf.load_state_dict(hf_state_dict(self.model), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # the head is absent only when tied
+            raise RuntimeError(f"weights do not map onto {type(hf).__name__}: missing {missing}, unexpected {unexpected}")
+        return hf.eval()
 
     # -- the KV cache
+
+    def reserve(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Size the KV cache (and capture the decode graphs) for this workload now, so a later
+        ``generate`` of it (or of a smaller one) starts at once; ``generate`` does it when needed."""
+        self._ensure_cache(self._requests(prompts, max_new_tokens))
 
     def _ensure_cache(self, requests: list[Request]) -> None:
         ps = self.page_size
@@ -111,7 +119,9 @@ class LLM:
             return
         c = self.config
         num_pages = need
+        self.kv_cache = self.graphs = cache = None
         if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old cache and graph pool count as free
             page_bytes = 2 * c.num_layers * ps * c.kv_size * self.model.dtype.itemsize
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.memory_fraction) // page_bytes
@@ -119,7 +129,6 @@ class LLM:
             if budget < most:
                 raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {most}")
             num_pages = min(need, budget)
-        self.kv_cache = self.graphs = None
         cache = PagedKVCache(num_layers=c.num_layers, num_pages=num_pages, page_size=ps, kv_heads=c.num_kv_heads,
                              head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device)
         cache.k_pages.zero_()  # no NaN garbage under the pad rows and capture steps
