@@ -163,3 +163,50 @@ def test_fp8_linears_run_and_stay_close():
     for want, got in zip(exact, approx):
         rel = float((got[0] - want[0]).norm() / want[0].norm())
         assert 0 < rel < 0.15  # FP8 (E4M3) linears: changed, but within a few percent
+
+
+def test_graph_plan_is_refilled_in_place_with_pad_rows():
+    """What a decode graph reads: the captured plan's tensors, refilled from each real step."""
+    import dataclasses
+
+    from astrai.extension import PagedKVCache
+    from astrai.serve.graphs import capture_pages, fill_plan
+
+    assert capture_pages(100, 4, 10) == [10, 10, 10, 10]
+    assert capture_pages(30, 4, 10) == [8, 8, 7, 7]
+    ps = 4
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(20)).tolist()  # scattered page tables
+    cache = PagedKVCache(num_layers=1, num_pages=40, page_size=ps, kv_heads=1, head_dim=8, dtype=torch.float32,
+                         page_order=order)
+    cache.add_sequence("pad")
+    cache.plan(["pad"], [1])
+    pad_page = cache.page_table("pad")[0]
+    dummies = [("d", b) for b in range(4)]  # a bucket of 4, captured as the engine does
+    pages = capture_pages(cache.free_pages, 4, 6)
+    for d in dummies:
+        cache.add_sequence(d)
+    cache.plan(dummies, [n * ps - 2 for n in pages])
+    cache.plan(dummies, [1] * 4)
+    captured = cache.plan(dummies, [1] * 4)
+    _ = captured.write_index  # derived before the refill, as inside a capture
+    for d in dummies:
+        cache.release(d)
+    real_ids = ["a", "b", "c"]  # 3 requests: one pad row
+    for s, n in zip(real_ids, [9, 1, 14]):
+        cache.add_sequence(s)
+        cache.plan([s], [n])
+    real = cache.plan(real_ids, [1, 1, 1])
+    poison = torch.full_like(captured.kv_indices, -7)
+    captured.kv_indices.copy_(poison)
+    fill_plan(captured, real, pad_page)
+    # the captured tensors, read afresh (what the graph's kernels do on replay)
+    fresh = dataclasses.replace(captured, kv_lens_host=(*real.kv_lens_host, 1), q_lens_host=(1,) * 4)
+    assert fresh.write_index[:3].tolist() == real.write_index.tolist()
+    assert fresh.write_index[3].item() == pad_page * ps
+    slots, valid = fresh.padded_index
+    real_slots, real_valid = real.padded_index
+    width = real_slots.shape[1]
+    assert torch.equal(slots[:3, :width][real_valid], real_slots[real_valid])
+    assert valid[3].sum() == 1 and slots[3, 0].item() == pad_page * ps
+    with pytest.raises(ValueError, match="does not fit the captured plan"):
+        fill_plan(real, captured, pad_page)

@@ -34,9 +34,12 @@ def llm():
 
 def test_graph_decode_matches_eager_decode(llm):
     eager = LLM(llm.model, cuda_graphs=False, max_batch_size=16)
-    prompts = _prompts(1, [5, 130, 17, 700, 64], llm.config.vocab_size)  # 5 requests: bucket 8, 3 pad rows
+    prompts = _prompts(1, [5, 130, 17, 700, 64], llm.config.vocab_size)
+    llm.reserve(prompts * 3, 24)  # graphs up to 15 requests: the 5 decode in the bucket of 8, with 3 pad rows
+    assert llm.graphs.bucket(5) == 8
+    replays = llm.graphs.replays
     got, got_logits = llm.generate(prompts, max_new_tokens=24, return_logits=True)
-    assert llm.graphs is not None and llm.last_stats.decode_steps >= 23
+    assert llm.graphs.replays - replays == llm.last_stats.decode_steps >= 23
     want, want_logits = eager.generate(prompts, max_new_tokens=24, return_logits=True)
     for g, w, gl, wl in zip(got, want, got_logits, want_logits):
         n = _first_divergence(g, w) + 1  # logits agree up to and including the first differing step
@@ -66,6 +69,6 @@ def test_fp8_engine_runs_in_graphs_and_stays_close(llm):
     prompts = _prompts(3, [40, 300, 12], llm.config.vocab_size)
     _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)
     tokens, approx = fp8.generate(prompts, max_new_tokens=16, return_logits=True)
-    assert fp8.graphs is not None and [len(t) for t in tokens] == [16] * 3
+    assert fp8.graphs.replays >= 15 and [len(t) for t in tokens] == [16] * 3
     for want, got in zip(exact, approx):
         assert 0 < float(_rel(got[:1], want[:1]).max()) < 0.15

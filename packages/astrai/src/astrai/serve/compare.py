@@ -40,6 +40,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _eos(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
 def _strip(new: list[int], eos: set[int]) -> list[int]:
     """generate()'s row of new tokens up to and including the first EOS."""
     for i, t in enumerate(new):
@@ -52,11 +57,12 @@ def _strip(new: list[int], eos: set[int]) -> list[int]:
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64) -> HFRun:
     """Greedy ``model.generate`` over left-padded batches of ``batch_size`` prompts."""
     device = next(model.parameters()).device
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    pad = next(iter(eos), 0)
+    eos = _eos(model)
+    pad = min(eos, default=0)
     run = HFRun("hf generate (sdpa)")
     ttft = prefill_time = 0.0
+    warm = torch.tensor([prompts[0][-8:]], device=device)  # kernels and handles load before the clock starts
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False, pad_token_id=pad)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
         width = max(len(p) for p in batch)
@@ -94,12 +100,15 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> H
         return run
     from transformers import GenerationConfig
 
-    eos = model.generation_config.eos_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                              pad_token_id=0 if eos is None else eos)
-    _sync(device)
-    t0 = time.perf_counter()
+    eos = _eos(model)
+    pad = min(eos, default=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos) or None,
+                              pad_token_id=pad)
     try:
+        model.generate_batch(prompts[:2], generation_config=GenerationConfig(
+            max_new_tokens=2, do_sample=False, eos_token_id=sorted(eos) or None, pad_token_id=pad), progress_bar=False)
+        _sync(device)
+        t0 = time.perf_counter()  # its own start-up (cache sizing, graph warm-up) is timed: it runs per call
         out = model.generate_batch(prompts, generation_config=config, progress_bar=False)
     except Exception as exc:  # a peer's failure is reported, not fatal to the comparison
         run.skipped = f"generate_batch failed: {type(exc).__name__}: {exc}"

@@ -114,8 +114,11 @@ class LLM:
     def _ensure_cache(self, requests: list[Request]) -> None:
         ps = self.page_size
         need = sum(r.pages_needed(ps) for r in requests) + 1  # + the graphs' pad page
-        cache = self.kv_cache
-        if cache is not None and cache.num_pages >= need:
+        longest = max(r.pages_needed(ps) for r in requests)
+        widest = min(len(requests), self.max_batch_size)  # the largest decode batch this workload runs
+        cache, graphs = self.kv_cache, self.graphs
+        if cache is not None and cache.num_pages >= need and (
+                graphs is None or (graphs.max_seq_pages >= longest and graphs.sizes[-1] >= widest)):
             return
         c = self.config
         num_pages = need
@@ -125,9 +128,8 @@ class LLM:
             page_bytes = 2 * c.num_layers * ps * c.kv_size * self.model.dtype.itemsize
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.memory_fraction) // page_bytes
-            most = max(r.pages_needed(ps) for r in requests) + 1
-            if budget < most:
-                raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {most}")
+            if budget < longest + 1:
+                raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {longest}")
             num_pages = min(need, budget)
         cache = PagedKVCache(num_layers=c.num_layers, num_pages=num_pages, page_size=ps, kv_heads=c.num_kv_heads,
                              head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device)
@@ -138,7 +140,7 @@ class LLM:
         if self.use_graphs:
             try:
                 self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
-                                           cache, cache.page_table(_PAD_SEQ)[0], self.max_batch_size)
+                                           cache, cache.page_table(_PAD_SEQ)[0], widest, longest)
             except RuntimeError as exc:
                 warnings.warn(f"decoding eagerly: {exc}", stacklevel=3)
                 self.use_graphs = False

@@ -7,9 +7,13 @@ real step's plan — built by ``kv_cache.plan`` as in the eager path, which also
 pages — is copied into those tensors in place; rows past the real batch point at one
 scratch page (``pad_page``) holding one token, so they write and read only there.
 
-Capture plans are made through the cache's public methods on throw-away sequences that
-together own every free page, so the captured ``kv_indices`` is as long as any real step's.
-Capture needs an otherwise empty cache; the engine captures before serving.
+Capture plans are made through the cache's public methods on throw-away sequences of
+``max_seq_pages`` pages each (fewer when the free pages do not suffice; then together they
+own every free page), so the captured ``kv_indices`` is as long as any real step's: a real
+batch of ``B`` requests holds at most ``B * max_seq_pages`` pages and never more than the
+free ones. The decode kernel sizes its split-KV schedule from that length (the mean
+context), so it is kept no longer than needed. Capture needs an otherwise empty cache; the
+engine captures before serving.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from ..extension import BatchPlan, PagedKVCache, explain
 
-__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs"]
+__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -35,6 +39,33 @@ def _require_graph_safe_attention() -> None:
     if chosen - {"cuda"}:
         raise RuntimeError(f"decode attention runs on {sorted(chosen)}, not the CUDA kernels: "
                            "CUDA graphs need the astrai-attention plugin")
+
+
+def capture_pages(free: int, size: int, max_seq_pages: int) -> list[int]:
+    """Pages of each throw-away sequence a graph of ``size`` requests is captured with:
+    ``max_seq_pages`` each, or every free page shared out when they are fewer."""
+    if free >= size * max_seq_pages:
+        return [max_seq_pages] * size
+    return [free // size + (b < free % size) for b in range(size)]
+
+
+def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
+    """Copy the decode ``plan`` of ``n`` requests into the captured decode plan ``target`` of
+    ``B >= n`` rows, in place; rows ``n..B-1`` get one token on ``pad_page``."""
+    n, size = plan.batch_size, target.batch_size
+    nnz, room = plan.kv_indices.numel(), target.kv_indices.numel()
+    if n > size or nnz + size - n > room:
+        raise ValueError(f"the decode step ({n} requests, {nnz} pages) does not fit the captured plan "
+                         f"({size} requests, {room} pages): reserve() the workload first")
+    target.kv_indptr[: n + 1].copy_(plan.kv_indptr)
+    target.kv_indices[:nnz].copy_(plan.kv_indices)
+    target.kv_lens[:n].copy_(plan.kv_lens)
+    pad = size - n
+    if pad:
+        steps = torch.arange(nnz + 1, nnz + pad + 1, dtype=target.kv_indptr.dtype, device=target.kv_indptr.device)
+        target.kv_indptr[n + 1:].copy_(steps)
+        target.kv_indices[nnz: nnz + pad].fill_(pad_page)
+        target.kv_lens[n:].fill_(1)
 
 
 class _Graph:
@@ -53,14 +84,16 @@ class DecodeGraphs:
     """Captures ``forward`` for every bucket up to ``max_batch_size``; :meth:`run` replays one."""
 
     def __init__(self, forward: Forward, kv_cache: PagedKVCache, pad_page: int, max_batch_size: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 max_seq_pages: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         if kv_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA kv_cache, got one on {kv_cache.device}")
         self.kv_cache = kv_cache
         self.pad_page = pad_page
+        self.max_seq_pages = max_seq_pages
         sizes = sorted({b for b in buckets if b < max_batch_size} | {max_batch_size})
         self.sizes = tuple(sizes)
         self._graphs: dict[int, _Graph] = {}
+        self.replays = 0
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
             self._graphs[size] = self._capture(forward, size, pool)
@@ -76,8 +109,7 @@ class DecodeGraphs:
         if free < size or free * ps < 3 * size:
             raise ValueError(f"the kv_cache needs at least {max(size, -(-3 * size // ps))} free pages to capture "
                              f"a decode graph of {size} requests, it has {free}")
-        # throw-away sequences owning every free page, each left two tokens short of its pages
-        pages = [free // size + (b < free % size) for b in range(size)]
+        pages = capture_pages(free, size, self.max_seq_pages)
         ids = [("__capture__", size, b) for b in range(size)]
         for s in ids:
             cache.add_sequence(s)
@@ -108,20 +140,12 @@ class DecodeGraphs:
         returns views ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs."""
         n = plan.batch_size
         g = self._graphs[self.bucket(n)]
-        nnz = plan.kv_indices.numel()
-        pad = g.size - n
-        device = g.tokens.device
         g.tokens[:n].copy_(tokens, non_blocking=True)
         g.positions[:n].copy_(positions, non_blocking=True)
-        cp = g.plan
-        cp.kv_indptr[: n + 1].copy_(plan.kv_indptr)
-        cp.kv_indices[:nnz].copy_(plan.kv_indices)
-        cp.kv_lens[:n].copy_(plan.kv_lens)
-        if pad:
+        if g.size > n:
             g.tokens[n:].zero_()
             g.positions[n:].zero_()
-            cp.kv_indptr[n + 1:].copy_(torch.arange(nnz + 1, nnz + pad + 1, dtype=torch.int32, device=device))
-            cp.kv_indices[nnz: nnz + pad].fill_(self.pad_page)
-            cp.kv_lens[n:].fill_(1)
+        fill_plan(g.plan, plan, self.pad_page)
         g.graph.replay()
+        self.replays += 1
         return g.next_tokens[:n], g.logits[:n]
