@@ -43,12 +43,12 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_greedy_tokens_equal_transformers_generate(kind):
+@pytest.mark.parametrize(("kind", "overlap"), [(k, True) for k in sorted(CONFIGS)] + [("llama", False)])
+def test_greedy_tokens_equal_transformers_generate(kind, overlap):
     hf = _hf(kind, seed=11)
     prompts = _prompts(12, [1, 5, 23, 40, 9, 64], hf.config.vocab_size)
     # few slots and a small token budget: requests wait, prompts are chunked, batches are ragged
-    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24)
+    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24, overlap=overlap)
     got = llm.generate(prompts, max_new_tokens=10)
     assert got == [_hf_greedy(hf, p, 10) for p in prompts]
     stats = llm.last_stats
@@ -76,9 +76,11 @@ def test_stops_at_eos_like_transformers():
     hf.generation_config.eos_token_id = eos
     want = _hf_greedy(hf, prompt, 12)
     assert want[-1] == eos and len(want) <= 5
-    got = LLM.from_transformers(hf).generate([prompt, prompt[:5]], max_new_tokens=12)
-    assert got[0] == want
-    assert eos not in got[1][:-1]
+    for overlap in (True, False):  # overlapped: the stopped request rides along one step, its token dropped
+        got = LLM.from_transformers(hf, overlap=overlap).generate([prompt, prompt[:5]], max_new_tokens=12)
+        assert got[0] == want
+        assert eos not in got[1][:-1]
+        assert got[1] == _hf_greedy(hf, prompt[:5], 12)
 
 
 def test_weights_round_trip_through_transformers_names():

@@ -29,6 +29,25 @@ __all__ = ["LLM"]
 _PAD_SEQ = "__pad__"
 
 
+class _InFlight:
+    """A launched decode step: its tokens on their way to the host (pinned memory on CUDA)."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
+        self.logits = logits
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens.clone(), None
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 class LLM:
     """A Llama-family model served by AstrAI's kernels (or their torch fallbacks).
 
@@ -41,11 +60,13 @@ class LLM:
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only; ignored on the CPU).
         fp8: run the decoder layers' linears in FP8 (``fp8_autocast``).
         memory_fraction: share of the free GPU memory the KV cache may take.
+        overlap: plan and launch each decode step before the previous one's tokens reach the
+            host (while no request waits for a slot); False waits for every step.
     """
 
     def __init__(self, model: DecoderModel, *, page_size: int = 16, max_batch_size: int = 64,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, fp8: bool = False,
-                 memory_fraction: float = 0.8) -> None:
+                 memory_fraction: float = 0.8, overlap: bool = True) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
@@ -62,6 +83,7 @@ class LLM:
         self.use_graphs = bool(cuda_graphs) and model.device.type == "cuda"
         self.fp8 = bool(fp8)
         self.memory_fraction = memory_fraction
+        self.overlap = bool(overlap)
         self.kv_cache: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.last_stats: GenerationStats | None = None
@@ -172,8 +194,23 @@ class LLM:
         eos = set(self.config.eos_token_ids)
         start = time.perf_counter()
         with progress(len(requests), progress_bar) as advance:
+
+            def emit(r: Request, token: int, logits: torch.Tensor | None, now: float) -> None:
+                r.output.append(token)
+                if return_logits:
+                    logits_out[r.rid].append(logits.float().cpu())
+                if r.first_token_time is None:
+                    r.first_token_time = now - start
+                if token in eos or len(r.output) >= r.max_new_tokens:
+                    cache.release(r.rid)
+                    sched.finish(r)
+                    advance()
+
             while not sched.done:
                 step = sched.next_step()
+                if step.kind == "decode" and self.overlap and not sched.waiting:
+                    self._decode_run(step.requests, stats, emit, return_logits)
+                    continue
                 t0 = time.perf_counter()
                 next_tokens, logits = self._run_step(step)
                 next_tokens = next_tokens.tolist()  # waits for the step
@@ -182,17 +219,7 @@ class LLM:
                 for i, r in enumerate(step.requests):
                     r.prefilled += step.q_lens[i] if step.kind == "prefill" else 0
                 for j, b in enumerate(step.logits_for):
-                    r = step.requests[b]
-                    token = next_tokens[j]
-                    r.output.append(token)
-                    if return_logits:
-                        logits_out[r.rid].append(logits[j].float().cpu())
-                    if r.first_token_time is None:
-                        r.first_token_time = now - start
-                    if token in eos or len(r.output) >= r.max_new_tokens:
-                        cache.release(r.rid)
-                        sched.finish(r)
-                        advance()
+                    emit(step.requests[b], next_tokens[j], logits[j], now)
         stats.total_time = time.perf_counter() - start
         stats.ttft = [r.first_token_time for r in requests]
         stats.new_tokens = sum(len(r.output) for r in requests)
@@ -203,6 +230,59 @@ class LLM:
         if return_logits:
             return tokens, [torch.stack(logits_out[r.rid]) for r in requests]
         return tokens
+
+    def _decode_run(self, reqs: tuple[Request, ...], stats: GenerationStats, emit, keep_logits: bool) -> None:
+        """Decode steps back to back for ``reqs`` (every running request, none waiting): step
+        ``k + 1`` is planned and launched before step ``k``'s tokens reach the host, its input
+        tokens being step ``k``'s on the device, so the host's planning overlaps the GPU's work.
+        Runs until the first request stops: a request that met EOS at step ``k`` still rides
+        along in step ``k + 1`` (inside its reserved pages), whose token for it is dropped."""
+        cache = self.kv_cache
+        ids = [r.rid for r in reqs]
+        steps = min(r.max_new_tokens - len(r.output) for r in reqs)
+        base = [len(r.prompt) + len(r.output) - 1 for r in reqs]
+        tokens = self._to_device([r.output[-1] for r in reqs])
+        t0 = time.perf_counter()
+        pending = None
+        ran = 0
+        for k in range(steps):
+            plan = cache.plan(ids, [1] * len(ids))
+            next_tokens, logits = self._decode(plan, tokens, self._to_device([b + k for b in base]))
+            launched = _InFlight(next_tokens, logits.float().clone() if keep_logits else None)
+            tokens = next_tokens
+            ran += 1
+            stopped = pending is not None and self._resolve(pending, reqs, emit, stats)
+            pending = launched
+            if stopped:
+                break
+        self._resolve(pending, reqs, emit, stats)
+        stats.add_decode_run(ran, len(reqs), time.perf_counter() - t0)
+
+    @staticmethod
+    def _resolve(step: _InFlight, reqs: tuple[Request, ...], emit, stats: GenerationStats) -> bool:
+        """Hand a launched step's tokens to their requests; True when one of them stopped."""
+        tokens = step.tokens()
+        now = time.perf_counter()
+        stopped = False
+        for i, r in enumerate(reqs):
+            if r.finished:
+                continue  # stopped in an earlier step: this row was a passenger
+            emit(r, tokens[i], None if step.logits is None else step.logits[i], now)
+            stats.decode_tokens += 1
+            stopped |= r.finished
+        return stopped
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.model.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.model.device, non_blocking=True)
+
+    def _decode(self, plan, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None and self.graphs.bucket(plan.batch_size) is not None:
+            return self.graphs.run(plan, tokens, positions)
+        logits = self._forward(tokens, positions, None, self.kv_cache)
+        return logits.argmax(-1), logits
 
     def _requests(self, prompts, max_new_tokens: int) -> list[Request]:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -239,12 +319,9 @@ class LLM:
             for r, n in zip(reqs, step.q_lens):
                 tokens += r.prompt[r.prefilled: r.prefilled + n]
                 positions += range(r.prefilled, r.prefilled + n)
-        host = torch.tensor([tokens, positions], dtype=torch.long)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        tokens_t, positions_t = host.to(device, non_blocking=True).unbind(0)
-        if step.kind == "decode" and self.graphs is not None and self.graphs.bucket(len(reqs)) is not None:
-            return self.graphs.run(plan, tokens_t, positions_t)
+        tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
+        if step.kind == "decode":
+            return self._decode(plan, tokens_t, positions_t)
         ends = torch.tensor(step.q_lens).cumsum(0) - 1
         rows = ends[list(step.logits_for)].to(device, non_blocking=True)
         logits = self._forward(tokens_t, positions_t, rows, cache)

@@ -39,6 +39,12 @@ class GenerationStats:
             self.decode_tokens += produced
             self.decode_batch_sizes.append(produced)
 
+    def add_decode_run(self, steps: int, batch: int, seconds: float) -> None:
+        """Back-to-back decode steps (their tokens were counted as they reached the host)."""
+        self.decode_steps += steps
+        self.decode_time += seconds
+        self.decode_batch_sizes += [batch] * steps
+
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
