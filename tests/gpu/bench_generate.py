@@ -10,7 +10,8 @@ the engine (CUDA-graph decode), the engine with FP8 linears, transformers ``gene
 same ``--requests`` prompts (lengths uniform in ``--prompt-len``) with ``--new-tokens`` each.
 
 Reports decode tokens/s, TTFT, and the engine's decode step at batch sizes 1..64 (context
-``--context``) against its HBM limit: (weight bytes + KV bytes read per step) / 4.6 TB/s.
+``--context``) against its HBM limit: (weight bytes + KV bytes read per step) / 4.6 TB/s,
+with the overlapped decode loop (default) and step by step (``overlap=False``).
 Correctness: token agreement with transformers ``generate`` (position by position, and
 teacher-forced: transformers' argmax on the engine's own sequence), and the engine's logits
 against transformers' on the same sequences (relative L2 per step, ``--logit-requests``
@@ -43,6 +44,7 @@ def _args():
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--logit-requests", type=int, default=8, help="requests whose logits are compared")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--no-serial-sweep", action="store_true", help="skip the decode sweep without overlap")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (and the correctness checks)")
     p.add_argument("--no-generate-batch", action="store_true")
     p.add_argument("--quick", action="store_true", help="16 requests, 64 new tokens, fewer sweep points")
@@ -111,7 +113,13 @@ def main() -> None:
     llm.generate(prompts, max_new_tokens=2)
     tokens = llm.generate(prompts, max_new_tokens=a.new_tokens)
     result["runs"]["astrai bf16"] = llm.last_stats.summary()
-    result["decode_sweep_bf16"] = _decode_sweep(llm, [int(b) for b in a.batch_sizes.split(",")], a.context, rng)
+    sizes = [int(b) for b in a.batch_sizes.split(",")]
+    result["decode_sweep_bf16"] = _decode_sweep(llm, sizes, a.context, rng)
+    if not a.no_serial_sweep:  # every step waits for its tokens: what the overlap hides
+        serial = LLM(llm.model, overlap=False, max_batch_size=llm.max_batch_size)
+        result["decode_sweep_bf16_serial"] = _decode_sweep(serial, sizes, a.context, rng)
+        serial.kv_cache = serial.graphs = None
+        del serial
 
     if not a.no_fp8:
         fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size)
@@ -121,7 +129,7 @@ def main() -> None:
         result["runs"]["astrai fp8"] = fp8.last_stats.summary()
         result["fp8_vs_bf16_agreement"] = {k: v for k, v in agreement(fp8_tokens, tokens).items()
                                            if k != "first_divergence"}
-        result["decode_sweep_fp8"] = _decode_sweep(fp8, [int(b) for b in a.batch_sizes.split(",")], a.context, rng)
+        result["decode_sweep_fp8"] = _decode_sweep(fp8, sizes, a.context, rng)
         fp8.kv_cache = fp8.graphs = None
         del fp8
 
@@ -162,7 +170,7 @@ def _print(r: dict) -> None:
         print(f"{name:32} {f(ttft, '11.3f')} {f(s.get('ttft_max_s'), '10.3f')} "
               f"{f(s.get('decode_tokens_per_s') or s.get('tokens_per_s'), '12,.0f')} "
               f"{f(s.get('decode_step_ms'), '8.2f')} {f(s['total_s'], '8.2f')}")
-    for key in ("decode_sweep_bf16", "decode_sweep_fp8"):
+    for key in ("decode_sweep_bf16", "decode_sweep_bf16_serial", "decode_sweep_fp8"):
         if key in r:
             print(f"\n{key} (context {r['context']}): batch, step ms, HBM limit ms, x of limit")
             for row in r[key]:
