@@ -212,3 +212,39 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     assert valid[3].sum() == 1 and slots[3, 0].item() == pad_page * ps
     with pytest.raises(ValueError, match="does not fit the captured plan"):
         fill_plan(real, captured, pad_page)
+
+
+def test_cli_generate_from_a_local_checkpoint(tmp_path, capsys):
+    import json
+
+    from astrai.cli.main import main
+
+    hf = _hf("qwen2", seed=21)
+    hf.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--requests", "2", "--prompt-len", "3", "9",
+            "--max-new-tokens", "4", "--dtype", "float32", "--compare", "hf", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"]["requests"] == 2
+    assert result["peers"][0]["agreement"]["token_agreement"] == 1.0
+
+
+def test_graphs_require_the_paged_decode_kernel_for_this_cache(monkeypatch):
+    from types import SimpleNamespace
+
+    from astrai.extension import PagedKVCache
+    from astrai.extension.backend.attention import AttentionCall
+    from astrai.serve import graphs
+
+    def decision(dtype, chosen):
+        key = AttentionCall(torch.device("cuda", 0), dtype, 128, 32, 8, "decode", None, True, 0, True, 16, False)
+        return SimpleNamespace(key=key, chosen=chosen)
+
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=16, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    seen = [decision(torch.float32, "torch_native"), decision(torch.bfloat16, "cuda")]
+    monkeypatch.setattr(graphs, "explain", lambda op: seen)
+    graphs._require_graph_safe_attention(cache)  # another dtype's fallback is no concern
+    seen.append(decision(torch.bfloat16, "torch_native"))
+    with pytest.raises(RuntimeError, match="torch_native"):
+        graphs._require_graph_safe_attention(cache)

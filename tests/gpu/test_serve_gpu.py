@@ -81,3 +81,27 @@ def test_fp8_engine_runs_in_graphs_and_stays_close(llm):
     assert fp8.graphs.replays >= 15 and [len(t) for t in tokens] == [16] * 3
     for want, got in zip(exact, approx):
         assert 0 < float(_rel(got[:1], want[:1]).max()) < 0.15
+
+
+def test_transformers_attn_implementation_astrai_bf16():
+    from astrai.integrations.transformers import register
+
+    name = register()
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name, dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.cuda().eval(), ref.cuda().eval()
+    ids = torch.randint(1, 1000, (3, 200), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    mask[2, :120] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert float(_rel(got[keep], want[keep]).max()) < 2e-2
+    args = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    new_got, new_want = ours.generate(ids, **args)[:, 200:], ref.generate(ids, **args)[:, 200:]
+    assert (new_got == new_want).float().mean() >= 0.9

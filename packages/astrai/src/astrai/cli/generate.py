@@ -90,6 +90,8 @@ def main(args) -> int:
                   f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
     llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
     llm.generate(prompts[:2], max_new_tokens=2)  # warm-up: kernels, resolver decisions
+    if llm.graphs_off_reason:
+        console.print(f"[yellow]decode steps run eagerly: {llm.graphs_off_reason}[/]")
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 
 import torch
 
@@ -81,6 +80,7 @@ class LLM:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.use_graphs = bool(cuda_graphs) and model.device.type == "cuda"
+        self.graphs_off_reason: str | None = None  # why decode steps run eagerly on CUDA, when they do
         self.fp8 = bool(fp8)
         self.memory_fraction = memory_fraction
         self.overlap = bool(overlap)
@@ -163,8 +163,8 @@ class LLM:
             try:
                 self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
                                            cache, cache.page_table(_PAD_SEQ)[0], widest, longest)
-            except RuntimeError as exc:
-                warnings.warn(f"decoding eagerly: {exc}", stacklevel=3)
+            except RuntimeError as exc:  # said by astrai generate; eager decoding gives the same tokens
+                self.graphs_off_reason = str(exc)
                 self.use_graphs = False
         self.kv_cache = cache
 

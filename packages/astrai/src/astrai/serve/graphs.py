@@ -31,11 +31,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, positions) -> logits [B, vocab]
 
 
-def _require_graph_safe_attention() -> None:
+def _require_graph_safe_attention(cache: PagedKVCache) -> None:
     """The paged decode kernel reads only device metadata; the torch fallback sizes its
-    gathers from the plan's host lengths, which a replay would not update."""
-    chosen = {d.chosen for d in explain("attention") if d.key.paged and d.key.mode == "decode"
-              and d.key.device.type == "cuda"}
+    gathers from the plan's host lengths, which a replay would not update. Looks at the
+    decisions for calls over caches like ``cache`` (the warm-up step just made one)."""
+    chosen = {d.chosen for d in explain("attention")
+              if d.key.paged and d.key.mode == "decode" and d.key.device.type == "cuda"
+              and d.key.dtype == cache.dtype and d.key.head_dim == cache.head_dim
+              and d.key.kv_heads == cache.kv_heads and d.key.page_size == cache.page_size}
     if chosen - {"cuda"}:
         raise RuntimeError(f"decode attention runs on {sorted(chosen)}, not the CUDA kernels: "
                            "CUDA graphs need the astrai-attention plugin")
@@ -124,7 +127,7 @@ class DecodeGraphs:
                 cache.plan(ids, [1] * size)  # warm-up step (lazy initialisations happen outside the capture)
                 forward(tokens, positions).argmax(-1)
             torch.cuda.current_stream(device).wait_stream(stream)
-            _require_graph_safe_attention()
+            _require_graph_safe_attention(cache)
             plan = cache.plan(ids, [1] * size)  # a fresh plan: its derived indices are computed inside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
