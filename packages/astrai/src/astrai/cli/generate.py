@@ -86,10 +86,10 @@ def main(args) -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
-                  f"of {c.head_dim}, {c.num_parameters() / 1e9:.2f} B parameters, {dtype}"
+                  f"of {c.head_dim}, {_count(c.num_parameters())} parameters, {dtype}"
                   f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
     llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
-    llm.generate(prompts[:2], max_new_tokens=2)  # warm-up: kernels, resolver decisions
+    llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
     if llm.graphs_off_reason:
         console.print(f"[yellow]decode steps run eagerly: {llm.graphs_off_reason}[/]")
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
@@ -127,6 +127,10 @@ def _compare(llm, hf, prompts, new, tokens, result, console) -> list[dict]:
     return peers
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -134,21 +138,22 @@ def _fmt(value, spec: str) -> str:
 def _print(console: Console, result: dict) -> None:
     e = result["engine"]
     table = Table(title=f"astrai generate ({result['device']}, attention: {result['attention_backend']})")
-    for col in ("run", "TTFT mean s", "prefill tok/s", "decode tok/s", "decode step ms", "total s", "agreement"):
+    peers = [p for p in result["peers"] if not p["skipped"]]
+    columns = ["run", "TTFT s", "prefill tok/s", "decode tok/s", "step ms", "total s"] + (["agree"] if peers else [])
+    for col in columns:
         table.add_column(col, justify="right" if col != "run" else "left")
-    table.add_row("astrai.serve", _fmt(e["ttft_mean_s"], ".3f"), _fmt(e["prefill_tokens_per_s"], ",.0f"),
+    table.add_row("astrai", _fmt(e["ttft_mean_s"], ".3f"), _fmt(e["prefill_tokens_per_s"], ",.0f"),
                   _fmt(e["decode_tokens_per_s"], ",.0f"), _fmt(e["decode_step_ms"], ".2f"), _fmt(e["total_s"], ".2f"),
-                  "")
-    for p in result["peers"]:
-        if p["skipped"]:
-            continue
+                  *([""] if peers else []))
+    for p in peers:
         agree = p.get("agreement", {})
         table.add_row(p["name"], _fmt(p["ttft_s"], ".3f"), "-", _fmt(p["decode_tokens_per_s"], ",.0f"), "-",
                       _fmt(p["total_s"], ".2f"), _fmt(agree.get("token_agreement"), ".1%"))
     console.print(table)
+    console.print("TTFT: mean over requests, all submitted at once (transformers: its first batch's prefill)")
     for p in result["peers"]:
         if not p["skipped"] and p["total_s"]:
-            line = f"{p['name']}: astrai.serve is {p['total_s'] / e['total_s']:.2f}x faster end to end"
+            line = f"vs {p['name']}: astrai {p['total_s'] / e['total_s']:.2f}x faster end to end"
             if p["decode_tokens_per_s"]:
                 line += f", {e['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x in decode tokens/s"
             if p["ttft_s"]:
@@ -164,7 +169,7 @@ def _plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [("astrai.serve", result["engine"]["decode_tokens_per_s"], result["engine"]["ttft_mean_s"])]
+    runs = [("astrai", result["engine"]["decode_tokens_per_s"], result["engine"]["ttft_mean_s"])]
     runs += [(p["name"], p["decode_tokens_per_s"] or p.get("tokens_per_s") or 0, p["ttft_s"] or 0)
              for p in result["peers"] if not p["skipped"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
