@@ -74,7 +74,7 @@ class LLM:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # inference only: the kernels without backward qualify
         self.config: ModelConfig = model.config
         self.page_size = page_size
         self.max_batch_size = max_batch_size
@@ -128,6 +128,7 @@ class LLM:
 
     # -- the KV cache
 
+    @torch.inference_mode()
     def reserve(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Size the KV cache (and capture the decode graphs) for this workload now, so a later
         ``generate`` of it (or of a smaller one) starts at once; ``generate`` does it when needed."""
