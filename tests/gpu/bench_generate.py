@@ -69,6 +69,7 @@ def _hbm_ms(llm: LLM, batch: int, context: int) -> float:
 
 def _decode_sweep(llm: LLM, sizes: list[int], context: int, rng: random.Random) -> list[dict]:
     rows = []
+    llm.reserve([[0] * context] * max(sizes), 33)  # one cache and one set of graphs for the whole sweep
     for b in sizes:
         prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(context)] for _ in range(b)]
         llm.generate(prompts, max_new_tokens=33)
@@ -187,6 +188,11 @@ def _print(r: dict) -> None:
               f"({ag['exact_requests']}/{ag['requests']} requests identical), "
               f"{co['teacher_forced_agreement']:.1%} teacher-forced; logits rel L2 max "
               f"{f(co['logits_rel_l2_max'], '.4f')} over {co['logits_requests']} requests")
+    at64 = [row for row in r.get("decode_sweep_bf16", []) if row["batch"] == 64]
+    if at64:
+        ok = at64[0]["x_of_limit"] <= 3.0
+        print(f"bar: decode step at 64 requests {at64[0]['x_of_limit']:.2f}x its HBM limit (<= 3x: "
+              f"{'met' if ok else 'NOT met'}; goal 1.3x)")
     if "fp8_vs_bf16_agreement" in r:
         print(f"FP8 vs bf16 engine tokens: {r['fp8_vs_bf16_agreement']['token_agreement']:.1%}")
 
