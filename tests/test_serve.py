@@ -137,7 +137,7 @@ def test_cli_generate_tiny_writes_json_and_plot(tmp_path, capsys):
 
     out, png = tmp_path / "gen.json", tmp_path / "gen.png"
     argv = ["generate", "--preset", "tiny", "--requests", "3", "--prompt-len", "4", "40", "--max-new-tokens", "5",
-            "--compare", "hf", "--json", str(out), "--plot", str(png)]
+            "--dtype", "float32", "--compare", "hf", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert torch.cuda.is_available() or "torch fallbacks" in text
