@@ -49,17 +49,18 @@ class RotaryCall(NamedTuple):
 
 
 class _Kernel:
-    """The astrai-rotary kernel: its manifest states the dtypes (and head dims, if limited)."""
+    """An astrai-rotary kernel (``op``): its manifest states the dtypes (and head dims, if limited)."""
 
     name = "cuda"
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, op: str = OP) -> None:
         self.runtime = runtime
+        self.op = op
 
     def check(self, call: RotaryCall) -> str | None:
         if call.device.type != "cuda":
             return f"the rotary kernel runs on CUDA tensors ({call.device.describe()})"
-        status = self.runtime.registry.op_status(OP, call.device)
+        status = self.runtime.registry.op_status(self.op, call.device)
         if not status.usable:
             return status.reason
         dtype = str(call.dtype).removeprefix("torch.")
@@ -77,31 +78,32 @@ class _Torch:
         return None
 
 
-def _decide(runtime: Runtime, call: RotaryCall) -> str:
-    return runtime.resolver.resolve(OP, (_Kernel(runtime), _Torch()), call, call).name
+def _decide(runtime: Runtime, call: RotaryCall, op: str = OP) -> str:
+    return runtime.resolver.resolve(op, (_Kernel(runtime, op), _Torch()), call, call).name
 
 
 @torch._dynamo.assume_constant_result
-def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str:
+def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, op: str) -> str:
     """The decision made once at trace time: dynamo cannot trace the runtime's context
     variables or the resolver's lock, and the choice is fixed per graph anyway."""
-    return _decide(current_runtime(), RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad))
+    call = RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad)
+    return _decide(current_runtime(), call, op)
 
 
-def _choose(x: torch.Tensor, needs_grad: bool) -> str:
-    """"cuda" or "torch" for calls like this one; decided once per key (the plan)."""
+def choose(x: torch.Tensor, needs_grad: bool, op: str = OP) -> str:
+    """"cuda" or "torch" for calls of ``op`` like this one; decided once per key (the plan)."""
     if torch.compiler.is_compiling():
-        return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad)
+        return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad, op)
     runtime = current_runtime()
     call = RotaryCall(probe_device(x.device), x.dtype, x.shape[-1], needs_grad)
     derived = runtime.resolver.derived  # emptied with the resolver's decisions
-    chosen = derived.get((OP, call))
+    chosen = derived.get((op, call))
     if chosen is None:
-        chosen = derived[(OP, call)] = _decide(runtime, call)
+        chosen = derived[(op, call)] = _decide(runtime, call, op)
     return chosen
 
 
-def _with_fallback(device: torch.device, kernel, torch_path):
+def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
     """Run ``kernel()``; if the plugin's module turns out unusable (the registry marks it so
     when it fails to load), forget the cached decisions and run ``torch_path()``."""
     try:
@@ -110,7 +112,7 @@ def _with_fallback(device: torch.device, kernel, torch_path):
         if torch.compiler.is_compiling():
             raise
         runtime = current_runtime()
-        if runtime.registry.op_status(OP, probe_device(device)).usable:
+        if runtime.registry.op_status(op, probe_device(device)).usable:
             raise
         runtime.resolver.clear()
         return torch_path()
@@ -173,12 +175,12 @@ def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], 
     if _needs_grad(cos, sin):  # gradients for the angles: torch's autograd only
         return rotary_torch(x, cos, sin, positions, interleaved)
     needs_grad = _needs_grad(x)
-    if _choose(x, needs_grad) == "cuda":
+    if choose(x, needs_grad) == "cuda":
         if needs_grad:
             kernel = lambda: _RotaryFunction.apply(x, cos, sin, positions, interleaved)  # noqa: E731
         else:
             kernel = lambda: ops_rotary.rotary_emb_unchecked(x, cos, sin, positions, interleaved, False)  # noqa: E731
-        return _with_fallback(x.device, kernel, lambda: rotary_torch(x, cos, sin, positions, interleaved))
+        return with_fallback(x.device, kernel, lambda: rotary_torch(x, cos, sin, positions, interleaved))
     return rotary_torch(x, cos, sin, positions, interleaved)
 
 
@@ -202,7 +204,7 @@ def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: tuple[torch.Ten
         return qo, ko
 
     needs_grad = _needs_grad(q, k)
-    if not _needs_grad(cos, sin) and _choose(q, needs_grad) == "cuda":
+    if not _needs_grad(cos, sin) and choose(q, needs_grad) == "cuda":
         if inplace and not needs_grad:
             def kernel():
                 ops_rotary.rotary_qk_inplace_unchecked(q4, k4, cos, sin, positions, interleaved)
@@ -211,7 +213,7 @@ def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: tuple[torch.Ten
             kernel = lambda: _RotaryQKFunction.apply(q4, k4, cos, sin, positions, interleaved)  # noqa: E731
         else:
             kernel = lambda: ops_rotary.rotary_qk_unchecked(q4, k4, cos, sin, positions, interleaved, False)  # noqa: E731
-        qo, ko = _with_fallback(q.device, kernel, torch_path)
+        qo, ko = with_fallback(q.device, kernel, torch_path)
     else:
         qo, ko = torch_path()
     if inplace:
