@@ -124,7 +124,7 @@ def test_sdist_is_self_contained(wheelhouse):
     sdist = next((wheelhouse / "sdist-cu130").glob("astrai_rotary-*.tar.gz"))
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if "/" in m.name}
-    for path in ("pyproject.toml", "CMakeLists.txt", "csrc/rotary_emb.cu",
+    for path in ("pyproject.toml", "CMakeLists.txt", "csrc/rotary_emb.cu", "csrc/rotary_kernel.cuh",
                  "cuda-common/cmake/AstraiPlugin.cmake", "cuda-common/include/astrai/check.h",
                  "cuda-common/python/astrai_cuda_version.py", "src/astrai_rotary/__init__.py"):
         assert path in members and members[path].isfile(), path
@@ -152,8 +152,9 @@ def test_manifest_is_valid_for_the_core(plugin_manifest):
 
     parsed = parse_manifest(plugin_manifest)
     assert parsed.name == "astrai-rotary"
-    assert set(parsed.ops) == {"rotary_emb"}
-    assert plugin_manifest["ops"]["rotary_emb"]["module"] == "astrai_rotary._rotary_emb"
+    assert set(parsed.ops) == {"rotary_emb", "rope_paged_append"}
+    for op in parsed.ops.values():
+        assert op.module == "astrai_rotary._rotary_emb" and op.dtypes == ("float16", "bfloat16", "float32")
 
 
 def test_build_info_of_the_compiled_module(compiled, plugin_manifest):

@@ -5,7 +5,7 @@
 //       q [B, L, Hq, D] and optionally k [B, L, Hk, D] (float16/bfloat16/float32, any strides
 //       with a contiguous last dim) rotated into q_out / k_out (their shape; the same tensor
 //       as the input: in place). cos/sin float32 [max_pos, rotary_dim / 2]; positions None
-//       (rows 0 .. L-1), int32/int64 [L] or [B, L]. interleaved: pairs (2i, 2i+1), else NeoX
+//       (rows 0 .. L-1), int32/int64 [L], [B, L] or [1, L]. interleaved: pairs (2i, 2i+1), else NeoX
 //       pairs (i, i + rotary_dim/2); inverse rotates backwards (the gradient).
 //   rope_paged_append(q, k, v, k_cache, v_cache, cos, sin, positions, slots, q_out,
 //                     interleaved, stream)
@@ -75,9 +75,9 @@ void expect_positions(const TensorArg& t, int64_t B, int64_t L) {
     ASTRAI_CHECK(t.dtype == DType::Int32 || t.dtype == DType::Int64, t.name, ": expected int32 or int64, got ",
                  dtype_name(t.dtype));
     const bool flat = t.ndim() == 1 && t.size(0) == L;
-    const bool per_batch = B > 0 && t.ndim() == 2 && t.size(0) == B && t.size(1) == L;
-    ASTRAI_CHECK(flat || per_batch, t.name, ": expected shape [", L, "]", B > 0 ? " or [B, L]" : "", ", got ",
-                 shape_str(t.shape));
+    const bool per_batch = B > 0 && t.ndim() == 2 && (t.size(0) == B || t.size(0) == 1) && t.size(1) == L;
+    ASTRAI_CHECK(flat || per_batch, t.name, ": expected shape [", L, "]", B > 0 ? ", [B, L] or [1, L]" : "",
+                 ", got ", shape_str(t.shape));
     expect_data(t, dtype_size(t.dtype));
 }
 
@@ -173,7 +173,7 @@ void set_angles(Plan& plan, const TensorArg& cos, const TensorArg& sin, const Te
         p.positions = positions->data<const void>();
         p.pos_int64 = positions->dtype == DType::Int64;
         p.pos_stride_l = positions->stride(-1);
-        p.pos_stride_b = positions->ndim() == 2 && B > 1 ? positions->stride(0) : 0;
+        p.pos_stride_b = positions->ndim() == 2 && positions->size(0) > 1 ? positions->stride(0) : 0;
     }
 }
 

@@ -138,9 +138,10 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
     constexpr int kAngle = kVector ? (kAngleBytes < 16 ? kAngleBytes : 16) : 4;
     it.live = g < total;
     if (!it.live) g = total - 1;  // past the end: load the last item again, store nothing
-    const int si = (g >= p.slot[0].end) + (g >= p.slot[1].end);
-    const Slot& s = p.slot[si];
-    const uint32_t local = g - (si == 0 ? 0u : p.slot[si - 1].end);
+    // the slot by selects, not by a computed parameter address (which spills on sm_80)
+    const bool past0 = g >= p.slot[0].end, past1 = g >= p.slot[1].end;
+    const Slot s = past1 ? p.slot[2] : past0 ? p.slot[1] : p.slot[0];
+    const uint32_t local = g - (past1 ? p.slot[1].end : past0 ? p.slot[0].end : 0u);
     uint32_t token, in_token, bi, l, h, i;
     s.per_token.divmod(local, token, in_token);
     p.seq_len.divmod(token, bi, l);
@@ -191,25 +192,27 @@ __device__ __forceinline__ void store_item(const RotaryParams& p, Item<T, kInter
         store<kData>(it.out_a, it.a);
         return;
     }
+    alignas(16) T ra[kElems];
     if constexpr (kInterleaved) {
 #pragma unroll
         for (int j = 0; j < kElems / 2; ++j) {
             const float x0 = to_float(it.a[2 * j]), x1 = to_float(it.a[2 * j + 1]);
             const float c = it.c[j], s = p.sign * it.s[j];
-            it.a[2 * j] = from_float<T>(x0 * c - x1 * s);
-            it.a[2 * j + 1] = from_float<T>(x0 * s + x1 * c);
+            ra[2 * j] = from_float<T>(x0 * c - x1 * s);
+            ra[2 * j + 1] = from_float<T>(x0 * s + x1 * c);
         }
-        store<kData>(it.out_a, it.a);
+        store<kData>(it.out_a, ra);
     } else {
+        alignas(16) T rb[kElems];
 #pragma unroll
         for (int j = 0; j < kElems; ++j) {
             const float x0 = to_float(it.a[j]), x1 = to_float(it.b[j]);
             const float c = it.c[j], s = p.sign * it.s[j];
-            it.a[j] = from_float<T>(x0 * c - x1 * s);
-            it.b[j] = from_float<T>(x0 * s + x1 * c);
+            ra[j] = from_float<T>(x0 * c - x1 * s);
+            rb[j] = from_float<T>(x0 * s + x1 * c);
         }
-        store<kData>(it.out_a, it.a);
-        store<kData>(it.out_b, it.b);
+        store<kData>(it.out_a, ra);
+        store<kData>(it.out_b, rb);
     }
 }
 

@@ -80,14 +80,14 @@ def check_freqs(freqs: object, x: torch.Tensor, seq: int, positions: object, x_n
 
 
 def check_positions(positions: object, batch: int, seq: int, max_pos: int, device: torch.device) -> None:
-    """``positions``: int32/int64 ``[seq]`` or ``[batch, seq]`` on ``device``, each in ``[0, max_pos)``."""
+    """``positions``: int32/int64 ``[seq]``, ``[batch, seq]`` or ``[1, seq]`` on ``device``, each in ``[0, max_pos)``."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
     if positions.dtype not in _POSITION_DTYPES:
         raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
-    if tuple(positions.shape) not in ((seq,), (batch, seq)):
-        raise ValueError(f"positions must have shape [seq] = [{seq}] or [batch, seq] = [{batch}, {seq}], "
-                         f"got {tuple(positions.shape)}")
+    if tuple(positions.shape) not in ((seq,), (batch, seq), (1, seq)):
+        raise ValueError(f"positions must have shape [seq] = [{seq}] or [batch, seq] = [{batch}, {seq}] "
+                         f"(or [1, seq]), got {tuple(positions.shape)}")
     if positions.device != device:
         raise ValueError(f"positions is on {positions.device} but the rotated tensors are on {device}")
     if positions.device.type == "meta" or torch.compiler.is_compiling():
