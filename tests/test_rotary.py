@@ -374,3 +374,35 @@ def test_kernel_that_fails_to_import_falls_back(monkeypatch):
         apply_rotary_emb(x, (cos, sin))
     (decision,) = runtime.explain("rotary_emb")
     assert decision.chosen == "torch" and "undefined symbol" in decision.trace[0].reason
+
+
+# -- a transformers Llama through the API (docs/kernels/rotary.md) -------------------------
+
+
+def test_transformers_llama_with_the_documented_patch_gives_the_same_logits(monkeypatch):
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import LlamaConfig
+
+    def astrai_rope(q, k, cos, sin, unsqueeze_dim=1):  # as in the docs
+        b, l, d = cos.shape
+        half = d // 2
+        table = (cos[..., :half].reshape(b * l, half).float(), sin[..., :half].reshape(b * l, half).float())
+        positions = torch.arange(b * l, device=q.device).view(b, l)
+        q_rot, k_rot = apply_rotary_emb_qk(q.transpose(1, 2), k.transpose(1, 2), table, positions=positions,
+                                           interleaved=False)
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    model = llama.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    # per-request positions with gaps (cos/sin [2, L, D]); a uniform shift would not change attention
+    ragged = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 2, 3, 10, 11, 12, 30, 31, 40]])
+    with torch.no_grad():
+        want = [model(ids).logits, model(ids, position_ids=ragged).logits]
+        monkeypatch.setattr(llama, "apply_rotary_pos_emb", astrai_rope)
+        got = [model(ids).logits, model(ids, position_ids=ragged).logits]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert (want[0] - want[1]).abs().max() > 1e-3  # the positions matter

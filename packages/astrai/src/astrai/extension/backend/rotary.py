@@ -24,13 +24,14 @@ resolver (op ``"rotary_emb"``; ``current_runtime().explain("rotary_emb")`` shows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ..device import DeviceInfo, probe_device
 from ..ops import rotary as ops_rotary
-from ..ops.rotary_args import check_freqs, check_positions, check_qk, check_x
+from ..ops.rotary_args import check_freqs, check_positions, check_qk, check_x, debug_checks
 from ..runtime import Runtime, current_runtime
 from .rotary_torch import rotary_torch
 
@@ -49,17 +50,18 @@ class RotaryCall(NamedTuple):
 
 
 class _Kernel:
-    """The astrai-rotary kernel: its manifest states the dtypes (and head dims, if limited)."""
+    """An astrai-rotary kernel (``op``): its manifest states the dtypes (and head dims, if limited)."""
 
     name = "cuda"
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, op: str = OP) -> None:
         self.runtime = runtime
+        self.op = op
 
     def check(self, call: RotaryCall) -> str | None:
         if call.device.type != "cuda":
             return f"the rotary kernel runs on CUDA tensors ({call.device.describe()})"
-        status = self.runtime.registry.op_status(OP, call.device)
+        status = self.runtime.registry.op_status(self.op, call.device)
         if not status.usable:
             return status.reason
         dtype = str(call.dtype).removeprefix("torch.")
@@ -77,31 +79,32 @@ class _Torch:
         return None
 
 
-def _decide(runtime: Runtime, call: RotaryCall) -> str:
-    return runtime.resolver.resolve(OP, (_Kernel(runtime), _Torch()), call, call).name
+def _decide(runtime: Runtime, call: RotaryCall, op: str = OP) -> str:
+    return runtime.resolver.resolve(op, (_Kernel(runtime, op), _Torch()), call, call).name
 
 
 @torch._dynamo.assume_constant_result
-def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str:
+def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, op: str) -> str:
     """The decision made once at trace time: dynamo cannot trace the runtime's context
     variables or the resolver's lock, and the choice is fixed per graph anyway."""
-    return _decide(current_runtime(), RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad))
+    call = RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad)
+    return _decide(current_runtime(), call, op)
 
 
-def _choose(x: torch.Tensor, needs_grad: bool) -> str:
-    """"cuda" or "torch" for calls like this one; decided once per key (the plan)."""
+def choose(x: torch.Tensor, needs_grad: bool, op: str = OP) -> str:
+    """"cuda" or "torch" for calls of ``op`` like this one; decided once per key (the plan)."""
     if torch.compiler.is_compiling():
-        return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad)
+        return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad, op)
     runtime = current_runtime()
     call = RotaryCall(probe_device(x.device), x.dtype, x.shape[-1], needs_grad)
     derived = runtime.resolver.derived  # emptied with the resolver's decisions
-    chosen = derived.get((OP, call))
+    chosen = derived.get((op, call))
     if chosen is None:
-        chosen = derived[(OP, call)] = _decide(runtime, call)
+        chosen = derived[(op, call)] = _decide(runtime, call, op)
     return chosen
 
 
-def _with_fallback(device: torch.device, kernel, torch_path):
+def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
     """Run ``kernel()``; if the plugin's module turns out unusable (the registry marks it so
     when it fails to load), forget the cached decisions and run ``torch_path()``."""
     try:
@@ -110,7 +113,7 @@ def _with_fallback(device: torch.device, kernel, torch_path):
         if torch.compiler.is_compiling():
             raise
         runtime = current_runtime()
-        if runtime.registry.op_status(OP, probe_device(device)).usable:
+        if runtime.registry.op_status(op, probe_device(device)).usable:
             raise
         runtime.resolver.clear()
         return torch_path()
@@ -156,16 +159,84 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+class _Plan(NamedTuple):
+    """What a call like this one runs, decided and validated once (the rotary plan)."""
+
+    run: Callable  # (x, cos, sin, positions) -> out
+    kernel: bool
+    range_check: bool  # positions on the host (or ASTRAI_DEBUG=1): checked on every call
+
+
+_MAX_PLANS = 512
+
+
+def _plans(runtime: Runtime) -> dict:
+    """The rotary plans, kept in the resolver's derived cache (emptied with its decisions)."""
+    plans = runtime.resolver.derived.get("rotary_plans")
+    if plans is None:
+        plans = runtime.resolver.derived["rotary_plans"] = {}
+    return plans
+
+
+def _plan_key(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+              interleaved: bool) -> tuple:
+    """Everything the checks and the decision read: equal keys, equal plans."""
+    pos = None if positions is None else (positions.shape, positions.stride(), positions.dtype, positions.device,
+                                          debug_checks())
+    return (x.shape, x.stride(), x.dtype, x.device, probe_device(x.device), x.requires_grad,
+            torch.is_grad_enabled(),
+            cos.shape, cos.stride(), cos.dtype, cos.device, cos.requires_grad,
+            sin.shape, sin.stride(), sin.dtype, sin.device, sin.requires_grad, pos, interleaved)
+
+
+def _make_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+               interleaved: bool) -> _Plan:
+    check_x("x", x)
+    check_freqs((cos, sin), x, x.shape[1], positions)
+    if positions is not None:
+        check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+    range_check = positions is not None and (positions.device.type == "cpu" or debug_checks())
+    needs_grad = _needs_grad(x)
+    if _needs_grad(cos, sin) or choose(x, needs_grad) != "cuda":  # gradients for the angles: torch's autograd
+        return _Plan(lambda x, c, s, p: rotary_torch(x, c, s, p, interleaved), False, range_check)
+    if needs_grad:
+        return _Plan(lambda x, c, s, p: _RotaryFunction.apply(x, c, s, p, interleaved), True, range_check)
+    if x.is_cuda and x.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1:
+        return _Plan(ops_rotary.rotary_emb_launcher(x, cos, sin, positions, interleaved, False), True, range_check)
+    return _Plan(lambda x, c, s, p: ops_rotary.rotary_emb_unchecked(x, c, s, p, interleaved, False), True, range_check)
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = True,
                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate channel pairs of ``x [batch, seq, heads, head_dim]`` (float16/bfloat16/float32/float64).
 
     ``freqs = (cos, sin)``, each float32 ``[max_pos, rotary_dim // 2]`` on ``x``'s device
-    (``rotary_dim <= head_dim``); ``positions`` (int32/int64 ``[seq]`` or ``[batch, seq]``)
-    selects their rows, by default ``0 .. seq-1``. ``interleaved=False`` is the NeoX layout.
-    Returns a new tensor of ``x``'s shape and dtype; differentiable. Bad arguments raise
-    ``TypeError`` / ``ValueError`` naming the argument.
+    (``rotary_dim <= head_dim``); ``positions`` (int32/int64 ``[seq]``, ``[batch, seq]`` or
+    ``[1, seq]``) selects their rows, by default ``0 .. seq-1``. ``interleaved=False`` is the
+    NeoX layout. Returns a new tensor of ``x``'s shape and dtype; differentiable. Bad
+    arguments raise ``TypeError`` / ``ValueError`` naming the argument.
+
+    The checks and the backend decision are made once per kind of call (shapes, strides,
+    dtypes, devices, gradients, layout) and kept as a plan; a repeated call only launches.
     """
+    if (type(x) is torch.Tensor and type(freqs) is tuple and len(freqs) == 2 and type(freqs[0]) is torch.Tensor
+            and type(freqs[1]) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
+            and not torch.compiler.is_compiling()):
+        cos, sin = freqs
+        plans = _plans(current_runtime())
+        key = _plan_key(x, cos, sin, positions, interleaved)
+        plan = plans.get(key)
+        if plan is None:
+            if len(plans) >= _MAX_PLANS:  # many shapes (prefill lengths): start over rather than grow
+                plans.clear()
+            plan = plans[key] = _make_plan(x, cos, sin, positions, interleaved)
+        elif plan.range_check:
+            check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+        if not plan.kernel:
+            return plan.run(x, cos, sin, positions)
+        return with_fallback(x.device, lambda: plan.run(x, cos, sin, positions),
+                             lambda: rotary_torch(x, cos, sin, positions, interleaved))
+    # traced by torch.compile, or arguments the checks will name
     check_x("x", x)
     cos, sin = check_freqs(freqs, x, x.shape[1], positions)
     if positions is not None:
@@ -173,12 +244,10 @@ def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], 
     if _needs_grad(cos, sin):  # gradients for the angles: torch's autograd only
         return rotary_torch(x, cos, sin, positions, interleaved)
     needs_grad = _needs_grad(x)
-    if _choose(x, needs_grad) == "cuda":
+    if choose(x, needs_grad) == "cuda":
         if needs_grad:
-            kernel = lambda: _RotaryFunction.apply(x, cos, sin, positions, interleaved)  # noqa: E731
-        else:
-            kernel = lambda: ops_rotary.rotary_emb_unchecked(x, cos, sin, positions, interleaved, False)  # noqa: E731
-        return _with_fallback(x.device, kernel, lambda: rotary_torch(x, cos, sin, positions, interleaved))
+            return _RotaryFunction.apply(x, cos, sin, positions, interleaved)
+        return ops_rotary.rotary_emb_unchecked(x, cos, sin, positions, interleaved, False)
     return rotary_torch(x, cos, sin, positions, interleaved)
 
 
@@ -202,7 +271,7 @@ def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: tuple[torch.Ten
         return qo, ko
 
     needs_grad = _needs_grad(q, k)
-    if not _needs_grad(cos, sin) and _choose(q, needs_grad) == "cuda":
+    if not _needs_grad(cos, sin) and choose(q, needs_grad) == "cuda":
         if inplace and not needs_grad:
             def kernel():
                 ops_rotary.rotary_qk_inplace_unchecked(q4, k4, cos, sin, positions, interleaved)
@@ -211,7 +280,7 @@ def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: tuple[torch.Ten
             kernel = lambda: _RotaryQKFunction.apply(q4, k4, cos, sin, positions, interleaved)  # noqa: E731
         else:
             kernel = lambda: ops_rotary.rotary_qk_unchecked(q4, k4, cos, sin, positions, interleaved, False)  # noqa: E731
-        qo, ko = _with_fallback(q.device, kernel, torch_path)
+        qo, ko = with_fallback(q.device, kernel, torch_path)
     else:
         qo, ko = torch_path()
     if inplace:

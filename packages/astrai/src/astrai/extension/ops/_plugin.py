@@ -20,6 +20,7 @@ PLUGIN_OF_OP = {
     "attn_paged_decode": "astrai-attention",
     "attn_paged_prefill": "astrai-attention",
     "rotary_emb": "astrai-rotary",
+    "rope_paged_append": "astrai-rotary",
     "fp8_quantize": "astrai-fp8",
     "fp8_gemm": "astrai-fp8",
     "fp8_scale_update": "astrai-fp8",

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import launch, tensor_arg
+from ..abi import dtype_code, launch, tensor_arg
 from . import _plugin
 from .rotary_args import check_freqs, check_positions, check_qk, check_x
 
-__all__ = ["rotary_emb", "rotary_qk", "rotary_emb_unchecked", "rotary_qk_unchecked", "rotary_qk_inplace_unchecked"]
+__all__ = ["rotary_emb", "rotary_qk", "rotary_emb_launcher", "rotary_emb_unchecked", "rotary_qk_unchecked",
+           "rotary_qk_inplace_unchecked"]
 
 OP = "rotary_emb"
 
@@ -69,6 +70,31 @@ def _launch(q, k, cos, sin, positions, q_out, k_out, interleaved: bool, inverse:
     module = _plugin.require(OP, q.device)
     launch(q.device, module.rotary, tensor_arg(q), tensor_arg(k), tensor_arg(_rows(cos)), tensor_arg(_rows(sin)),
            tensor_arg(positions), tensor_arg(q_out), tensor_arg(k_out), interleaved, inverse)
+
+
+def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                        interleaved: bool, inverse: bool):
+    """``rotary_emb_unchecked`` reduced to its launch, for a caller's plan: ``run(x, cos, sin,
+    positions)`` for tensors of the same shapes, strides, dtypes and device as these (plain
+    tensors with a contiguous last dim, eager mode); only the data pointers are read per call
+    and the module is looked up on the first call."""
+    device = x.device
+    meta = [None if t is None else (tuple(t.shape), tuple(t.stride()), dtype_code(t)) for t in (x, cos, sin, positions)]
+    out_meta = (tuple(x.shape), tuple(torch.empty(x.shape, device="meta").stride()), dtype_code(x))
+    (x_shape, x_strides, x_code), (c_shape, c_strides, c_code), (s_shape, s_strides, s_code), p_meta = meta
+    found = []
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if not found:
+            found.append(_plugin.require(OP, device).rotary)
+        out = torch.empty(x.shape, dtype=x.dtype, device=device)
+        pos = None if positions is None else (positions.data_ptr(), *p_meta)
+        launch(device, found[0], (x.data_ptr(), x_shape, x_strides, x_code), None,
+               (cos.data_ptr(), c_shape, c_strides, c_code), (sin.data_ptr(), s_shape, s_strides, s_code), pos,
+               (out.data_ptr(), *out_meta), None, interleaved, inverse)
+        return out
+
+    return run
 
 
 @_plugin.plugin_op("astrai::rotary_emb")

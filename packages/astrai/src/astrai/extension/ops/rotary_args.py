@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["check_freqs", "check_positions", "check_qk", "check_x"]
+__all__ = ["check_freqs", "check_positions", "check_qk", "check_x", "debug_checks"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -80,19 +80,19 @@ def check_freqs(freqs: object, x: torch.Tensor, seq: int, positions: object, x_n
 
 
 def check_positions(positions: object, batch: int, seq: int, max_pos: int, device: torch.device) -> None:
-    """``positions``: int32/int64 ``[seq]`` or ``[batch, seq]`` on ``device``, each in ``[0, max_pos)``."""
+    """``positions``: int32/int64 ``[seq]``, ``[batch, seq]`` or ``[1, seq]`` on ``device``, each in ``[0, max_pos)``."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a torch.Tensor or None, got {type(positions).__name__}")
     if positions.dtype not in _POSITION_DTYPES:
         raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
-    if tuple(positions.shape) not in ((seq,), (batch, seq)):
-        raise ValueError(f"positions must have shape [seq] = [{seq}] or [batch, seq] = [{batch}, {seq}], "
-                         f"got {tuple(positions.shape)}")
+    if tuple(positions.shape) not in ((seq,), (batch, seq), (1, seq)):
+        raise ValueError(f"positions must have shape [seq] = [{seq}] or [batch, seq] = [{batch}, {seq}] "
+                         f"(or [1, seq]), got {tuple(positions.shape)}")
     if positions.device != device:
         raise ValueError(f"positions is on {positions.device} but the rotated tensors are on {device}")
     if positions.device.type == "meta" or torch.compiler.is_compiling():
         return
-    if positions.device.type == "cuda" and (not _debug() or torch.cuda.is_current_stream_capturing()):
+    if positions.device.type == "cuda" and (not debug_checks() or torch.cuda.is_current_stream_capturing()):
         return
     low, high = positions.aminmax()
     if int(low) < 0 or int(high) >= max_pos:
@@ -100,5 +100,6 @@ def check_positions(positions: object, batch: int, seq: int, max_pos: int, devic
                          f"got values from {int(low)} to {int(high)}")
 
 
-def _debug() -> bool:
+def debug_checks() -> bool:
+    """``ASTRAI_DEBUG=1``: checks that need a device sync run too."""
     return os.environ.get("ASTRAI_DEBUG", "") not in ("", "0")
