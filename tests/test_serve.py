@@ -43,12 +43,13 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize(("kind", "overlap"), [(k, True) for k in sorted(CONFIGS)] + [("llama", False)])
-def test_greedy_tokens_equal_transformers_generate(kind, overlap):
+@pytest.mark.parametrize(("kind", "overlap", "fused_rope"),
+                         [(k, True, True) for k in sorted(CONFIGS)] + [("llama", False, True), ("qwen2", True, False)])
+def test_greedy_tokens_equal_transformers_generate(kind, overlap, fused_rope):
     hf = _hf(kind, seed=11)
     prompts = _prompts(12, [1, 5, 23, 40, 9, 64], hf.config.vocab_size)
     # few slots and a small token budget: requests wait, prompts are chunked, batches are ragged
-    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24, overlap=overlap)
+    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24, overlap=overlap, fused_rope=fused_rope)
     got = llm.generate(prompts, max_new_tokens=10)
     assert got == [_hf_greedy(hf, p, 10) for p in prompts]
     stats = llm.last_stats

@@ -44,6 +44,7 @@ def _args():
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--logit-requests", type=int, default=8, help="requests whose logits are compared")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--no-fused-rope", action="store_true", help="rotary before attention, not fused with the cache write")
     p.add_argument("--no-serial-sweep", action="store_true", help="skip the decode sweep without overlap")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (and the correctness checks)")
     p.add_argument("--no-generate-batch", action="store_true")
@@ -103,7 +104,7 @@ def main() -> None:
     rng = random.Random(0)
     t_start = time.perf_counter()
     llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
-                          max_batch_size=64)
+                          max_batch_size=64, fused_rope=not a.no_fused_rope)
     c = llm.config
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.requests)]
     result = {"device": torch.cuda.get_device_name(), "layers": a.layers, "requests": a.requests,
@@ -117,13 +118,13 @@ def main() -> None:
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     result["decode_sweep_bf16"] = _decode_sweep(llm, sizes, a.context, rng)
     if not a.no_serial_sweep:  # every step waits for its tokens: what the overlap hides
-        serial = LLM(llm.model, overlap=False, max_batch_size=llm.max_batch_size)
+        serial = LLM(llm.model, overlap=False, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope)
         result["decode_sweep_bf16_serial"] = _decode_sweep(serial, sizes, a.context, rng)
         serial.kv_cache = serial.graphs = None
         del serial
 
     if not a.no_fp8:
-        fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size)
+        fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope)
         fp8.reserve(prompts, a.new_tokens)
         fp8.generate(prompts, max_new_tokens=2)
         fp8_tokens = fp8.generate(prompts, max_new_tokens=a.new_tokens)

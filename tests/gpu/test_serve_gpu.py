@@ -105,3 +105,13 @@ def test_transformers_attn_implementation_astrai_bf16():
     args = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     new_got, new_want = ours.generate(ids, **args)[:, 200:], ref.generate(ids, **args)[:, 200:]
     assert (new_got == new_want).float().mean() >= 0.9
+
+
+def test_fused_rope_matches_rotary_then_attention(llm):
+    unfused = LLM(llm.model, fused_rope=False, max_batch_size=16)
+    prompts = _prompts(5, [64, 9, 513], llm.config.vocab_size)
+    got, got_logits = llm.generate(prompts, max_new_tokens=16, return_logits=True)
+    want, want_logits = unfused.generate(prompts, max_new_tokens=16, return_logits=True)
+    for g, w, gl, wl in zip(got, want, got_logits, want_logits):
+        n = _first_divergence(g, w) + 1
+        assert float(_rel(gl[:n], wl[:n]).max()) < 2e-2

@@ -61,11 +61,13 @@ class LLM:
         memory_fraction: share of the free GPU memory the KV cache may take.
         overlap: plan and launch each decode step before the previous one's tokens reach the
             host (while no request waits for a slot); False waits for every step.
+        fused_rope: rotary fused with the KV-cache write (``attention(..., rope=...)``); False
+            rotates q and k with ``apply_rotary_emb_qk`` first.
     """
 
     def __init__(self, model: DecoderModel, *, page_size: int = 16, max_batch_size: int = 64,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, fp8: bool = False,
-                 memory_fraction: float = 0.8, overlap: bool = True) -> None:
+                 memory_fraction: float = 0.8, overlap: bool = True, fused_rope: bool = True) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
@@ -84,6 +86,7 @@ class LLM:
         self.fp8 = bool(fp8)
         self.memory_fraction = memory_fraction
         self.overlap = bool(overlap)
+        self.fused_rope = bool(fused_rope)
         self.kv_cache: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.last_stats: GenerationStats | None = None
@@ -171,7 +174,7 @@ class LLM:
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
                  cache: PagedKVCache) -> torch.Tensor:
-        return self.model(tokens, positions, cache, logit_rows, fp8=self.fp8)
+        return self.model(tokens, positions, cache, logit_rows, fp8=self.fp8, fused_rope=self.fused_rope)
 
     # -- generation
 

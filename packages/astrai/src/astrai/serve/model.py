@@ -1,9 +1,10 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) written against AstrAI's public API.
 
-Every layer runs ``apply_rotary_emb_qk`` (NeoX layout, as transformers; per-token positions
-over one cos/sin table) and ``attention(..., kv_cache=cache, layer_id=i)`` over the packed
-tokens of one engine step (``[1, total_tokens, heads, head_dim]``): the cache's active plan
-says which request each token belongs to. Projections are fused (q/k/v in one
+Every layer runs ``attention(..., kv_cache=cache, layer_id=i, rope=(cos, sin))`` over the
+packed tokens of one engine step (``[1, total_tokens, heads, head_dim]``): the cache's active
+plan says which request each token belongs to and its position; rotary (NeoX layout, as
+transformers) is fused with the cache write. ``fused_rope=False`` runs ``apply_rotary_emb_qk``
+with per-token positions first instead. Projections are fused (q/k/v in one
 linear, gate/up in one), so ``fp8_autocast`` turns four GEMMs per layer into FP8.
 
 Weights come from transformers (:func:`load_hf_state_dict`) or from a seeded random init
@@ -49,14 +50,18 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                kv_cache: PagedKVCache) -> torch.Tensor:
+                kv_cache: PagedKVCache, fused_rope: bool = True) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
         cos, sin, positions = rope
         q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps)).split([c.q_size, c.kv_size, c.kv_size], -1)
-        q, k = apply_rotary_emb_qk(q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim),
-                                   (cos, sin), positions=positions, interleaved=False)
-        out = attention(q, k, v.view(1, t, c.num_kv_heads, c.head_dim), kv_cache=kv_cache, layer_id=self.layer_id)
+        q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
+        v = v.view(1, t, c.num_kv_heads, c.head_dim)
+        if fused_rope:  # rotary at the plan's cache positions, fused with the page write
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, rope=(cos, sin), rope_interleaved=False)
+        else:
+            q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id)
         x = x + self.o(out.reshape(t, c.q_size))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -106,7 +111,7 @@ class DecoderModel(nn.Module):
         return model
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                logit_rows: torch.Tensor | None = None, *, fp8: bool = False) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, *, fp8: bool = False, fused_rope: bool = True) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the packed ``tokens [T]`` at ``positions [T]`` (the rows
         ``logit_rows`` only, default all). ``kv_cache.plan(...)`` must describe these tokens.
 
@@ -115,12 +120,16 @@ class DecoderModel(nn.Module):
         FP8 weight copies (serving never changes the weights; a CUDA graph then reads the
         copy made in its warm-up step instead of quantizing every weight on every replay).
         The LM head stays in the model's dtype.
+
+        ``fused_rope``: rotary through ``attention(..., rope=(cos, sin))``, at the positions the
+        cache's plan gives each token (they equal ``positions``), fused with the page write;
+        False rotates with ``apply_rotary_emb_qk(positions=...)`` first.
         """
         x = self.embed(tokens)
         rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
             for layer in self.layers:
-                x = layer(x, rope, kv_cache)
+                x = layer(x, rope, kv_cache, fused_rope)
         if logit_rows is not None:
             x = x[logit_rows]
         return self.lm_head(rms_norm(x, self.norm, self.config.rms_norm_eps))
