@@ -89,7 +89,7 @@ def runtime_of(kernels: Kernels, *eps) -> Runtime:
 def on_device(monkeypatch):
     """``on_device(info)`` makes every tensor look like it lives on ``info`` to the rotary
     policy and the ops layer, and routes the op through ``_plugin.require`` (what the real
-    ``ops.rotary.rotary_emb`` does with a CUDA tensor)."""
+    ``ops.rotary.rotary_emb_unchecked`` does with a CUDA tensor)."""
     current = [H200]
 
     def set_device(info: DeviceInfo) -> None:
@@ -97,8 +97,8 @@ def on_device(monkeypatch):
 
     monkeypatch.setattr(rotary, "probe_device", lambda device=None: current[0])
     monkeypatch.setattr(_plugin, "probe_device", lambda device=None: current[0])
-    monkeypatch.setattr(rotary.ops_rotary, "rotary_emb",
-                        lambda x, cos, sin: _plugin.require("rotary_emb", x.device).rotary_emb(x, cos, sin))
+    monkeypatch.setattr(rotary.ops_rotary, "rotary_emb_unchecked",
+                        lambda x, cos, sin, *layout: _plugin.require("rotary_emb", x.device).rotary_emb(x, cos, sin))
     return set_device
 
 

@@ -14,7 +14,7 @@ def quick_start_commands():
 
 def test_readme_starts_with_exactly_two_commands():
     main_job, tests = quick_start_commands()
-    assert "astrai doctor" in main_job and "astrai bench" in main_job
+    assert "astrai doctor" in main_job and "astrai generate --preset tiny" in main_job
     assert "pytest tests" in tests
 
 

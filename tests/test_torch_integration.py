@@ -41,8 +41,10 @@ def bhld(b, lq, h, d, dtype=BF16):
 
 # op -> (args on the meta device, expected output shapes)
 CASES = {
-    "rotary_emb": ((bhld(2, 5, 4, 64), m(5, 32, dtype=torch.float32), m(5, 32, dtype=torch.float32)),
+    "rotary_emb": ((bhld(2, 5, 4, 64), m(5, 32, dtype=torch.float32), m(5, 32, dtype=torch.float32), None, True, False),
                    [(2, 5, 4, 64)]),
+    "rotary_qk": ((bhld(2, 5, 8, 64), bhld(2, 5, 2, 64), m(99, 16, dtype=torch.float32), m(99, 16, dtype=torch.float32),
+                   m(2, 5, dtype=I32), False, True), [(2, 5, 8, 64), (2, 5, 2, 64)]),
     "attn_decode": ((m(3, 1, 8, 128), bhld(3, 40, 2, 128), bhld(3, 40, 2, 128), m(3, 40, dtype=torch.bool)),
                     [(3, 1, 8, 128)]),
     "attn_prefill": ((bhld(2, 9, 8, 64), m(2, 11, 2, 64), m(2, 11, 2, 64), None, True), [(2, 9, 8, 64)]),
@@ -57,7 +59,10 @@ CASES = {
 }
 
 SCHEMAS = {
-    "rotary_emb": "astrai::rotary_emb(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "rotary_emb": ("astrai::rotary_emb(Tensor x, Tensor cos, Tensor sin, Tensor? positions, bool interleaved, "
+                   "bool inverse) -> Tensor"),
+    "rotary_qk": ("astrai::rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? positions, "
+                  "bool interleaved, bool inverse) -> (Tensor, Tensor)"),
     "attn_decode": "astrai::attn_decode(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor",
 }
 

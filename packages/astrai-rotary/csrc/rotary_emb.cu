@@ -1,242 +1,368 @@
-// Fused rotary embedding: out[..., 2i:2i+2] = rotate(x[..., 2i:2i+2], cos[l, i], sin[l, i]).
+// Rotary embedding entry points of astrai_rotary._rotary_emb (ABI 1; the kernel is in
+// rotary_kernel.cuh):
 //
-//   x, out  [B, L, H, D] bf16, any strides with a contiguous last dim (in-place allowed)
-//   cos/sin [L, D/2] f32, contiguous last dim
-//   out[2i]   = x[2i] * cos - x[2i+1] * sin
-//   out[2i+1] = x[2i] * sin + x[2i+1] * cos        (interleaved pairs: a complex multiply)
+//   rotary(q, k, cos, sin, positions, q_out, k_out, interleaved, inverse, stream)
+//       q [B, L, Hq, D] and optionally k [B, L, Hk, D] (float16/bfloat16/float32, any strides
+//       with a contiguous last dim) rotated into q_out / k_out (their shape; the same tensor
+//       as the input: in place). cos/sin float32 [max_pos, rotary_dim / 2]; positions None
+//       (rows 0 .. L-1), int32/int64 [L], [B, L] or [1, L]. interleaved: pairs (2i, 2i+1), else NeoX
+//       pairs (i, i + rotary_dim/2); inverse rotates backwards (the gradient).
+//   rope_paged_append(q, k, v, k_cache, v_cache, cos, sin, positions, slots, q_out,
+//                     interleaved, stream)
+//       one decode/prefill step of a paged KV cache in one launch: q [T, Hq, D] rotated into
+//       q_out, k [T, Hk, D] rotated and written, with v [T, Hk, D], to row slots[t] (int64) of
+//       the layer's pages k_cache / v_cache [num_pages, page_size, Hk, D] viewed as
+//       [num_pages * page_size, Hk, D]; positions [T] are the tokens' positions.
+//   rotary_emb(x, cos, sin, out, stream)
+//       the original call: interleaved, cos/sin [L, D/2], no positions.
 //
-// One thread per (head, dim pair) group: each pair is an __nv_bfloat162, rotated in f32
-// registers and rounded to bf16 once. The fast path gives a thread 4 consecutive pairs
-// of one head (one 16-byte load of x, one float4 each of cos and sin, one 16-byte
-// store); the general path (head_dim % 8 != 0, or views not 16-byte aligned) one pair
-// (4-byte accesses). 256-thread blocks walk the flattened (token, head, pair group)
-// space grid-stride, each thread issuing all its loads of an iteration before using
-// any, so enough bytes are in flight to reach HBM bandwidth; index math is
-// multiply-high division (FastDivmod). Compiled module: astrai_rotary._rotary_emb (ABI 1).
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+// Every argument is checked before any CUDA call (ValueError naming it). The vector path
+// (16-byte accesses) runs when every pointer, stride and channel count allows it, else the
+// scalar path (one element per access) does.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "astrai/bind.h"
 #include "astrai/check.h"
-#include "astrai/device.cuh"
-#include "astrai/fast_divmod.cuh"
 #include "astrai/tensor_arg.h"
+#include "rotary_kernel.cuh"
 
 namespace astrai::rotary {
 
-// Everything one launch needs. Strides of x/out count vectors of kVec pairs (kVec*2
-// bf16), those of cos/sin vectors of kVec floats.
-struct RotaryParams {
-    static constexpr int kThreads = 256;
+namespace py = pybind11;
 
-    const void* x;
-    void* out;
-    const void* cos;
-    const void* sin;
-    int64_t x_stride_b, x_stride_l, x_stride_h;
-    int64_t out_stride_b, out_stride_l, out_stride_h;
-    int64_t cos_stride_l, sin_stride_l;
-    uint32_t total;             // B * L * H * (D/2) / kVec vectors
-    FastDivmod per_token;       // H * (D/2) / kVec
-    FastDivmod seq_len;         // L
-    FastDivmod per_head;        // (D/2) / kVec
-};
+bool is_float(DType t) { return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16; }
 
-// kVec pairs as one memory access: bf16 data and the matching cos/sin floats.
-template <int kVec>
-struct PairVec;
-template <>
-struct PairVec<1> {
-    using Data = __nv_bfloat162;
-    using Angle = float;
-};
-template <>
-struct PairVec<4> {
-    using Data = uint4;    // 8 bf16 = 4 pairs
-    using Angle = float4;  // 4 cos (or sin) values
-};
-
-__device__ __forceinline__ __nv_bfloat162 rotate(__nv_bfloat162 v, float c, float s) {
-    const float2 f = __bfloat1622float2(v);
-    return __floats2bfloat162_rn(f.x * c - f.y * s, f.x * s + f.y * c);
+void expect_rotated(const TensorArg& t, int ndim) {
+    expect_ndim(t, ndim);
+    ASTRAI_CHECK(is_float(t.dtype), t.name, ": expected float16, bfloat16 or float32, got ", dtype_name(t.dtype));
+    ASTRAI_CHECK(t.size(-1) > 0 && t.size(-1) % 2 == 0, t.name, ": head_dim (last dim) must be even and positive, got ",
+                 t.size(-1));
+    expect_last_dim_contiguous(t);
+    expect_data(t, dtype_size(t.dtype));
 }
 
-__device__ __forceinline__ __nv_bfloat162 rotate_vec(__nv_bfloat162 v, float c, float s) {
-    return rotate(v, c, s);
+void expect_like(const TensorArg& t, const TensorArg& like) {
+    ASTRAI_CHECK(t.dtype == like.dtype, t.name, ": dtype ", dtype_name(t.dtype), " must equal ", like.name, "'s ",
+                 dtype_name(like.dtype));
+    ASTRAI_CHECK(t.shape == like.shape, t.name, ": shape ", shape_str(t.shape), " must equal ", like.name, "'s shape ",
+                 shape_str(like.shape));
+    expect_last_dim_contiguous(t);
+    expect_data(t, dtype_size(t.dtype));
 }
 
-__device__ __forceinline__ uint4 rotate_vec(uint4 v, float4 c, float4 s) {
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-    pairs[0] = rotate(pairs[0], c.x, s.x);
-    pairs[1] = rotate(pairs[1], c.y, s.y);
-    pairs[2] = rotate(pairs[2], c.z, s.z);
-    pairs[3] = rotate(pairs[3], c.w, s.w);
-    return v;
-}
-
-template <int kVec, int kItems>
-__global__ void __launch_bounds__(RotaryParams::kThreads)
-rotary_emb_kernel(const RotaryParams p) {
-    using Data = typename PairVec<kVec>::Data;
-    using Angle = typename PairVec<kVec>::Angle;
-    constexpr uint32_t kThreads = RotaryParams::kThreads;
-    const Data* x = static_cast<const Data*>(p.x);
-    Data* out = static_cast<Data*>(p.out);
-    const Angle* cos = static_cast<const Angle*>(p.cos);
-    const Angle* sin = static_cast<const Angle*>(p.sin);
-
-    for (uint32_t base = blockIdx.x * (kThreads * kItems) + threadIdx.x; base < p.total;
-         base += gridDim.x * (kThreads * kItems)) {
-        Data v[kItems];
-        Angle c[kItems], s[kItems];
-        int64_t dst[kItems];
-#pragma unroll
-        for (int k = 0; k < kItems; ++k) {
-            // past the end: read the last vector again (no branch), store nothing
-            const uint32_t g = min(base + k * kThreads, p.total - 1);
-            uint32_t token, in_token, b, l, h, i;
-            p.per_token.divmod(g, token, in_token);
-            p.seq_len.divmod(token, b, l);
-            p.per_head.divmod(in_token, h, i);
-            v[k] = __ldcs(x + (b * p.x_stride_b + l * p.x_stride_l + h * p.x_stride_h + i));
-            c[k] = __ldg(cos + (l * p.cos_stride_l + i));
-            s[k] = __ldg(sin + (l * p.sin_stride_l + i));
-            dst[k] = b * p.out_stride_b + l * p.out_stride_l + h * p.out_stride_h + i;
-        }
-#pragma unroll
-        for (int k = 0; k < kItems; ++k) {
-            if (base + k * kThreads < p.total) __stcs(out + dst[k], rotate_vec(v[k], c[k], s[k]));
-        }
-    }
-}
-
-// Host side ---------------------------------------------------------------------------
-
-// Checks every argument; no CUDA call happens before this returns.
-void validate(const TensorArg& x, const TensorArg& cos, const TensorArg& sin, const TensorArg& out) {
-    expect_ndim(x, 4);
-    expect_dtype(x, DType::BFloat16);
-    const int64_t L = x.size(1), D = x.size(3);
-    ASTRAI_CHECK(D > 0 && D % 2 == 0, "x: head_dim (last dim) must be even and positive, got ", D);
-    expect_last_dim_contiguous(x);
-    expect_data(x, 4);
-
-    expect_ndim(out, 4);
-    expect_dtype(out, DType::BFloat16);
-    ASTRAI_CHECK(out.shape == x.shape, "out: shape ", shape_str(out.shape),
-                 " must equal x's shape ", shape_str(x.shape));
-    expect_last_dim_contiguous(out);
-    expect_data(out, 4);
-
+// cos/sin: float32 [max_pos, rotary_dim / 2], rotary_dim <= head_dim; returns rotary_dim / 2.
+int64_t expect_tables(const TensorArg& cos, const TensorArg& sin, int64_t head_dim) {
     for (const TensorArg* t : {&cos, &sin}) {
         expect_ndim(*t, 2);
         expect_dtype(*t, DType::Float32);
-        ASTRAI_CHECK(t->size(0) == L && t->size(1) == D / 2, t->name,
-                     ": expected shape [seq_len, head_dim/2] = [", L, ", ", D / 2, "] for x of shape ",
-                     shape_str(x.shape), ", got ", shape_str(t->shape));
+        ASTRAI_CHECK(t->size(0) > 0 && t->size(1) > 0 && 2 * t->size(1) <= head_dim, t->name,
+                     ": expected [max_pos, rotary_dim / 2] with rotary_dim <= head_dim ", head_dim, ", got ",
+                     shape_str(t->shape));
         expect_last_dim_contiguous(*t);
         expect_data(*t, 4);
     }
-    for (const TensorArg* t : {&x, &out}) {
-        for (int dim = 0; dim < 3; ++dim) {
-            ASTRAI_CHECK(t->size(dim) == 1 || t->stride(dim) % 2 == 0, t->name,
-                         ": strides must be even (bf16 pairs are loaded as 4-byte words), got ",
-                         shape_str(t->strides));
-        }
-    }
-    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-    ASTRAI_CHECK(x.numel() / 2 <= kMax, "x: shape ", shape_str(x.shape),
-                 " is too large (at most 2^31 - 1 pairs per call)");
+    ASTRAI_CHECK(sin.shape == cos.shape, "sin: shape ", shape_str(sin.shape), " must equal cos's ", shape_str(cos.shape));
+    return cos.size(1);
 }
 
-// Stride of `dim` in units of `unit` elements; a size-1 dim's stride is irrelevant.
-int64_t stride_in(const TensorArg& t, int dim, int64_t unit) {
-    return t.size(dim) == 1 ? 0 : t.stride(dim) / unit;
+// positions: int32/int64 of one of the shapes given (B = 0: [L] only).
+void expect_positions(const TensorArg& t, int64_t B, int64_t L) {
+    ASTRAI_CHECK(t.dtype == DType::Int32 || t.dtype == DType::Int64, t.name, ": expected int32 or int64, got ",
+                 dtype_name(t.dtype));
+    const bool flat = t.ndim() == 1 && t.size(0) == L;
+    const bool per_batch = B > 0 && t.ndim() == 2 && (t.size(0) == B || t.size(0) == 1) && t.size(1) == L;
+    ASTRAI_CHECK(flat || per_batch, t.name, ": expected shape [", L, "]", B > 0 ? ", [B, L] or [1, L]" : "",
+                 ", got ", shape_str(t.shape));
+    expect_data(t, dtype_size(t.dtype));
 }
 
-// Whether every access of a kVec-pair vector is aligned (pointers, strides, head_dim).
-bool fits_vec(const TensorArg& x, const TensorArg& cos, const TensorArg& sin, const TensorArg& out,
-              int vec) {
-    const int64_t bytes = 4 * vec;
-    if ((x.size(3) / 2) % vec != 0) return false;
-    for (const TensorArg* t : {&x, &out, &cos, &sin}) {
-        if (t->ptr % static_cast<std::uintptr_t>(bytes) != 0) return false;
-        const int64_t unit = t->dtype == DType::BFloat16 ? 2 * vec : vec;  // elements per access
-        for (int dim = 0; dim < t->ndim() - 1; ++dim) {
-            if (t->size(dim) != 1 && t->stride(dim) % unit != 0) return false;
-        }
+int64_t stride_or_zero(const TensorArg& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
+
+bool aligned(const TensorArg& t, int64_t bytes, int64_t elems, int dims) {
+    if (t.ptr % static_cast<std::uintptr_t>(bytes) != 0) return false;
+    for (int d = 0; d < dims; ++d) {
+        if (t.size(d) != 1 && t.stride(d) % elems != 0) return false;
     }
     return true;
 }
 
-RotaryParams make_params(const TensorArg& x, const TensorArg& cos, const TensorArg& sin,
-                         const TensorArg& out, int vec) {
-    const int64_t L = x.size(1), H = x.size(2), P = x.size(3) / 2;
-    const int64_t x_unit = 2 * vec;
-    RotaryParams p{};
-    p.x = x.data<const void>();
-    p.out = out.data<void>();
-    p.cos = cos.data<const void>();
-    p.sin = sin.data<const void>();
-    p.x_stride_b = stride_in(x, 0, x_unit);
-    p.x_stride_l = stride_in(x, 1, x_unit);
-    p.x_stride_h = stride_in(x, 2, x_unit);
-    p.out_stride_b = stride_in(out, 0, x_unit);
-    p.out_stride_l = stride_in(out, 1, x_unit);
-    p.out_stride_h = stride_in(out, 2, x_unit);
-    p.cos_stride_l = stride_in(cos, 0, vec);
-    p.sin_stride_l = stride_in(sin, 0, vec);
-    p.total = static_cast<uint32_t>(x.numel() / x_unit);
-    p.per_token = FastDivmod(static_cast<uint32_t>(H * P / vec));
-    p.seq_len = FastDivmod(static_cast<uint32_t>(L));
-    p.per_head = FastDivmod(static_cast<uint32_t>(P / vec));
-    return p;
+// What one launch covers, before the items are counted.
+struct Plan {
+    RotaryParams p;
+    DType dtype = DType::BFloat16;
+    bool interleaved = true;
+    int64_t head_dim = 0, half = 0;
+    const TensorArg* tensors[2 * kMaxSlots] = {};  // in/out of each slot (for the vector check)
+    int num_tensors = 0;
+    const TensorArg* cos = nullptr;
+    const TensorArg* sin = nullptr;
+};
+
+// 16-byte accesses everywhere? (channel counts, pointers, strides, the angle rows)
+bool fits_vector(const Plan& plan) {
+    const int64_t elems = 16 / dtype_size(plan.dtype);
+    if (plan.head_dim % elems != 0) return false;
+    if ((plan.interleaved ? 2 * plan.half : plan.half) % elems != 0) return false;
+    for (int i = 0; i < plan.num_tensors; ++i) {
+        const TensorArg& t = *plan.tensors[i];
+        if (!aligned(t, 16, elems, t.ndim() - 1)) return false;
+    }
+    const int64_t angle_bytes = std::min<int64_t>(16, 4 * (plan.interleaved ? elems / 2 : elems));
+    for (const TensorArg* t : {plan.cos, plan.sin}) {
+        if (!aligned(*t, angle_bytes, angle_bytes / 4, 1)) return false;
+    }
+    return true;
 }
 
-template <int kVec, int kItems>
-void launch(const RotaryParams& p, cudaStream_t stream) {
-    const auto kernel = rotary_emb_kernel<kVec, kItems>;
-    const int device = current_device();
-    int per_sm = 0;
-    ASTRAI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                    RotaryParams::kThreads, 0));
-    const int64_t chunk = int64_t{RotaryParams::kThreads} * kItems;
-    const int64_t needed = (int64_t{p.total} + chunk - 1) / chunk;
-    const int64_t resident = int64_t{multiprocessor_count(device)} * (per_sm > 0 ? per_sm : 1);
-    const auto blocks = static_cast<unsigned>(needed < resident ? needed : resident);
-    kernel<<<blocks, RotaryParams::kThreads, 0, stream>>>(p);
+// Fills slot `index` of [B, L, H, D] input `in`, written to `out` (or its rows); returns its end.
+uint32_t set_slot(Plan& plan, int index, const TensorArg& in, const TensorArg& out, bool rotates, uint32_t start,
+                  int64_t elems, const int64_t* out_rows = nullptr) {
+    Slot& s = plan.p.slot[index];
+    const int nd = in.ndim();  // 4: [B, L, H, D]; 3: [T, H, D] (B = 1)
+    s.in = in.data<const void>();
+    s.out = out.data<void>();
+    s.in_stride_b = nd == 4 ? stride_or_zero(in, 0) : 0;
+    s.in_stride_l = stride_or_zero(in, nd - 3);
+    s.in_stride_h = stride_or_zero(in, nd - 2);
+    if (out_rows != nullptr) {  // [rows, H, D]
+        s.out_stride_b = 0;
+        s.out_stride_l = out.stride(0);
+        s.out_stride_h = out.stride(1);
+        s.out_row_count = out.size(0);
+    } else {
+        s.out_stride_b = nd == 4 ? stride_or_zero(out, 0) : 0;
+        s.out_stride_l = stride_or_zero(out, nd - 3);
+        s.out_stride_h = stride_or_zero(out, nd - 2);
+    }
+    s.out_rows = out_rows;
+    const bool in_place = out_rows == nullptr && in.ptr == out.ptr && in.strides == out.strides;
+    const int64_t rotated = rotates ? 2 * plan.half : 0;
+    s.rot_items = static_cast<uint32_t>((plan.interleaved || !rotates ? rotated : plan.half) / elems);
+    const int64_t copied = in_place ? 0 : (plan.head_dim - rotated) / elems;
+    const int64_t per_head = s.rot_items + copied;
+    const int64_t tokens = in.numel() / (in.size(-2) * in.size(-1));
+    const int64_t items = tokens * in.size(-2) * per_head;
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    ASTRAI_CHECK(int64_t{start} + items <= kMax, in.name, ": shape ", shape_str(in.shape),
+                 " is too large (at most 2^31 - 1 accesses per call)");
+    s.per_head = FastDivmod(static_cast<uint32_t>(per_head > 0 ? per_head : 1));
+    s.per_token = FastDivmod(static_cast<uint32_t>(per_head > 0 ? in.size(-2) * per_head : 1));
+    s.end = start + static_cast<uint32_t>(items);
+    plan.tensors[plan.num_tensors++] = &in;
+    plan.tensors[plan.num_tensors++] = &out;
+    plan.p.num_slots = index + 1;
+    return s.end;
+}
+
+void set_angles(Plan& plan, const TensorArg& cos, const TensorArg& sin, const TensorArg* positions, int64_t B) {
+    RotaryParams& p = plan.p;
+    plan.cos = &cos;
+    plan.sin = &sin;
+    p.cos = cos.data<const float>();
+    p.sin = sin.data<const float>();
+    p.cos_stride = cos.stride(0);
+    p.sin_stride = sin.stride(0);
+    p.max_pos = cos.size(0);
+    p.half = static_cast<int32_t>(plan.half);
+    if (positions != nullptr) {
+        p.positions = positions->data<const void>();
+        p.pos_int64 = positions->dtype == DType::Int64;
+        p.pos_stride_l = positions->stride(-1);
+        p.pos_stride_b = positions->ndim() == 2 && positions->size(0) > 1 ? positions->stride(0) : 0;
+    }
+}
+
+template <typename T, bool kInterleaved, bool kVector>
+void launch_kernel(const RotaryParams& p, cudaStream_t stream) {
+    constexpr uint32_t kPerBlock = RotaryParams::kThreads * RotaryParams::kItems;
+    const uint32_t total = p.slot[p.num_slots - 1].end;
+    rotary_kernel<T, kInterleaved, kVector><<<(total + kPerBlock - 1) / kPerBlock, RotaryParams::kThreads, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 }
 
-void rotary_emb(pybind11::handle x_arg, pybind11::handle cos_arg, pybind11::handle sin_arg,
-                pybind11::handle out_arg, pybind11::handle stream_arg) {
+template <typename T>
+void launch_layout(const RotaryParams& p, bool interleaved, bool vector, cudaStream_t stream) {
+    if (interleaved) {
+        vector ? launch_kernel<T, true, true>(p, stream) : launch_kernel<T, true, false>(p, stream);
+    } else {
+        vector ? launch_kernel<T, false, true>(p, stream) : launch_kernel<T, false, false>(p, stream);
+    }
+}
+
+void launch(const RotaryParams& p, DType dtype, bool interleaved, bool vector, cudaStream_t stream) {
+    if (p.slot[p.num_slots - 1].end == 0) return;
+    switch (dtype) {
+        case DType::Float32: return launch_layout<float>(p, interleaved, vector, stream);
+        case DType::Float16: return launch_layout<__half>(p, interleaved, vector, stream);
+        default: return launch_layout<__nv_bfloat16>(p, interleaved, vector, stream);
+    }
+}
+
+int64_t elems_of(const Plan& plan, bool vector) {
+    return vector ? 16 / dtype_size(plan.dtype) : (plan.interleaved ? 2 : 1);
+}
+
+std::optional<TensorArg> optional_arg(const char* name, py::handle obj) {
+    if (obj.is_none()) return std::nullopt;
+    return bind::tensor_arg(name, obj);
+}
+
+void rotary_checked(const TensorArg& q, const TensorArg* k, const TensorArg& cos, const TensorArg& sin,
+                    const TensorArg* positions, const TensorArg& q_out, const TensorArg* k_out, bool interleaved,
+                    bool inverse, cudaStream_t stream) {
+    expect_rotated(q, 4);
+    const int64_t B = q.size(0), L = q.size(1), D = q.size(3);
+    expect_like(q_out, q);
+    ASTRAI_CHECK((k != nullptr) == (k_out != nullptr), "k_out: must be given exactly when k is");
+    if (k != nullptr) {
+        expect_rotated(*k, 4);
+        ASTRAI_CHECK(k->dtype == q.dtype && k->size(0) == B && k->size(1) == L && k->size(3) == D,
+                     k->name, ": expected ", dtype_name(q.dtype), " [", B, ", ", L, ", kv_heads, ", D, "] like ",
+                     q.name, ", got ", dtype_name(k->dtype), " ", shape_str(k->shape));
+        expect_like(*k_out, *k);
+    }
+    Plan plan;
+    plan.dtype = q.dtype;
+    plan.interleaved = interleaved;
+    plan.head_dim = D;
+    plan.half = expect_tables(cos, sin, D);
+    if (positions != nullptr) {
+        expect_positions(*positions, B, L);
+    } else {
+        ASTRAI_CHECK(cos.size(0) >= L, cos.name, ": ", cos.size(0), " rows, but positions 0 .. ", L - 1,
+                     " are rotated");
+    }
+    plan.p.sign = inverse ? -1.f : 1.f;
+    plan.p.seq_len = FastDivmod(static_cast<uint32_t>(L > 0 ? L : 1));
+    set_angles(plan, cos, sin, positions, B);
+    // the vector check needs every tensor; the item counts need the access width
+    for (int pass = 0; pass < 2; ++pass) {
+        const bool vector = pass == 0;
+        plan.num_tensors = 0;
+        const int64_t elems = elems_of(plan, vector);
+        const uint32_t end = set_slot(plan, 0, q, q_out, true, 0, elems);
+        if (k != nullptr) set_slot(plan, 1, *k, *k_out, true, end, elems);
+        if (!vector || fits_vector(plan)) return launch(plan.p, plan.dtype, interleaved, vector, stream);
+    }
+}
+
+void rotary(py::handle q_arg, py::handle k_arg, py::handle cos_arg, py::handle sin_arg, py::handle positions_arg,
+            py::handle q_out_arg, py::handle k_out_arg, bool interleaved, bool inverse, py::handle stream_arg) {
+    const TensorArg q = bind::tensor_arg("q", q_arg);
+    const std::optional<TensorArg> k = optional_arg("k", k_arg);
+    const TensorArg cos = bind::tensor_arg("cos", cos_arg);
+    const TensorArg sin = bind::tensor_arg("sin", sin_arg);
+    const std::optional<TensorArg> positions = optional_arg("positions", positions_arg);
+    const TensorArg q_out = bind::tensor_arg("q_out", q_out_arg);
+    const std::optional<TensorArg> k_out = optional_arg("k_out", k_out_arg);
+    const cudaStream_t stream = bind::stream_arg(stream_arg);
+    rotary_checked(q, k ? &*k : nullptr, cos, sin, positions ? &*positions : nullptr, q_out, k_out ? &*k_out : nullptr,
+                   interleaved, inverse, stream);
+}
+
+void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py::handle k_cache_arg,
+                       py::handle v_cache_arg, py::handle cos_arg, py::handle sin_arg, py::handle positions_arg,
+                       py::handle slots_arg, py::handle q_out_arg, bool interleaved, py::handle stream_arg) {
+    const TensorArg q = bind::tensor_arg("q", q_arg);
+    const TensorArg k = bind::tensor_arg("k", k_arg);
+    const TensorArg v = bind::tensor_arg("v", v_arg);
+    const TensorArg k_cache = bind::tensor_arg("k_cache", k_cache_arg);
+    const TensorArg v_cache = bind::tensor_arg("v_cache", v_cache_arg);
+    const TensorArg cos = bind::tensor_arg("cos", cos_arg);
+    const TensorArg sin = bind::tensor_arg("sin", sin_arg);
+    const TensorArg positions = bind::tensor_arg("positions", positions_arg);
+    const TensorArg slots = bind::tensor_arg("slots", slots_arg);
+    const TensorArg q_out = bind::tensor_arg("q_out", q_out_arg);
+    const cudaStream_t stream = bind::stream_arg(stream_arg);
+
+    expect_rotated(q, 3);
+    const int64_t T = q.size(0), D = q.size(2);
+    expect_like(q_out, q);
+    expect_rotated(k, 3);
+    ASTRAI_CHECK(k.dtype == q.dtype && k.size(0) == T && k.size(2) == D, "k: expected ", dtype_name(q.dtype), " [", T,
+                 ", kv_heads, ", D, "] like q, got ", dtype_name(k.dtype), " ", shape_str(k.shape));
+    expect_like(v, k);
+    for (const TensorArg* c : {&k_cache, &v_cache}) {
+        expect_ndim(*c, 4);
+        ASTRAI_CHECK(c->dtype == k.dtype && c->size(2) == k.size(1) && c->size(3) == D, c->name, ": expected ",
+                     dtype_name(k.dtype), " [num_pages, page_size, ", k.size(1), ", ", D, "], got ",
+                     dtype_name(c->dtype), " ", shape_str(c->shape));
+        ASTRAI_CHECK(c->size(0) <= 1 || c->stride(0) == c->size(1) * c->stride(1), c->name,
+                     ": pages must follow each other (stride(0) = page_size * stride(1)), got strides ",
+                     shape_str(c->strides));
+        expect_last_dim_contiguous(*c);
+        expect_data(*c, dtype_size(c->dtype));
+    }
+    expect_positions(positions, 0, T);
+    expect_positions(slots, 0, T);
+    expect_dtype(slots, DType::Int64);
+
+    Plan plan;
+    plan.dtype = q.dtype;
+    plan.interleaved = interleaved;
+    plan.head_dim = D;
+    plan.half = expect_tables(cos, sin, D);
+    plan.p.seq_len = FastDivmod(static_cast<uint32_t>(T > 0 ? T : 1));
+    set_angles(plan, cos, sin, &positions, 1);
+    // the caches viewed as [rows, H, D]
+    TensorArg k_rows = k_cache, v_rows = v_cache;
+    for (TensorArg* r : {&k_rows, &v_rows}) {
+        r->shape = {r->size(0) * r->size(1), r->size(2), r->size(3)};
+        r->strides = {r->strides[1], r->strides[2], r->strides[3]};
+    }
+    const int64_t* rows = slots.data<const int64_t>();
+    for (int pass = 0; pass < 2; ++pass) {
+        const bool vector = pass == 0;
+        plan.num_tensors = 0;
+        const int64_t elems = elems_of(plan, vector);
+        uint32_t end = set_slot(plan, 0, q, q_out, true, 0, elems);
+        end = set_slot(plan, 1, k, k_rows, true, end, elems, rows);
+        set_slot(plan, 2, v, v_rows, false, end, elems, rows);
+        if (!vector || fits_vector(plan)) return launch(plan.p, plan.dtype, interleaved, vector, stream);
+    }
+}
+
+void rotary_emb(py::handle x_arg, py::handle cos_arg, py::handle sin_arg, py::handle out_arg, py::handle stream_arg) {
     const TensorArg x = bind::tensor_arg("x", x_arg);
     const TensorArg cos = bind::tensor_arg("cos", cos_arg);
     const TensorArg sin = bind::tensor_arg("sin", sin_arg);
     const TensorArg out = bind::tensor_arg("out", out_arg);
     const cudaStream_t stream = bind::stream_arg(stream_arg);
-    validate(x, cos, sin, out);
-    if (x.numel() == 0) return;
-    if (fits_vec(x, cos, sin, out, 4)) {
-        launch<4, 2>(make_params(x, cos, sin, out, 4), stream);
-    } else {
-        launch<1, 4>(make_params(x, cos, sin, out, 1), stream);
+    expect_rotated(x, 4);
+    for (const TensorArg* t : {&cos, &sin}) {  // the original call: rows 0 .. L-1 of every pair
+        expect_dtype(*t, DType::Float32);
+        ASTRAI_CHECK(t->ndim() == 2 && t->size(0) == x.size(1) && 2 * t->size(1) == x.size(3), t->name,
+                     ": expected shape [seq_len, head_dim/2] = [", x.size(1), ", ", x.size(3) / 2, "] for x of shape ",
+                     shape_str(x.shape), ", got ", shape_str(t->shape));
     }
+    rotary_checked(x, nullptr, cos, sin, nullptr, out, nullptr, true, false, stream);
 }
 
 }  // namespace astrai::rotary
 
 PYBIND11_MODULE(_rotary_emb, m) {
+    namespace py = pybind11;
     astrai::bind::init_module(m);
-    m.doc() = "AstrAI fused rotary embedding (ABI 1): torch-free, pointers + shapes + strides.";
-    m.def("rotary_emb", &astrai::rotary::rotary_emb, pybind11::arg("x"), pybind11::arg("cos"),
-          pybind11::arg("sin"), pybind11::arg("out"), pybind11::arg("stream"),
-          "Rotate interleaved pairs of x [B, L, H, D] (bf16) by cos/sin [L, D/2] (f32) into out.\n"
-          "Each tensor is a tuple (data_ptr, shape, strides_in_elements, dtype_code); stream is\n"
-          "the cudaStream_t as an int. Raises ValueError on bad arguments before any CUDA call,\n"
-          "RuntimeError when CUDA fails.");
+    m.doc() = "AstrAI rotary embedding (ABI 1): torch-free, pointers + shapes + strides.";
+    m.def("rotary", &astrai::rotary::rotary, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
+          py::arg("positions"), py::arg("q_out"), py::arg("k_out"), py::arg("interleaved"), py::arg("inverse"),
+          py::arg("stream"),
+          "Rotate q [B, L, Hq, D] (and k [B, L, Hk, D], or None) by rows of cos/sin [max_pos, rotary_dim/2]\n"
+          "(f32) at positions (None, int32/int64 [L] or [B, L]) into q_out / k_out (the inputs: in place).\n"
+          "interleaved: GPT-J pairs, else NeoX; inverse: rotate backwards. Each tensor is a tuple\n"
+          "(data_ptr, shape, strides_in_elements, dtype_code); stream is the cudaStream_t as an int.\n"
+          "ValueError on bad arguments before any CUDA call, RuntimeError when CUDA fails.");
+    m.def("rope_paged_append", &astrai::rotary::rope_paged_append, py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+          py::arg("slots"), py::arg("q_out"), py::arg("interleaved"), py::arg("stream"),
+          "One launch: q [T, Hq, D] rotated into q_out; k [T, Hk, D] rotated and v [T, Hk, D] written to row\n"
+          "slots[t] (int64) of k_cache / v_cache [num_pages, page_size, Hk, D]; positions [T] select the\n"
+          "rows of cos/sin.");
+    m.def("rotary_emb", &astrai::rotary::rotary_emb, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
+          py::arg("stream"), "The original call: interleaved pairs of x [B, L, H, D], cos/sin [L, D/2], into out.");
 }

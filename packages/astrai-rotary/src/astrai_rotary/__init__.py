@@ -17,11 +17,21 @@ __all__ = ["build_info", "manifest"]
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 
+# What the kernels serve, stated once: the core's rotary policy reads these dtypes. Every
+# op takes both pair layouts (interleaved and NeoX), partial rotary and any even head_dim.
+_DTYPES = ["float16", "bfloat16", "float32"]
+
 _OPS: dict[str, dict[str, Any]] = {
-    "rotary_emb": {
+    "rotary_emb": {  # rotary(...): one or two tensors, forward and inverse, positions
         "module": "astrai_rotary._rotary_emb",
         "abi": 1,
-        "dtypes": ["bfloat16"],
+        "dtypes": _DTYPES,
+        "min_sm": 80,
+    },
+    "rope_paged_append": {  # q rotated, k rotated + v written into paged KV cache, one launch
+        "module": "astrai_rotary._rotary_emb",
+        "abi": 1,
+        "dtypes": _DTYPES,
         "min_sm": 80,
     },
 }

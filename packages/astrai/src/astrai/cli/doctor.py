@@ -25,6 +25,7 @@ FALLBACKS = {
     "attn_paged_decode": "torch SDPA over gathered pages",
     "attn_paged_prefill": "torch SDPA over gathered pages",
     "rotary_emb": "torch complex multiply",
+    "rope_paged_append": "torch rotation, then PagedKVCache.append",
     "fp8_quantize": "torch saturating cast",
     "fp8_gemm": "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
     "fp8_scale_update": "torch ops (nine small kernels)",

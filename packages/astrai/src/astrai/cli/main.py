@@ -16,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE", help="write a PNG bar chart of the speed-ups")
     bench.add_argument("--ops", nargs="+", metavar="OP", help="only these benchmarks")
     bench.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    from . import generate
+
+    generate.add_arguments(sub.add_parser("generate", help="serve a model end to end: TTFT, tokens/s, memory"))
     return parser
 
 
@@ -25,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import doctor
 
         return doctor.main(args)
+    if args.command == "generate":
+        from . import generate
+
+        return generate.main(args)
     from . import bench
 
     return bench.main(args)

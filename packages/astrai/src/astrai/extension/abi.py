@@ -27,6 +27,7 @@ SUPPORTED_OP_ABI: dict[str, frozenset[int]] = {
     "attn_paged_decode": frozenset({1}),
     "attn_paged_prefill": frozenset({1}),
     "rotary_emb": frozenset({1}),
+    "rope_paged_append": frozenset({1}),
     "fp8_quantize": frozenset({1}),
     "fp8_gemm": frozenset({1}),
     "fp8_scale_update": frozenset({1}),

@@ -1,22 +1,30 @@
-"""Rotary position embedding: the fused plugin kernel in inference, complex multiply otherwise.
+"""Rotary position embedding: the plugin kernel where it can run, the torch path otherwise.
 
-``apply_rotary_emb(x, (cos, sin))`` rotates the interleaved pairs
-``(x[..., 2i], x[..., 2i + 1])`` of ``x [batch, seq, heads, head_dim]`` by the angle whose
-cosine and sine are ``cos[s, i]`` / ``sin[s, i]`` (float32 ``[seq, head_dim // 2]``)::
+``apply_rotary_emb(x, (cos, sin), interleaved=True, positions=None)`` rotates channel pairs
+of ``x [batch, seq, heads, head_dim]`` by the angles whose cosine and sine are rows of
+``cos`` / ``sin`` (float32 ``[max_pos, rotary_dim // 2]``), row ``positions[b, s]``
+(``positions`` int32/int64 ``[seq]`` or ``[batch, seq]``; None: row ``s``)::
 
-    out[..., 2i]     = x[..., 2i] * cos - x[..., 2i + 1] * sin
-    out[..., 2i + 1] = x[..., 2i] * sin + x[..., 2i + 1] * cos
+    out[a] = x[a] * cos - x[b] * sin
+    out[b] = x[a] * sin + x[b] * cos        for each pair (a, b) of channels
 
-Per call, the ``rotary_emb`` kernel of the astrai-rotary plugin runs when ``x`` is bf16
-on CUDA, no gradient is needed (``not torch.is_grad_enabled() or not x.requires_grad``)
-and the registry reports the op usable on that device; otherwise the torch path
-(``torch.view_as_complex`` multiply, computed in float32 or wider, autograd-capable)
-runs. The choice goes through the runtime's resolver (op ``"rotary_emb"``), so
-``current_runtime().explain("rotary_emb")`` shows why.
+Pairs are ``(2i, 2i + 1)`` with ``interleaved=True`` (GPT-J / Meta) and ``(i, i + rotary_dim / 2)``
+with ``False`` (NeoX: transformers' ``apply_rotary_pos_emb``); channels past ``rotary_dim =
+2 * cos.shape[-1]`` pass through. ``apply_rotary_emb(x, (cos, sin))`` with cos/sin
+``[seq, head_dim // 2]`` keeps its original meaning. ``apply_rotary_emb_qk`` rotates q and
+k in one launch, optionally in place.
+
+Per call the ``rotary_emb`` kernel of the astrai-rotary plugin runs when ``x`` is on CUDA in
+a dtype the plugin's manifest lists; with a gradient its backward is the same kernel
+rotating backwards. Otherwise (CPU, float64, no plugin, a gradient for cos/sin) the torch
+path runs (``rotary_torch``, autograd-capable). The choice goes through the runtime's
+resolver (op ``"rotary_emb"``; ``current_runtime().explain("rotary_emb")`` shows why) once per
+(device, dtype, head_dim, gradient), kept in its derived cache: a repeated call only launches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -24,12 +32,13 @@ import torch
 from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
 from ..ops import rotary as ops_rotary
+from ..ops.rotary_args import check_freqs, check_positions, check_qk, check_x, debug_checks
 from ..runtime import Runtime, current_runtime
+from .rotary_torch import rotary_torch
 
-__all__ = ["RotaryCall", "apply_rotary_emb", "rotary_torch"]
+__all__ = ["RotaryCall", "apply_rotary_emb", "apply_rotary_emb_qk", "rotary_torch"]
 
 OP = "rotary_emb"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class RotaryCall(NamedTuple):
@@ -42,25 +51,23 @@ class RotaryCall(NamedTuple):
 
 
 class _Kernel:
-    """The astrai-rotary ``rotary_emb`` kernel."""
+    """An astrai-rotary kernel (``op``): its manifest states the dtypes (and head dims, if limited)."""
 
     name = "cuda"
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, op: str = OP) -> None:
         self.runtime = runtime
+        self.op = op
 
     def check(self, call: RotaryCall) -> str | None:
         if call.device.type != "cuda":
             return f"the rotary kernel runs on CUDA tensors ({call.device.describe()})"
-        if call.dtype != torch.bfloat16:
-            return f"the rotary kernel takes bfloat16, got {call.dtype}"
-        if call.needs_grad:
-            return "x requires grad: the kernel has no backward (the torch path is autograd-capable)"
-        status = self.runtime.registry.op_status(OP, call.device)
+        status = self.runtime.registry.op_status(self.op, call.device)
         if not status.usable:
             return status.reason
-        if "bfloat16" not in status.spec.dtypes:
-            return f"{status.reason} lists dtypes {list(status.spec.dtypes)}, not bfloat16"
+        dtype = str(call.dtype).removeprefix("torch.")
+        if dtype not in status.spec.dtypes:
+            return f"{status.reason} lists dtypes {list(status.spec.dtypes)}, not {dtype}"
         if status.spec.head_dims is not None and call.head_dim not in status.spec.head_dims:
             return f"{status.reason} has head dims {list(status.spec.head_dims)}, not {call.head_dim}"
         return None
@@ -73,85 +80,213 @@ class _Torch:
         return None
 
 
-def check_rotary_args(x: object, freqs: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``apply_rotary_emb``'s arguments; return ``(cos, sin)``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"x must be 4-D [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
-    if 0 in x.shape:
-        raise ValueError(f"x has an empty dimension: shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
-    if x.shape[3] % 2:
-        raise ValueError(f"x has odd head_dim {x.shape[3]}: rotary rotates pairs of channels")
-    if not isinstance(freqs, (tuple, list)) or len(freqs) != 2:
-        raise TypeError(f"freqs must be a (cos, sin) pair of tensors, got {type(freqs).__name__}")
-    expected = (x.shape[1], x.shape[3] // 2)
-    for name, t in zip(("cos", "sin"), freqs):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
-        if tuple(t.shape) != expected:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}: expected [seq, head_dim // 2] = [{expected[0]}, {expected[1]}]"
-            )
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    return freqs[0], freqs[1]
-
-
-def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The torch path: complex multiply in float32 (float64 for float64 ``x``); autograd-capable."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xc = x.to(compute)
-    # view_as_complex needs aligned pairs; under torch.compile the copy is free to elide
-    if torch.compiler.is_compiling() or xc.storage_offset() % 2 or not xc.is_contiguous():
-        xc = xc.clone(memory_format=torch.contiguous_format)
-    pairs = xc.view(*x.shape[:-1], x.shape[-1] // 2, 2)
-    rot = torch.complex(cos.to(compute), sin.to(compute))[None, :, None, :]
-    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
-
-
-def _choose(x: torch.Tensor, runtime: Runtime) -> tuple[str, DeviceInfo]:
-    device = probe_device(x.device)
-    call = RotaryCall(device, x.dtype, x.shape[3], torch.is_grad_enabled() and x.requires_grad)
-    winner = runtime.resolver.resolve(OP, (_Kernel(runtime), _Torch()), call, call)
-    return winner.name, device
+def _decide(runtime: Runtime, call: RotaryCall, op: str = OP) -> str:
+    return runtime.resolver.resolve(op, (_Kernel(runtime, op), _Torch()), call, call).name
 
 
 @assume_constant_result
-def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str:
-    """The same decision, made once at trace time: dynamo cannot trace the runtime's
-    context variables or the resolver's lock, and the choice is fixed per graph anyway."""
-    runtime = current_runtime()
+def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, op: str) -> str:
+    """The decision made once at trace time: dynamo cannot trace the runtime's context
+    variables or the resolver's lock, and the choice is fixed per graph anyway."""
     call = RotaryCall(probe_device(torch.device(device)), dtype, head_dim, needs_grad)
-    return runtime.resolver.resolve(OP, (_Kernel(runtime), _Torch()), call, call).name
+    return _decide(current_runtime(), call, op)
 
 
-def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate the interleaved channel pairs of ``x [batch, seq, heads, head_dim]``.
-
-    ``freqs = (cos, sin)``, each float32 ``[seq, head_dim // 2]`` on ``x``'s device.
-    Returns a new tensor of ``x``'s shape and dtype. Bad arguments raise ``TypeError`` /
-    ``ValueError`` naming the argument.
-    """
-    cos, sin = check_rotary_args(x, freqs)
+def choose(x: torch.Tensor, needs_grad: bool, op: str = OP) -> str:
+    """"cuda" or "torch" for calls of ``op`` like this one; decided once per key (the plan)."""
     if torch.compiler.is_compiling():
-        needs_grad = torch.is_grad_enabled() and x.requires_grad
-        if _choose_while_compiling(str(x.device), x.dtype, x.shape[3], needs_grad) == "cuda":
-            return ops_rotary.rotary_emb(x, cos, sin)
-        return rotary_torch(x, cos, sin)
+        return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad, op)
     runtime = current_runtime()
-    chosen, device = _choose(x, runtime)
-    if chosen == "cuda":
-        try:
-            return ops_rotary.rotary_emb(x, cos, sin)
-        except RuntimeError:
-            # The registry marks the op unusable when its module fails to import: forget
-            # the cached decisions and take the torch path; any other error propagates.
-            if runtime.registry.op_status(OP, device).usable:
-                raise
-            runtime.resolver.clear()
-    return rotary_torch(x, cos, sin)
+    call = RotaryCall(probe_device(x.device), x.dtype, x.shape[-1], needs_grad)
+    derived = runtime.resolver.derived  # emptied with the resolver's decisions
+    chosen = derived.get((op, call))
+    if chosen is None:
+        chosen = derived[(op, call)] = _decide(runtime, call, op)
+    return chosen
+
+
+def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
+    """Run ``kernel()``; if the plugin's module turns out unusable (the registry marks it so
+    when it fails to load), forget the cached decisions and run ``torch_path()``."""
+    try:
+        return kernel()
+    except RuntimeError:
+        if torch.compiler.is_compiling():
+            raise
+        runtime = current_runtime()
+        if runtime.registry.op_status(op, probe_device(device)).usable:
+            raise
+        runtime.resolver.clear()
+        return torch_path()
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """The kernel with a gradient: the backward rotates the output gradient backwards."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, interleaved):
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        return ops_rotary.rotary_emb_unchecked(x, cos, sin, positions, interleaved, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, positions = ctx.saved_tensors
+        return ops_rotary.rotary_emb_unchecked(grad, cos, sin, positions, ctx.interleaved, True), None, None, None, None
+
+
+class _RotaryQKFunction(torch.autograd.Function):
+    """q and k in one launch, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, positions, interleaved):
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        return ops_rotary.rotary_qk_unchecked(q, k, cos, sin, positions, interleaved, False)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin, positions = ctx.saved_tensors
+        if grad_q is None or grad_k is None:  # only one of them was used
+            back = lambda g: None if g is None else ops_rotary.rotary_emb_unchecked(  # noqa: E731
+                g, cos, sin, positions, ctx.interleaved, True)
+            dq, dk = back(grad_q), back(grad_k)
+        else:
+            dq, dk = ops_rotary.rotary_qk_unchecked(grad_q, grad_k, cos, sin, positions, ctx.interleaved, True)
+        return dq, dk, None, None, None, None
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _Plan(NamedTuple):
+    """What a call like this one runs, decided and validated once (the rotary plan)."""
+
+    run: Callable  # (x, cos, sin, positions) -> out
+    kernel: bool
+    range_check: bool  # positions on the host (or ASTRAI_DEBUG=1): checked on every call
+
+
+_MAX_PLANS = 512
+
+
+def _plans(runtime: Runtime) -> dict:
+    """The rotary plans, kept in the resolver's derived cache (emptied with its decisions)."""
+    plans = runtime.resolver.derived.get("rotary_plans")
+    if plans is None:
+        plans = runtime.resolver.derived["rotary_plans"] = {}
+    return plans
+
+
+def _plan_key(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+              interleaved: bool) -> tuple:
+    """Everything the checks and the decision read: equal keys, equal plans."""
+    pos = None if positions is None else (positions.shape, positions.stride(), positions.dtype, positions.device,
+                                          debug_checks())
+    return (x.shape, x.stride(), x.dtype, x.device, probe_device(x.device), x.requires_grad,
+            torch.is_grad_enabled(),
+            cos.shape, cos.stride(), cos.dtype, cos.device, cos.requires_grad,
+            sin.shape, sin.stride(), sin.dtype, sin.device, sin.requires_grad, pos, interleaved)
+
+
+def _make_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+               interleaved: bool) -> _Plan:
+    check_x("x", x)
+    check_freqs((cos, sin), x, x.shape[1], positions)
+    if positions is not None:
+        check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+    range_check = positions is not None and (positions.device.type == "cpu" or debug_checks())
+    needs_grad = _needs_grad(x)
+    if _needs_grad(cos, sin) or choose(x, needs_grad) != "cuda":  # gradients for the angles: torch's autograd
+        return _Plan(lambda x, c, s, p: rotary_torch(x, c, s, p, interleaved), False, range_check)
+    if needs_grad:
+        return _Plan(lambda x, c, s, p: _RotaryFunction.apply(x, c, s, p, interleaved), True, range_check)
+    if x.is_cuda and x.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1:
+        return _Plan(ops_rotary.rotary_emb_launcher(x, cos, sin, positions, interleaved, False), True, range_check)
+    return _Plan(lambda x, c, s, p: ops_rotary.rotary_emb_unchecked(x, c, s, p, interleaved, False), True, range_check)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = True,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate channel pairs of ``x [batch, seq, heads, head_dim]`` (float16/bfloat16/float32/float64).
+
+    ``freqs = (cos, sin)``, each float32 ``[max_pos, rotary_dim // 2]`` on ``x``'s device
+    (``rotary_dim <= head_dim``); ``positions`` (int32/int64 ``[seq]``, ``[batch, seq]`` or
+    ``[1, seq]``) selects their rows, by default ``0 .. seq-1``. ``interleaved=False`` is the
+    NeoX layout. Returns a new tensor of ``x``'s shape and dtype; differentiable. Bad
+    arguments raise ``TypeError`` / ``ValueError`` naming the argument.
+
+    The checks and the backend decision are made once per kind of call (shapes, strides,
+    dtypes, devices, gradients, layout) and kept as a plan; a repeated call only launches.
+    """
+    if (type(x) is torch.Tensor and type(freqs) is tuple and len(freqs) == 2 and type(freqs[0]) is torch.Tensor
+            and type(freqs[1]) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
+            and not torch.compiler.is_compiling()):
+        cos, sin = freqs
+        plans = _plans(current_runtime())
+        key = _plan_key(x, cos, sin, positions, interleaved)
+        plan = plans.get(key)
+        if plan is None:
+            if len(plans) >= _MAX_PLANS:  # many shapes (prefill lengths): start over rather than grow
+                plans.clear()
+            plan = plans[key] = _make_plan(x, cos, sin, positions, interleaved)
+        elif plan.range_check:
+            check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+        if not plan.kernel:
+            return plan.run(x, cos, sin, positions)
+        return with_fallback(x.device, lambda: plan.run(x, cos, sin, positions),
+                             lambda: rotary_torch(x, cos, sin, positions, interleaved))
+    # traced by torch.compile, or arguments the checks will name
+    check_x("x", x)
+    cos, sin = check_freqs(freqs, x, x.shape[1], positions)
+    if positions is not None:
+        check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+    if _needs_grad(cos, sin):  # gradients for the angles: torch's autograd only
+        return rotary_torch(x, cos, sin, positions, interleaved)
+    needs_grad = _needs_grad(x)
+    if choose(x, needs_grad) == "cuda":
+        if needs_grad:
+            return _RotaryFunction.apply(x, cos, sin, positions, interleaved)
+        return ops_rotary.rotary_emb_unchecked(x, cos, sin, positions, interleaved, False)
+    return rotary_torch(x, cos, sin, positions, interleaved)
+
+
+def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], *,
+                        positions: torch.Tensor | None = None, interleaved: bool = True,
+                        inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[batch, seq, q_heads, D]`` and k ``[batch, seq, kv_heads, D]`` (or both
+    ``[tokens, heads, D]``) by the same rows, in one launch on CUDA; ``apply_rotary_emb``'s
+    arguments otherwise. ``inplace=True`` writes into q and k and returns them.
+    """
+    check_qk(q, k)
+    flat = q.dim() == 3  # [tokens, heads, D]: one sequence of tokens
+    q4, k4 = (q[None], k[None]) if flat else (q, k)
+    cos, sin = check_freqs(freqs, q4, q4.shape[1], positions, "q")
+    if positions is not None:
+        check_positions(positions, q4.shape[0], q4.shape[1], cos.shape[0], q.device)
+
+    def torch_path():
+        qo = rotary_torch(q4, cos, sin, positions, interleaved)
+        ko = rotary_torch(k4, cos, sin, positions, interleaved)
+        return qo, ko
+
+    needs_grad = _needs_grad(q, k)
+    if not _needs_grad(cos, sin) and choose(q, needs_grad) == "cuda":
+        if inplace and not needs_grad:
+            def kernel():
+                ops_rotary.rotary_qk_inplace_unchecked(q4, k4, cos, sin, positions, interleaved)
+                return q4, k4
+        elif needs_grad:
+            kernel = lambda: _RotaryQKFunction.apply(q4, k4, cos, sin, positions, interleaved)  # noqa: E731
+        else:
+            kernel = lambda: ops_rotary.rotary_qk_unchecked(q4, k4, cos, sin, positions, interleaved, False)  # noqa: E731
+        qo, ko = with_fallback(q.device, kernel, torch_path)
+    else:
+        qo, ko = torch_path()
+    if inplace:
+        if qo is not q4:
+            q4.copy_(qo)
+            k4.copy_(ko)
+        return q, k
+    return (qo[0], ko[0]) if flat else (qo, ko)

@@ -20,6 +20,7 @@ PLUGIN_OF_OP = {
     "attn_paged_decode": "astrai-attention",
     "attn_paged_prefill": "astrai-attention",
     "rotary_emb": "astrai-rotary",
+    "rope_paged_append": "astrai-rotary",
     "fp8_quantize": "astrai-fp8",
     "fp8_gemm": "astrai-fp8",
     "fp8_scale_update": "astrai-fp8",
@@ -90,14 +91,14 @@ _GUARDS: weakref.WeakKeyDictionary[Registry, dict[tuple[str, DeviceInfo], Guarde
     weakref.WeakKeyDictionary())
 
 
-def plugin_op(name: str):
+def plugin_op(name: str, mutates_args: tuple[str, ...] = ()):
     """``torch.library.custom_op(name)`` around an op implementation, returning a callable
     that runs the implementation itself for plain tensors in eager mode: the dispatcher
     costs 15-50 us a call (more than a decode kernel runs). torch.compile, fake and meta
     tensors still go through the registered op (``.op``, where fakes are registered)."""
 
     def wrap(impl):
-        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
 
         def call(x, *args):
             if type(x) is torch.Tensor and not torch.compiler.is_compiling():

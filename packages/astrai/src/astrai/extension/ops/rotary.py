@@ -1,85 +1,141 @@
-"""``rotary_emb``: the astrai-rotary plugin's fused kernel as a torch custom op.
+"""Rotary embedding: the astrai-rotary plugin's kernel as torch custom ops.
 
-``rotary_emb(x, cos, sin)`` rotates the interleaved pairs ``(x[..., 2i], x[..., 2i+1])``
-of ``x [batch, seq, heads, head_dim]`` (bfloat16, CUDA, any strides) by ``cos`` / ``sin``
-(float32 ``[seq, head_dim // 2]``) and returns a new contiguous bfloat16 tensor. It is
-backed by the custom op ``torch.ops.astrai.rotary_emb`` (with a fake implementation, so
-it traces under ``torch.compile`` and records into CUDA graphs); the public function
-validates first, raising ``TypeError`` / ``ValueError`` that name the argument. The compiled module is reached
-through ``_plugin.require`` (``RuntimeError`` naming the plugin and the install command
-when it is missing); the fallback lives in ``backend/rotary.py``, not here.
+``rotary_emb(x, cos, sin, positions, interleaved, inverse)`` rotates ``x [batch, seq, heads,
+head_dim]`` (float16/bfloat16/float32, CUDA, any strides) by rows of ``cos`` / ``sin``
+(float32 ``[max_pos, rotary_dim // 2]``), selected by ``positions`` (int32/int64 ``[seq]`` or
+``[batch, seq]``; None: rows ``0 .. seq-1``). ``interleaved=True`` pairs channels
+``(2i, 2i + 1)`` (GPT-J), ``False`` pairs ``(i, i + rotary_dim / 2)`` (NeoX); channels past
+``rotary_dim`` are copied; ``inverse=True`` rotates backwards (the gradient).
+``rotary_qk`` does q and k in one launch, ``rotary_qk_`` in place. Each is a custom op
+``torch.ops.astrai.*`` with a fake implementation, so it traces under ``torch.compile`` and
+records into CUDA graphs. The public functions validate first (``TypeError`` /
+``ValueError`` naming the argument); the ``*_unchecked`` ones are for callers that already did.
 
-Call convention (ABI 1): ``module.rotary_emb(x, cos, sin, out, stream)``, each tensor
-a tuple ``(data_ptr, shape, strides_in_elements, dtype_code)``, the stream an int.
+Call convention (ABI 1): ``module.rotary(q, k, cos, sin, positions, q_out, k_out,
+interleaved, inverse, stream)``; each tensor a tuple ``(data_ptr, shape,
+strides_in_elements, dtype_code)`` or None (k, positions, k_out), the stream an int.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..abi import launch, tensor_arg
+from ..abi import dtype_code, launch, tensor_arg
 from . import _plugin
+from .rotary_args import check_freqs, check_positions, check_qk, check_x
 
-__all__ = ["rotary_emb"]
+__all__ = ["rotary_emb", "rotary_qk", "rotary_emb_launcher", "rotary_emb_unchecked", "rotary_qk_unchecked",
+           "rotary_qk_inplace_unchecked"]
 
 OP = "rotary_emb"
 
 
-def _check(x: object, cos: object, sin: object) -> None:
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"rotary_emb: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"rotary_emb: x must be bfloat16, got {x.dtype}")
-    if x.dim() != 4:
-        raise ValueError(f"rotary_emb: x must be 4-D [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
-    head_dim = x.shape[3]
-    if head_dim == 0 or head_dim % 2:
-        raise ValueError(f"rotary_emb: x's head_dim must be even and positive, got {head_dim}")
-    expected = (x.shape[1], head_dim // 2)
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"rotary_emb: {name} must be float32, got {t.dtype}")
-        if tuple(t.shape) != expected:
-            raise ValueError(f"rotary_emb: {name} must have shape [seq, head_dim // 2] = "
-                             f"[{expected[0]}, {expected[1]}], got {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"rotary_emb: {name} is on {t.device} but x is on {x.device}")
+def _check_call(q: torch.Tensor, k: torch.Tensor | None, cos, sin, positions) -> None:
+    if k is None:
+        check_x("x", q)
+    else:
+        check_qk(q, k)
+    if q.device.type != "cuda":
+        raise ValueError(f"{'x' if k is None else 'q'} must be a CUDA tensor, got one on {q.device}")
+    cos, sin = check_freqs((cos, sin), q, q.shape[1], positions, "x" if k is None else "q")
+    if positions is not None:
+        check_positions(positions, q.shape[0], q.shape[1], cos.shape[0], q.device)
 
 
-def _word_aligned(t: torch.Tensor, pair_strides: bool) -> torch.Tensor:
-    """``t`` itself when the kernel can read it in place (contiguous last dim, 4-byte
-    aligned data, even strides for bf16 pairs), else a contiguous copy."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 4 == 0
-    if ok and pair_strides:
-        ok = all(s % 2 == 0 or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+               interleaved: bool = True, inverse: bool = False) -> torch.Tensor:
+    """Rotated copy of ``x [B, L, H, D]`` (CUDA); ``RuntimeError`` when the plugin can't run here."""
+    _check_call(x, None, cos, sin, positions)
+    return rotary_emb_unchecked(x, cos, sin, positions, interleaved, inverse)
 
 
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor | None = None, interleaved: bool = True,
+              inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[B, L, Hq, D]`` and k ``[B, L, Hk, D]`` rotated in one launch: new tensors, or q and k
+    themselves (rewritten) with ``inplace=True``."""
+    _check_call(q, k, cos, sin, positions)
+    if inplace:
+        rotary_qk_inplace_unchecked(q, k, cos, sin, positions, interleaved)
+        return q, k
+    return rotary_qk_unchecked(q, k, cos, sin, positions, interleaved, False)
 
-def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Fused rotary embedding of ``x [B, L, H, D]`` (bf16, CUDA); returns a new contiguous
-    ``[B, L, H, D]`` tensor. ``RuntimeError`` when the astrai-rotary plugin can't run here."""
-    _check(x, cos, sin)
-    if x.device.type != "cuda":
-        raise ValueError(f"rotary_emb: x must be a CUDA tensor, got one on {x.device}")
-    return _rotary_emb_op(x, cos, sin)
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its last dim is contiguous (what the kernel reads), else a copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _launch(q, k, cos, sin, positions, q_out, k_out, interleaved: bool, inverse: bool) -> None:
+    module = _plugin.require(OP, q.device)
+    launch(q.device, module.rotary, tensor_arg(q), tensor_arg(k), tensor_arg(_rows(cos)), tensor_arg(_rows(sin)),
+           tensor_arg(positions), tensor_arg(q_out), tensor_arg(k_out), interleaved, inverse)
+
+
+def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                        interleaved: bool, inverse: bool):
+    """``rotary_emb_unchecked`` reduced to its launch, for a caller's plan: ``run(x, cos, sin,
+    positions)`` for tensors of the same shapes, strides, dtypes and device as these (plain
+    tensors with a contiguous last dim, eager mode); only the data pointers are read per call
+    and the module is looked up on the first call."""
+    device = x.device
+    meta = [None if t is None else (tuple(t.shape), tuple(t.stride()), dtype_code(t)) for t in (x, cos, sin, positions)]
+    out_meta = (tuple(x.shape), tuple(torch.empty(x.shape, device="meta").stride()), dtype_code(x))
+    (x_shape, x_strides, x_code), (c_shape, c_strides, c_code), (s_shape, s_strides, s_code), p_meta = meta
+    found = []
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if not found:
+            found.append(_plugin.require(OP, device).rotary)
+        out = torch.empty(x.shape, dtype=x.dtype, device=device)
+        pos = None if positions is None else (positions.data_ptr(), *p_meta)
+        launch(device, found[0], (x.data_ptr(), x_shape, x_strides, x_code), None,
+               (cos.data_ptr(), c_shape, c_strides, c_code), (sin.data_ptr(), s_shape, s_strides, s_code), pos,
+               (out.data_ptr(), *out_meta), None, interleaved, inverse)
+        return out
+
+    return run
 
 
 @_plugin.plugin_op("astrai::rotary_emb")
-def _rotary_emb_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    module = _plugin.require(OP, x.device)
+def rotary_emb_unchecked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                         interleaved: bool, inverse: bool) -> torch.Tensor:
+    x = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    x = _word_aligned(x, pair_strides=True)
-    cos = _word_aligned(cos, pair_strides=False)
-    sin = _word_aligned(sin, pair_strides=False)
-    args = (tensor_arg(x), tensor_arg(cos), tensor_arg(sin), tensor_arg(out))
-    launch(x.device, module.rotary_emb, *args)
+    _launch(x, None, cos, sin, positions, out, None, interleaved, inverse)
     return out
 
 
-@_rotary_emb_op.op.register_fake
-def _rotary_emb_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+@rotary_emb_unchecked.op.register_fake
+def _rotary_emb_fake(x, cos, sin, positions, interleaved, inverse):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@_plugin.plugin_op("astrai::rotary_qk")
+def rotary_qk_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor | None, interleaved: bool,
+                        inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _rows(q), _rows(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(q, k, cos, sin, positions, q_out, k_out, interleaved, inverse)
+    return q_out, k_out
+
+
+@rotary_qk_unchecked.op.register_fake
+def _rotary_qk_fake(q, k, cos, sin, positions, interleaved, inverse):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+@_plugin.plugin_op("astrai::rotary_qk_", mutates_args=("q", "k"))
+def rotary_qk_inplace_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                positions: torch.Tensor | None, interleaved: bool) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary in place needs q and k with a contiguous last dim")
+    _launch(q, k, cos, sin, positions, q, k, interleaved, False)
+
+
+@rotary_qk_inplace_unchecked.op.register_fake
+def _rotary_qk_inplace_fake(q, k, cos, sin, positions, interleaved):
+    return None

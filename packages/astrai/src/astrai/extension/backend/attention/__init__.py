@@ -28,6 +28,7 @@ import torch
 from ...compiling import assume_constant_result
 from ...kv_cache import PagedKVCache
 from ...runtime import current_runtime
+from ..rope_paged import rope_and_append
 from .base import AttentionBackend, AttentionCall
 from .cuda import CudaBackend
 from .flash import FlashAttnBackend
@@ -135,6 +136,7 @@ class AttentionPolicy:
         fwd: str | None = None,
         mask: torch.Tensor | None = None,
         is_causal: bool | None = None,
+        appended: bool = False,
     ) -> torch.Tensor:
         call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         if torch.compiler.is_compiling():
@@ -143,7 +145,8 @@ class AttentionPolicy:
         else:
             backend = self.select(call)
         try:
-            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
+                                   appended=appended)
         except RuntimeError:
             # A plugin whose compiled module fails to load is marked unusable by the registry
             # (with a warning) on its first call: its check now says why. Decide again without
@@ -153,7 +156,8 @@ class AttentionPolicy:
                 raise
             current_runtime().resolver.clear()
             backend = self.select(call)
-            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal)
+            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
+                                   appended=appended)
 
 
 # Policies by id, for the trace-time decision below (dynamo passes only constants to it).
@@ -180,6 +184,9 @@ def attention(
     fwd: str | None = None,
     mask: torch.Tensor | None = None,
     is_causal: bool | None = None,
+    *,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_interleaved: bool = True,
 ) -> torch.Tensor:
     """Scaled dot-product attention (scale ``1/sqrt(head_dim)``) on the best available backend.
 
@@ -201,7 +208,15 @@ def attention(
             sees keys ``j <= i + kv_len - q_len``). ``None`` (default): causal with a
             ``kv_cache``, non-causal without.
 
+        rope: with ``kv_cache``, ``(cos, sin)`` float32 ``[max_pos, rotary_dim // 2]``: ``q`` and
+            the new ``k`` are first rotated at their cache positions, and ``k`` (rotated) and
+            ``v`` written into their pages, in one kernel on CUDA (``apply_rotary_emb``'s
+            layouts; ``rope_interleaved=False`` is NeoX).
+
     Returns ``q``'s shape and dtype. A query row that keeps no key yields zeros.
     Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument before any work.
     """
+    if rope is not None:
+        q = rope_and_append(q, k, v, kv_cache, layer_id, rope, rope_interleaved)
+        return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, appended=True)
     return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)

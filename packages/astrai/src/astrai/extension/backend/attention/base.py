@@ -140,9 +140,11 @@ class AttentionBackend(ABC):
         layer_id: int | None = None,
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        appended: bool = False,
     ) -> torch.Tensor:
-        """Write the new tokens to the cache (if any), then run decode or prefill by ``call.mode``."""
-        if kv_cache is not None:
+        """Write the new tokens to the cache (if any, unless ``appended``: already written), then
+        run decode or prefill by ``call.mode``."""
+        if kv_cache is not None and not appended:
             kv_cache.append(layer_id, k, v)
         run = self.fwd_decode if call.mode == "decode" else self.fwd_prefill
         return run(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)

@@ -1,0 +1,183 @@
+"""``astrai generate``: the serving engine end to end on a preset or a local checkpoint.
+
+Random prompts (lengths drawn between ``--prompt-len MIN MAX``) go through
+:class:`astrai.serve.LLM`; the table gives TTFT, prefill and decode tokens/s and the GPU
+memory used. ``--compare hf`` runs the same weights and prompts through transformers
+(``generate`` with sdpa, and ``generate_batch`` where it runs) and prints the ratios.
+Without a CUDA device everything runs on the CPU through AstrAI's torch fallbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..extension import explain
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_arguments(parser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="random-weight model: tiny (default without a GPU) or llama3-8b")
+    src.add_argument("--checkpoint", metavar="DIR", help="a local transformers Llama/Mistral/Qwen2 folder")
+    parser.add_argument("--layers", type=int, help="layers of the preset (llama3-8b: default 8 here)")
+    parser.add_argument("--requests", type=int, help="number of requests (default 64 on a GPU, 8 on the CPU)")
+    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt length range")
+    parser.add_argument("--max-new-tokens", type=int, help="new tokens per request (default 256 GPU / 32 CPU)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--fp8", action="store_true", help="FP8 linears in the decoder layers")
+    parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    parser.add_argument("--compare", choices=["hf"], help="also run the same weights in transformers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of decode tokens/s and TTFT")
+
+
+def _check(args) -> None:
+    for name in ("layers", "requests", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"astrai generate: --{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.prompt_len and not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
+        raise SystemExit(f"astrai generate: --prompt-len needs 1 <= MIN <= MAX, got {args.prompt_len}")
+
+
+def _build(args, device: torch.device, dtype: torch.dtype):
+    from ..serve import LLM
+
+    options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8)
+    if args.checkpoint:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, local_files_only=True,
+                                                  attn_implementation="sdpa").to(device).eval()
+        return LLM.from_transformers(hf, **options), hf
+    name = args.preset or ("llama3-8b" if device.type == "cuda" else "tiny")
+    layers = args.layers or (8 if name == "llama3-8b" else None)
+    return LLM.from_preset(name, num_layers=layers, dtype=dtype, device=device, seed=args.seed, **options), None
+
+
+def _attention_backend() -> str:
+    chosen = [d.chosen for d in explain("attention") if d.chosen]
+    return ", ".join(sorted(set(chosen))) or "none"
+
+
+def main(args) -> int:
+    _check(args)
+    console = Console()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    if cuda:
+        console.print(f"device: {torch.cuda.get_device_name(device)}")
+    else:
+        console.print("[yellow]No CUDA device: running AstrAI's torch fallbacks on the CPU "
+                      "(the CUDA kernels and CUDA graphs need a GPU; figures are not representative).[/]")
+    llm, hf = _build(args, device, dtype)
+    c = llm.config
+    n = args.requests or (64 if cuda else 8)
+    lo, hi = args.prompt_len or ((128, 2048) if cuda else (16, 128))
+    new = args.max_new_tokens or (256 if cuda else 32)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
+                  f"of {c.head_dim}, {_count(c.num_parameters())} parameters, {dtype}"
+                  f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
+    llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
+    llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
+    if llm.graphs_off_reason:
+        console.print(f"[yellow]decode steps run eagerly: {llm.graphs_off_reason}[/]")
+    tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
+    stats = llm.last_stats
+    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),
+              "fp8": args.fp8, "cuda_graphs": llm.use_graphs, "attention_backend": _attention_backend(),
+              "engine": stats.summary(), "peers": []}
+    if args.compare == "hf":
+        result["peers"] = _compare(llm, hf, prompts, new, tokens, result, console)
+    _print(console, result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        _plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _compare(llm, hf, prompts, new, tokens, result, console) -> list[dict]:
+    from ..serve.compare import agreement, hf_generate, hf_generate_batch
+
+    hf = hf if hf is not None else llm.to_transformers("sdpa")
+    peers = []
+    for runner in (lambda: hf_generate(hf, prompts, new, batch_size=llm.max_batch_size),
+                   lambda: hf_generate_batch(hf, prompts, new)):
+        run = runner()
+        entry = run.summary()
+        if run.skipped:
+            console.print(f"[yellow]{run.name}: skipped ({run.skipped})[/]")
+        else:
+            entry["agreement"] = {k: v for k, v in agreement(tokens, run.tokens).items() if k != "first_divergence"}
+        peers.append(entry)
+    return peers
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print(console: Console, result: dict) -> None:
+    e = result["engine"]
+    table = Table(title=f"astrai generate ({result['device']}, attention: {result['attention_backend']})")
+    peers = [p for p in result["peers"] if not p["skipped"]]
+    columns = ["run", "TTFT s", "prefill tok/s", "decode tok/s", "step ms", "total s"] + (["agree"] if peers else [])
+    for col in columns:
+        table.add_column(col, justify="right" if col != "run" else "left")
+    table.add_row("astrai", _fmt(e["ttft_mean_s"], ".3f"), _fmt(e["prefill_tokens_per_s"], ",.0f"),
+                  _fmt(e["decode_tokens_per_s"], ",.0f"), _fmt(e["decode_step_ms"], ".2f"), _fmt(e["total_s"], ".2f"),
+                  *([""] if peers else []))
+    for p in peers:
+        agree = p.get("agreement", {})
+        table.add_row(p["name"], _fmt(p["ttft_s"], ".3f"), "-", _fmt(p["decode_tokens_per_s"], ",.0f"), "-",
+                      _fmt(p["total_s"], ".2f"), _fmt(agree.get("token_agreement"), ".1%"))
+    console.print(table)
+    console.print("TTFT: mean over requests, all submitted at once (transformers: its first batch's prefill)")
+    for p in result["peers"]:
+        if not p["skipped"] and p["total_s"]:
+            line = f"vs {p['name']}: astrai {p['total_s'] / e['total_s']:.2f}x faster end to end"
+            if p["decode_tokens_per_s"]:
+                line += f", {e['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x in decode tokens/s"
+            if p["ttft_s"]:
+                line += f", TTFT {e['ttft_mean_s'] / p['ttft_s']:.2f}x of its TTFT"
+            console.print(line)
+    if e["gpu_memory_bytes"]:
+        console.print(f"GPU memory (peak allocated): {e['gpu_memory_bytes'] / 2**30:.2f} GiB")
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [("astrai", result["engine"]["decode_tokens_per_s"], result["engine"]["ttft_mean_s"])]
+    runs += [(p["name"], p["decode_tokens_per_s"] or p.get("tokens_per_s") or 0, p["ttft_s"] or 0)
+             for p in result["peers"] if not p["skipped"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r[0] for r in runs]
+    ax1.barh(names, [r[1] for r in runs])
+    ax1.set_xlabel("decode tokens/s")
+    ax2.barh(names, [r[2] for r in runs])
+    ax2.set_xlabel("TTFT (s)")
+    fig.suptitle(f"astrai generate on {result['device']} ({result['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,91 @@
+"""Rotary fused with the paged KV-cache write: what ``attention(..., rope=(cos, sin))`` runs first.
+
+``rope_and_append(q, k, v, kv_cache, layer_id, rope, interleaved)`` rotates ``q`` and this
+step's new keys ``k`` at their cache positions, writes the rotated keys and ``v`` into the
+layer's pages at the plan's slots, and returns the rotated ``q`` (``q``'s shape). On CUDA,
+with the astrai-rotary plugin's ``rope_paged_append`` usable for the dtype, that is one
+kernel; otherwise ``apply_rotary_emb_qk`` then ``PagedKVCache.append``.
+
+What it needs from the batch plan, per new token in packed query order: the cache slot
+(``plan.write_index``, int64 ``[total_q]``) and the token's position in its sequence
+(``token_positions(plan)``: ``kv_len - q_len + row``), both on the cache's device; the
+positions are derived once per plan and kept beside it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..kv_cache import BatchPlan, PagedKVCache
+from ..ops import rope_paged as ops_rope_paged
+from ..ops.rotary_args import check_freqs, check_positions
+from .rotary import apply_rotary_emb_qk, choose, with_fallback
+
+__all__ = ["rope_and_append", "token_positions"]
+
+OP = "rope_paged_append"
+
+_POSITIONS: weakref.WeakKeyDictionary[BatchPlan, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def token_positions(plan: BatchPlan) -> torch.Tensor:
+    """int64 ``[total_q]``: the position in its sequence of each new token, packed query order
+    (computed on the device, no host sync; once per plan)."""
+    positions = _POSITIONS.get(plan)
+    if positions is None:
+        device = plan.qo_indptr.device
+        starts = plan.qo_indptr.long()
+        q_lens = starts[1:] - starts[:-1]
+        seq = torch.repeat_interleave(torch.arange(plan.batch_size, device=device), q_lens, output_size=plan.total_q)
+        row = torch.arange(plan.total_q, device=device) - starts[seq]
+        positions = _POSITIONS[plan] = plan.kv_lens.long()[seq] - q_lens[seq] + row
+    return positions
+
+
+def _check(name: str, t: object, cache: PagedKVCache, plan: BatchPlan, heads: int | None) -> torch.Tensor:
+    """``t`` as ``[total_q, heads, head_dim]`` in the cache's dtype and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != cache.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the kv_cache stores {cache.dtype}")
+    if t.device != cache.device:
+        raise ValueError(f"{name} is on {t.device} but the kv_cache is on {cache.device}")
+    if t.dim() not in (3, 4) or t.shape[-1] != cache.head_dim or (heads is not None and t.shape[-2] != heads):
+        want = f"[..., {heads if heads is not None else 'heads'}, head_dim={cache.head_dim}]"
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: expected {want} as the kv_cache stores")
+    return plan.packed(t, name)
+
+
+def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache | None,
+                    layer_id: int | None, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool = True
+                    ) -> torch.Tensor:
+    """Rotate ``q`` and ``k`` at the plan's positions, write ``k`` (rotated) and ``v`` into layer
+    ``layer_id``'s pages; return the rotated ``q``. Bad arguments raise before any write."""
+    if kv_cache is None:
+        raise ValueError("rope: the fused rotary + cache write needs kv_cache (without one, call "
+                         "apply_rotary_emb_qk before attention)")
+    plan = kv_cache.active_plan
+    layer = kv_cache.check_layer(layer_id)
+    q3 = _check("q", q, kv_cache, plan, None)
+    k3 = _check("k", k, kv_cache, plan, kv_cache.kv_heads)
+    v3 = _check("v", v, kv_cache, plan, kv_cache.kv_heads)
+    positions, slots = token_positions(plan), plan.write_index
+    cos, sin = check_freqs(rope, q3, q3.shape[0], positions, "q")
+    check_positions(positions, 1, q3.shape[0], cos.shape[0], q3.device)  # on a GPU: with ASTRAI_DEBUG=1
+
+    def torch_path() -> torch.Tensor:
+        q_rot, k_rot = apply_rotary_emb_qk(q3, k3, (cos, sin), positions=positions, interleaved=interleaved)
+        kv_cache.append(layer, k_rot, v3, plan)
+        return q_rot
+
+    needs_grad = torch.is_grad_enabled() and q.requires_grad
+    if choose(q3, needs_grad, OP) == "cuda" and not needs_grad:
+        kernel = lambda: ops_rope_paged.rope_paged_append_unchecked(  # noqa: E731
+            q3, k3.detach(), v3.detach(), kv_cache.k_cache(layer), kv_cache.v_cache(layer), cos, sin, positions, slots,
+            interleaved)
+        q_rot = with_fallback(q.device, kernel, torch_path, OP)
+    else:
+        q_rot = torch_path()
+    return q_rot.reshape(q.shape)

@@ -1,0 +1,332 @@
+"""``LLM``: greedy generation with continuous batching over a paged KV cache.
+
+    >>> from astrai.serve import LLM
+    >>> llm = LLM.from_preset("tiny", dtype=torch.float32)            # random weights, CPU
+    >>> outputs = llm.generate([[1, 5, 9], [7, 3]], max_new_tokens=8)  # new tokens per prompt
+
+Each engine step plans the cache once (``kv_cache.plan``) and runs the model over the step's
+packed tokens; decode steps on CUDA replay a captured graph (:mod:`.graphs`) unless
+``cuda_graphs=False``. ``fp8=True`` runs the decoder layers' linears in FP8.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..extension import PagedKVCache
+from .config import ModelConfig, preset
+from .graphs import DecodeGraphs
+from .model import DecoderModel, hf_state_dict, load_hf_state_dict
+from .scheduler import Request, Scheduler, Step
+from .stats import GenerationStats, progress
+
+__all__ = ["LLM"]
+
+_PAD_SEQ = "__pad__"
+
+
+class _InFlight:
+    """A launched decode step: its tokens on their way to the host (pinned memory on CUDA)."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
+        self.logits = logits
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens.clone(), None
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+class LLM:
+    """A Llama-family model served by AstrAI's kernels (or their torch fallbacks).
+
+    Args:
+        model: the :class:`~astrai.serve.model.DecoderModel` (see :meth:`from_transformers`,
+            :meth:`from_preset`).
+        page_size: tokens per KV-cache page.
+        max_batch_size: requests decoded together at most.
+        max_batch_tokens: prompt tokens per prefill step at most (longer prompts are chunked).
+        cuda_graphs: replay decode steps from CUDA graphs (CUDA only; ignored on the CPU).
+        fp8: run the decoder layers' linears in FP8 (``fp8_autocast``).
+        memory_fraction: share of the free GPU memory the KV cache may take.
+        overlap: plan and launch each decode step before the previous one's tokens reach the
+            host (while no request waits for a slot); False waits for every step.
+        fused_rope: rotary fused with the KV-cache write (``attention(..., rope=...)``); False
+            rotates q and k with ``apply_rotary_emb_qk`` first.
+    """
+
+    def __init__(self, model: DecoderModel, *, page_size: int = 16, max_batch_size: int = 64,
+                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, fp8: bool = False,
+                 memory_fraction: float = 0.8, overlap: bool = True, fused_rope: bool = True) -> None:
+        if not isinstance(model, DecoderModel):
+            raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
+        for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
+                                 ("max_batch_tokens", max_batch_tokens, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        self.model = model.eval().requires_grad_(False)  # inference only: the kernels without backward qualify
+        self.config: ModelConfig = model.config
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.use_graphs = bool(cuda_graphs) and model.device.type == "cuda"
+        self.graphs_off_reason: str | None = None  # why decode steps run eagerly on CUDA, when they do
+        self.fp8 = bool(fp8)
+        self.memory_fraction = memory_fraction
+        self.overlap = bool(overlap)
+        self.fused_rope = bool(fused_rope)
+        self.kv_cache: PagedKVCache | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.last_stats: GenerationStats | None = None
+
+    # -- construction
+
+    @classmethod
+    def from_transformers(cls, hf_model, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> LLM:
+        """Serve the weights of a transformers Llama / Mistral / Qwen2 causal LM (copied, fused)."""
+        config = ModelConfig.from_hf(hf_model.config)
+        ref = next(hf_model.parameters())
+        dtype = ref.dtype if dtype is None else dtype
+        device = ref.device if device is None else torch.device(device)
+        rotary = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        model = DecoderModel(config, dtype=dtype, device=device, inv_freq=inv_freq, rope_scaling=scaling)
+        load_hf_state_dict(model, hf_model.state_dict())
+        return cls(model, **kwargs)
+
+    @classmethod
+    def from_preset(cls, name: str, *, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                    device=None, seed: int = 0, **kwargs) -> LLM:
+        """Random weights of the preset ``name`` (``tiny``, ``llama3-8b``; see
+        :func:`~astrai.serve.config.preset`), on CUDA when available. No downloads."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = DecoderModel.random(preset(name, num_layers), dtype=dtype, device=torch.device(device), seed=seed)
+        return cls(model, **kwargs)
+
+    def to_transformers(self, attn_implementation: str = "sdpa"):
+        """The same weights as a transformers model (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(self.model.device):  # built (and randomly initialised) where it will run
+            hf = AutoModelForCausalLM.from_config(self.config.to_hf(), attn_implementation=attn_implementation,
+                                                  dtype=self.model.dtype)
+        missing, unexpected = hf.load_state_dict(hf_state_dict(self.model), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # the head is absent only when tied
+            raise RuntimeError(f"weights do not map onto {type(hf).__name__}: missing {missing}, unexpected {unexpected}")
+        return hf.eval()
+
+    # -- the KV cache
+
+    @torch.inference_mode()
+    def reserve(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Size the KV cache (and capture the decode graphs) for this workload now, so a later
+        ``generate`` of it (or of a smaller one) starts at once; ``generate`` does it when needed."""
+        self._ensure_cache(self._requests(prompts, max_new_tokens))
+
+    def _ensure_cache(self, requests: list[Request]) -> None:
+        ps = self.page_size
+        need = sum(r.pages_needed(ps) for r in requests) + 1  # + the graphs' pad page
+        longest = max(r.pages_needed(ps) for r in requests)
+        widest = min(len(requests), self.max_batch_size)  # the largest decode batch this workload runs
+        cache, graphs = self.kv_cache, self.graphs
+        if cache is not None and cache.num_pages >= need and (
+                graphs is None or (graphs.max_seq_pages >= longest and graphs.sizes[-1] >= widest)):
+            return
+        c = self.config
+        num_pages = need
+        self.kv_cache = self.graphs = cache = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old cache and graph pool count as free
+            page_bytes = 2 * c.num_layers * ps * c.kv_size * self.model.dtype.itemsize
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            budget = int(free * self.memory_fraction) // page_bytes
+            if budget < longest + 1:
+                raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {longest}")
+            num_pages = min(need, budget)
+        cache = PagedKVCache(num_layers=c.num_layers, num_pages=num_pages, page_size=ps, kv_heads=c.num_kv_heads,
+                             head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device)
+        cache.k_pages.zero_()  # no NaN garbage under the pad rows and capture steps
+        cache.v_pages.zero_()
+        cache.add_sequence(_PAD_SEQ)
+        cache.plan([_PAD_SEQ], [1])  # owns one page: pad rows of graph replays write and read only there
+        if self.use_graphs:
+            try:
+                self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
+                                           cache, cache.page_table(_PAD_SEQ)[0], widest, longest)
+            except RuntimeError as exc:  # said by astrai generate; eager decoding gives the same tokens
+                self.graphs_off_reason = str(exc)
+                self.use_graphs = False
+        self.kv_cache = cache
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
+                 cache: PagedKVCache) -> torch.Tensor:
+        return self.model(tokens, positions, cache, logit_rows, fp8=self.fp8, fused_rope=self.fused_rope)
+
+    # -- generation
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, *, progress_bar: bool = False,
+                 return_logits: bool = False):
+        """Greedy continuations of ``prompts`` (lists of token ids): the new tokens of each,
+        stopping after the model's EOS token (kept, as transformers does) or ``max_new_tokens``.
+
+        ``return_logits=True`` returns ``(tokens, logits)`` with each request's float32 logits
+        ``[new_tokens, vocab]`` on the CPU (slow: for checking only). Timings of the call are
+        in :attr:`last_stats`.
+        """
+        requests = self._requests(prompts, max_new_tokens)
+        self._ensure_cache(requests)
+        cache = self.kv_cache
+        sched = Scheduler(requests, page_size=self.page_size, num_pages=cache.free_pages,
+                          max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens)
+        stats = GenerationStats(num_requests=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
+        logits_out: dict[int, list[torch.Tensor]] = {r.rid: [] for r in requests}
+        eos = set(self.config.eos_token_ids)
+        start = time.perf_counter()
+        with progress(len(requests), progress_bar) as advance:
+
+            def emit(r: Request, token: int, logits: torch.Tensor | None, now: float) -> None:
+                r.output.append(token)
+                if return_logits:
+                    logits_out[r.rid].append(logits.float().cpu())
+                if r.first_token_time is None:
+                    r.first_token_time = now - start
+                if token in eos or len(r.output) >= r.max_new_tokens:
+                    cache.release(r.rid)
+                    sched.finish(r)
+                    advance()
+
+            while not sched.done:
+                step = sched.next_step()
+                if step.kind == "decode" and self.overlap and not sched.waiting:
+                    self._decode_run(step.requests, stats, emit, return_logits)
+                    continue
+                t0 = time.perf_counter()
+                next_tokens, logits = self._run_step(step)
+                next_tokens = next_tokens.tolist()  # waits for the step
+                now = time.perf_counter()
+                stats.add_step(step.kind, sum(step.q_lens), len(step.logits_for), now - t0)
+                for i, r in enumerate(step.requests):
+                    r.prefilled += step.q_lens[i] if step.kind == "prefill" else 0
+                for j, b in enumerate(step.logits_for):
+                    emit(step.requests[b], next_tokens[j], logits[j], now)
+        stats.total_time = time.perf_counter() - start
+        stats.ttft = [r.first_token_time for r in requests]
+        stats.new_tokens = sum(len(r.output) for r in requests)
+        if self.model.device.type == "cuda":
+            stats.gpu_memory_bytes = torch.cuda.max_memory_allocated(self.model.device)
+        self.last_stats = stats
+        tokens = [r.output for r in requests]
+        if return_logits:
+            return tokens, [torch.stack(logits_out[r.rid]) for r in requests]
+        return tokens
+
+    def _decode_run(self, reqs: tuple[Request, ...], stats: GenerationStats, emit, keep_logits: bool) -> None:
+        """Decode steps back to back for ``reqs`` (every running request, none waiting): step
+        ``k + 1`` is planned and launched before step ``k``'s tokens reach the host, its input
+        tokens being step ``k``'s on the device, so the host's planning overlaps the GPU's work.
+        Runs until the first request stops: a request that met EOS at step ``k`` still rides
+        along in step ``k + 1`` (inside its reserved pages), whose token for it is dropped."""
+        cache = self.kv_cache
+        ids = [r.rid for r in reqs]
+        steps = min(r.max_new_tokens - len(r.output) for r in reqs)
+        base = [len(r.prompt) + len(r.output) - 1 for r in reqs]
+        tokens = self._to_device([r.output[-1] for r in reqs])
+        t0 = time.perf_counter()
+        pending = None
+        ran = 0
+        for k in range(steps):
+            plan = cache.plan(ids, [1] * len(ids))
+            next_tokens, logits = self._decode(plan, tokens, self._to_device([b + k for b in base]))
+            launched = _InFlight(next_tokens, logits.float().clone() if keep_logits else None)
+            tokens = next_tokens
+            ran += 1
+            stopped = pending is not None and self._resolve(pending, reqs, emit, stats)
+            pending = launched
+            if stopped:
+                break
+        self._resolve(pending, reqs, emit, stats)
+        stats.add_decode_run(ran, len(reqs), time.perf_counter() - t0)
+
+    @staticmethod
+    def _resolve(step: _InFlight, reqs: tuple[Request, ...], emit, stats: GenerationStats) -> bool:
+        """Hand a launched step's tokens to their requests; True when one of them stopped."""
+        tokens = step.tokens()
+        now = time.perf_counter()
+        stopped = False
+        for i, r in enumerate(reqs):
+            if r.finished:
+                continue  # stopped in an earlier step: this row was a passenger
+            emit(r, tokens[i], None if step.logits is None else step.logits[i], now)
+            stats.decode_tokens += 1
+            stopped |= r.finished
+        return stopped
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.model.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.model.device, non_blocking=True)
+
+    def _decode(self, plan, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None and self.graphs.bucket(plan.batch_size) is not None:
+            return self.graphs.run(plan, tokens, positions)
+        logits = self._forward(tokens, positions, None, self.kv_cache)
+        return logits.argmax(-1), logits
+
+    def _requests(self, prompts, max_new_tokens: int) -> list[Request]:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        c = self.config
+        limit = min(c.max_position_embeddings, c.sliding_window or math.inf)
+        requests = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):
+                raise ValueError(f"prompts[{i}] must be a non-empty list of ints")
+            bad = [t for t in p if not 0 <= t < c.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] holds token ids outside [0, {c.vocab_size}): {bad[:5]}")
+            if len(p) + max_new_tokens > limit:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens: with max_new_tokens={max_new_tokens} it "
+                                 f"passes the model's {limit} positions")
+            requests.append(Request(rid=i, prompt=list(p), max_new_tokens=max_new_tokens))
+        return requests
+
+    def _run_step(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, device = self.kv_cache, self.model.device
+        reqs = step.requests
+        for r in reqs:
+            if step.kind == "prefill" and r.prefilled == 0:
+                cache.add_sequence(r.rid)
+        plan = cache.plan([r.rid for r in reqs], list(step.q_lens))
+        if step.kind == "decode":
+            tokens = [r.output[-1] for r in reqs]
+            positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
+        else:
+            tokens, positions = [], []
+            for r, n in zip(reqs, step.q_lens):
+                tokens += r.prompt[r.prefilled: r.prefilled + n]
+                positions += range(r.prefilled, r.prefilled + n)
+        tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
+        if step.kind == "decode":
+            return self._decode(plan, tokens_t, positions_t)
+        ends = torch.tensor(step.q_lens).cumsum(0) - 1
+        rows = ends[list(step.logits_for)].to(device, non_blocking=True)
+        logits = self._forward(tokens_t, positions_t, rows, cache)
+        return logits.argmax(-1), logits

@@ -1,0 +1,154 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A graph reads fixed buffers: the tokens and positions of the step, and the tensors of the
+:class:`~astrai.extension.BatchPlan` it was captured with (``kv_indptr``, ``kv_indices``,
+``kv_lens``; a decode plan's ``qo_indptr`` is ``0..B`` for every step). Before a replay the
+real step's plan — built by ``kv_cache.plan`` as in the eager path, which also reserves the
+pages — is copied into those tensors in place; rows past the real batch point at one
+scratch page (``pad_page``) holding one token, so they write and read only there.
+
+Capture plans are made through the cache's public methods on throw-away sequences of
+``max_seq_pages`` pages each (fewer when the free pages do not suffice; then together they
+own every free page), so the captured ``kv_indices`` is as long as any real step's: a real
+batch of ``B`` requests holds at most ``B * max_seq_pages`` pages and never more than the
+free ones. The decode kernel sizes its split-KV schedule from that length (the mean
+context), so it is kept no longer than needed. Capture needs an otherwise empty cache; the
+engine captures before serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..extension import BatchPlan, PagedKVCache, explain
+
+__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, positions) -> logits [B, vocab]
+
+
+def _require_graph_safe_attention(cache: PagedKVCache) -> None:
+    """The paged decode kernel reads only device metadata; the torch fallback sizes its
+    gathers from the plan's host lengths, which a replay would not update. Looks at the
+    decisions for calls over caches like ``cache`` (the warm-up step just made one)."""
+    chosen = {d.chosen for d in explain("attention")
+              if d.key.paged and d.key.mode == "decode" and d.key.device.type == "cuda"
+              and d.key.dtype == cache.dtype and d.key.head_dim == cache.head_dim
+              and d.key.kv_heads == cache.kv_heads and d.key.page_size == cache.page_size}
+    if chosen - {"cuda"}:
+        raise RuntimeError(f"decode attention runs on {sorted(chosen)}, not the CUDA kernels: "
+                           "CUDA graphs need the astrai-attention plugin")
+
+
+def capture_pages(free: int, size: int, max_seq_pages: int) -> list[int]:
+    """Pages of each throw-away sequence a graph of ``size`` requests is captured with:
+    ``max_seq_pages`` each, or every free page shared out when they are fewer."""
+    if free >= size * max_seq_pages:
+        return [max_seq_pages] * size
+    return [free // size + (b < free % size) for b in range(size)]
+
+
+def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
+    """Copy the decode ``plan`` of ``n`` requests into the captured decode plan ``target`` of
+    ``B >= n`` rows, in place; rows ``n..B-1`` get one token on ``pad_page``."""
+    n, size = plan.batch_size, target.batch_size
+    nnz, room = plan.kv_indices.numel(), target.kv_indices.numel()
+    if n > size or nnz + size - n > room:
+        raise ValueError(f"the decode step ({n} requests, {nnz} pages) does not fit the captured plan "
+                         f"({size} requests, {room} pages): reserve() the workload first")
+    target.kv_indptr[: n + 1].copy_(plan.kv_indptr)
+    target.kv_indices[:nnz].copy_(plan.kv_indices)
+    target.kv_lens[:n].copy_(plan.kv_lens)
+    pad = size - n
+    if pad:
+        steps = torch.arange(nnz + 1, nnz + pad + 1, dtype=target.kv_indptr.dtype, device=target.kv_indptr.device)
+        target.kv_indptr[n + 1:].copy_(steps)
+        target.kv_indices[nnz: nnz + pad].fill_(pad_page)
+        target.kv_lens[n:].fill_(1)
+
+
+class _Graph:
+    def __init__(self, size: int, graph: torch.cuda.CUDAGraph, plan: BatchPlan, tokens: torch.Tensor,
+                 positions: torch.Tensor, logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        self.size = size
+        self.graph = graph
+        self.plan = plan
+        self.tokens = tokens
+        self.positions = positions
+        self.logits = logits
+        self.next_tokens = next_tokens
+
+
+class DecodeGraphs:
+    """Captures ``forward`` for every bucket up to ``max_batch_size``; :meth:`run` replays one."""
+
+    def __init__(self, forward: Forward, kv_cache: PagedKVCache, pad_page: int, max_batch_size: int,
+                 max_seq_pages: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        if kv_cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA kv_cache, got one on {kv_cache.device}")
+        self.kv_cache = kv_cache
+        self.pad_page = pad_page
+        self.max_seq_pages = max_seq_pages
+        sizes = sorted({b for b in buckets if b < max_batch_size} | {max_batch_size})
+        self.sizes = tuple(sizes)
+        self._graphs: dict[int, _Graph] = {}
+        self.replays = 0
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
+            self._graphs[size] = self._capture(forward, size, pool)
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest captured size holding ``batch`` requests, or None when none does."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _capture(self, forward: Forward, size: int, pool) -> _Graph:
+        cache = self.kv_cache
+        ps = cache.page_size
+        free = cache.free_pages
+        if free < size or free * ps < 3 * size:
+            raise ValueError(f"the kv_cache needs at least {max(size, -(-3 * size // ps))} free pages to capture "
+                             f"a decode graph of {size} requests, it has {free}")
+        pages = capture_pages(free, size, self.max_seq_pages)
+        ids = [("__capture__", size, b) for b in range(size)]
+        for s in ids:
+            cache.add_sequence(s)
+        try:
+            cache.plan(ids, [n * ps - 2 for n in pages])
+            device = cache.device
+            tokens = torch.zeros(size, dtype=torch.long, device=device)
+            positions = torch.zeros(size, dtype=torch.long, device=device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                cache.plan(ids, [1] * size)  # warm-up step (lazy initialisations happen outside the capture)
+                forward(tokens, positions).argmax(-1)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            _require_graph_safe_attention(cache)
+            plan = cache.plan(ids, [1] * size)  # a fresh plan: its derived indices are computed inside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = forward(tokens, positions)
+                next_tokens = logits.argmax(-1)
+        finally:
+            for s in ids:
+                cache.release(s)
+        return _Graph(size, graph, plan, tokens, positions, logits, next_tokens)
+
+    def run(self, plan: BatchPlan, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket of ``plan`` (a decode plan of the real requests, from ``kv_cache.plan``);
+        returns views ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs."""
+        n = plan.batch_size
+        g = self._graphs[self.bucket(n)]
+        g.tokens[:n].copy_(tokens, non_blocking=True)
+        g.positions[:n].copy_(positions, non_blocking=True)
+        if g.size > n:
+            g.tokens[n:].zero_()
+            g.positions[n:].zero_()
+        fill_plan(g.plan, plan, self.pad_page)
+        g.graph.replay()
+        self.replays += 1
+        return g.next_tokens[:n], g.logits[:n]

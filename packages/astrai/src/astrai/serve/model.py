@@ -1,0 +1,195 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) written against AstrAI's public API.
+
+Every layer runs ``attention(..., kv_cache=cache, layer_id=i, rope=(cos, sin))`` over the
+packed tokens of one engine step (``[1, total_tokens, heads, head_dim]``): the cache's active
+plan says which request each token belongs to and its position; rotary (NeoX layout, as
+transformers) is fused with the cache write. ``fused_rope=False`` runs ``apply_rotary_emb_qk``
+with per-token positions first instead. Projections are fused (q/k/v in one
+linear, gate/up in one), so ``fp8_autocast`` turns four GEMMs per layer into FP8.
+
+Weights come from transformers (:func:`load_hf_state_dict`) or from a seeded random init
+(:meth:`DecoderModel.random`); :func:`hf_state_dict` gives them back in transformers' names.
+
+A ``rope`` argument below is ``(cos, sin, positions)``: the float32 ``[max_positions,
+head_dim // 2]`` table and the int64 ``[tokens]`` position of every token of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..extension import DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast
+from .config import ModelConfig
+
+__all__ = ["DecoderModel", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalized in float32, cast back, then scaled."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.layer_id = layer_id
+        kw = dict(dtype=dtype, device=device)
+        self.attn_norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
+        self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, **kw)
+        self.o = nn.Linear(c.q_size, c.hidden_size, bias=False, **kw)
+        self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **kw)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                kv_cache: PagedKVCache, fused_rope: bool = True) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        cos, sin, positions = rope
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps)).split([c.q_size, c.kv_size, c.kv_size], -1)
+        q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
+        v = v.view(1, t, c.num_kv_heads, c.head_dim)
+        if fused_rope:  # rotary at the plan's cache positions, fused with the page write
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, rope=(cos, sin), rope_interleaved=False)
+        else:
+            q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id)
+        x = x + self.o(out.reshape(t, c.q_size))
+        gate, up = self.gate_up(rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, ``num_layers`` decoder layers, final norm and LM head (inference only)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device=None,
+                 inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if inv_freq is None:
+            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        # cos/sin of every position, float32 [max_positions, head_dim // 2] (as transformers computes them)
+        pos = torch.arange(c.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq.float().cpu()[None, :]
+        self.register_buffer("rope_cos", (freqs.cos() * rope_scaling).to(device), persistent=False)
+        self.register_buffer("rope_sin", (freqs.sin() * rope_scaling).to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @classmethod
+    def random(cls, config: ModelConfig, *, dtype=torch.bfloat16, device=None, seed: int = 0,
+               std: float = 0.02) -> DecoderModel:
+        """Random weights like transformers' init (normal(0, std), norms 1), seeded."""
+        model = cls(config, dtype=dtype, device=device)
+        gen = torch.Generator(device=model.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm"):
+                    p.normal_(0.0, std, generator=gen)
+        return model
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                logit_rows: torch.Tensor | None = None, *, fp8: bool = False, fused_rope: bool = True) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the packed ``tokens [T]`` at ``positions [T]`` (the rows
+        ``logit_rows`` only, default all). ``kv_cache.plan(...)`` must describe these tokens.
+
+        ``fp8``: the decoder layers' linears run under ``fp8_autocast`` with dynamic scaling
+        (no state carried between steps, so graph replays and eager steps agree) and cached
+        FP8 weight copies (serving never changes the weights; a CUDA graph then reads the
+        copy made in its warm-up step instead of quantizing every weight on every replay).
+        The LM head stays in the model's dtype.
+
+        ``fused_rope``: rotary through ``attention(..., rope=(cos, sin))``, at the positions the
+        cache's plan gives each token (they equal ``positions``), fused with the page write;
+        False rotates with ``apply_rotary_emb_qk(positions=...)`` first.
+        """
+        x = self.embed(tokens)
+        rope = (self.rope_cos, self.rope_sin, positions)
+        with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
+            for layer in self.layers:
+                x = layer(x, rope, kv_cache, fused_rope)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.lm_head(rms_norm(x, self.norm, self.config.rms_norm_eps))
+
+    def hidden_linears(self) -> list[nn.Linear]:
+        """The linears of the decoder layers (those ``fp8_autocast`` runs in FP8; not the LM head)."""
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
+# -- transformers' weight names --------------------------------------------------------------
+
+
+def load_hf_state_dict(model: DecoderModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy transformers' Llama/Mistral/Qwen2 weights (``model.layers.N.self_attn.q_proj.weight``
+    ...) into ``model``, fusing q/k/v and gate/up."""
+    c = model.config
+
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"the transformers state dict has no {name!r}: is it a Llama, Mistral or Qwen2 model?")
+        return state[name]
+
+    with torch.no_grad():
+        model.embed.weight.copy_(get("model.embed_tokens.weight"))
+        model.norm.copy_(get("model.norm.weight"))
+        if not c.tie_word_embeddings:
+            model.lm_head.weight.copy_(get("lm_head.weight"))
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            layer.qkv.weight.copy_(torch.cat([q, k, v]))
+            if c.qkv_bias:
+                qb, kb, vb = (get(p + f"self_attn.{n}_proj.bias") for n in "qkv")
+                layer.qkv.bias.copy_(torch.cat([qb, kb, vb]))
+            layer.o.weight.copy_(get(p + "self_attn.o_proj.weight"))
+            layer.gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            layer.down.weight.copy_(get(p + "mlp.down_proj.weight"))
+            layer.attn_norm.copy_(get(p + "input_layernorm.weight"))
+            layer.mlp_norm.copy_(get(p + "post_attention_layernorm.weight"))
+
+
+def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """``model``'s weights under transformers' names (the inverse of :func:`load_hf_state_dict`)."""
+    c = model.config
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.qkv.weight.split([c.q_size, c.kv_size, c.kv_size])
+        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
+        out[p + "self_attn.v_proj.weight"] = v
+        if c.qkv_bias:
+            qb, kb, vb = layer.qkv.bias.split([c.q_size, c.kv_size, c.kv_size])
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb, kb
+            out[p + "self_attn.v_proj.bias"] = vb
+        out[p + "self_attn.o_proj.weight"] = layer.o.weight
+        gate, up = layer.gate_up.weight.chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = layer.down.weight
+        out[p + "input_layernorm.weight"] = layer.attn_norm
+        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm
+    return {k: v.detach() for k, v in out.items()}

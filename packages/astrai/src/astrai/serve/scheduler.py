@@ -1,0 +1,105 @@
+"""Continuous batching: which requests run in the next engine step, and how many tokens each.
+
+A step is either a **prefill** step (chunks of prompts, packed, up to ``max_batch_tokens``
+tokens) or a **decode** step (one token for every request whose prompt is in the cache).
+Prefill goes first, so a request admitted while others decode gets its first token soon;
+requests are admitted while there are free slots (``max_batch_size``) and enough free
+cache pages for their whole prompt plus ``max_new_tokens`` (reserved on admission, so a
+running request never finds the cache full).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["Request", "Scheduler", "Step"]
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens already in the cache
+    first_token_time: float | None = None
+    finished: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache."""
+        return self.prefilled + max(len(self.output) - 1, 0)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def pages_needed(self, page_size: int) -> int:
+        return math.ceil((len(self.prompt) + self.max_new_tokens) / page_size)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step: ``requests[b]`` adds ``q_lens[b]`` tokens; ``logits_for`` lists the
+    requests whose next token this step produces (indices into ``requests``)."""
+
+    kind: str  # "prefill" or "decode"
+    requests: tuple[Request, ...]
+    q_lens: tuple[int, ...]
+    logits_for: tuple[int, ...]
+
+
+class Scheduler:
+    def __init__(self, requests: list[Request], *, page_size: int, num_pages: int,
+                 max_batch_size: int, max_batch_tokens: int) -> None:
+        self.waiting = deque(requests)
+        self.running: list[Request] = []
+        self.page_size = page_size
+        self.free_pages = num_pages
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        for r in requests:
+            if r.pages_needed(page_size) > num_pages:
+                raise ValueError(
+                    f"request {r.rid} needs {r.pages_needed(page_size)} cache pages of {page_size} tokens "
+                    f"(prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens}) but the cache has {num_pages}"
+                )
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            need = self.waiting[0].pages_needed(self.page_size)
+            if need > self.free_pages:
+                break
+            self.free_pages -= need
+            self.running.append(self.waiting.popleft())
+
+    def next_step(self) -> Step:
+        self._admit()
+        if not self.running:
+            raise RuntimeError("no request can run: the scheduler is done or the cache is too small")
+        prefill = [r for r in self.running if r.in_prefill]
+        if not prefill:
+            return Step("decode", tuple(self.running), (1,) * len(self.running), tuple(range(len(self.running))))
+        budget = self.max_batch_tokens
+        chosen, q_lens, logits_for = [], [], []
+        for r in prefill:
+            if budget == 0:
+                break
+            n = min(len(r.prompt) - r.prefilled, budget)
+            budget -= n
+            if r.prefilled + n == len(r.prompt):
+                logits_for.append(len(chosen))
+            chosen.append(r)
+            q_lens.append(n)
+        return Step("prefill", tuple(chosen), tuple(q_lens), tuple(logits_for))
+
+    def finish(self, request: Request) -> None:
+        request.finished = True
+        self.running.remove(request)
+        self.free_pages += request.pages_needed(self.page_size)

@@ -1,0 +1,117 @@
+"""astrai.serve on CUDA in bfloat16: decode graphs against eager steps, and against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.serve import LLM
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error per row."""
+    return (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Llama-3-8B layer shapes, 2 layers: the real GEMM and attention shapes, small enough for a test
+    return LLM.from_preset("llama3-8b", num_layers=2, dtype=torch.bfloat16, device="cuda", seed=0, max_batch_size=16)
+
+
+def test_graph_decode_matches_eager_decode(llm):
+    eager = LLM(llm.model, cuda_graphs=False, max_batch_size=16)
+    prompts = _prompts(1, [5, 130, 17, 700, 64], llm.config.vocab_size)
+    llm.reserve(prompts * 3, 24)  # graphs up to 15 requests: the 5 decode in the bucket of 8, with 3 pad rows
+    assert llm.graphs.bucket(5) == 8
+    replays = llm.graphs.replays
+    got, got_logits = llm.generate(prompts, max_new_tokens=24, return_logits=True)
+    assert llm.graphs.replays - replays == llm.last_stats.decode_steps >= 23
+    want, want_logits = eager.generate(prompts, max_new_tokens=24, return_logits=True)
+    for g, w, gl, wl in zip(got, want, got_logits, want_logits):
+        n = _first_divergence(g, w) + 1  # logits agree up to and including the first differing step
+        assert float(_rel(gl[:n], wl[:n]).max()) < 2e-2
+    same = sum(x == y for g, w in zip(got, want) for x, y in zip(g, w))
+    assert same / sum(len(w) for w in want) >= 0.95
+
+
+def test_overlapped_graph_decode_equals_step_by_step(llm):
+    """The overlapped loop feeds each step the previous step's tokens on the device: the same
+    graphs replayed one step at a time give the same tokens, bit for bit."""
+    serial = LLM(llm.model, overlap=False, max_batch_size=16)
+    prompts = _prompts(4, [300, 7, 51, 1200, 90, 33], llm.config.vocab_size)
+    assert llm.generate(prompts, max_new_tokens=40) == serial.generate(prompts, max_new_tokens=40)
+    assert serial.graphs.replays >= 39
+
+
+def test_tokens_and_logits_match_transformers_bf16(llm):
+    hf = llm.to_transformers("sdpa")
+    prompts = _prompts(2, [9, 33, 128, 250, 511, 1000, 77, 3], llm.config.vocab_size)
+    tokens, logits = llm.generate(prompts, max_new_tokens=32, return_logits=True)
+    agree = total = 0
+    for prompt, new, got in zip(prompts, tokens, logits):
+        with torch.no_grad():  # transformers on the engine's own sequence: the same context at every step
+            full = hf(torch.tensor([prompt + new], device="cuda"), logits_to_keep=len(new) + 1).logits[0, :-1]
+        assert float(_rel(got.cuda(), full).max()) < 5e-2
+        agree += int((full.argmax(-1).cpu() == torch.tensor(new)).sum())
+        total += len(new)
+    assert agree / total >= 0.95
+
+
+def test_fp8_engine_runs_in_graphs_and_stays_close(llm):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm_89 or newer")
+    fp8 = LLM(llm.model, fp8=True, max_batch_size=16)
+    prompts = _prompts(3, [40, 300, 12], llm.config.vocab_size)
+    _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)
+    tokens, approx = fp8.generate(prompts, max_new_tokens=16, return_logits=True)
+    assert fp8.graphs.replays >= 15 and [len(t) for t in tokens] == [16] * 3
+    for want, got in zip(exact, approx):
+        assert 0 < float(_rel(got[:1], want[:1]).max()) < 0.15
+
+
+def test_transformers_attn_implementation_astrai_bf16():
+    from astrai.integrations.transformers import register
+
+    name = register()
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name, dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.cuda().eval(), ref.cuda().eval()
+    ids = torch.randint(1, 1000, (3, 200), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    mask[2, :120] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert float(_rel(got[keep], want[keep]).max()) < 2e-2
+    args = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    new_got, new_want = ours.generate(ids, **args)[:, 200:], ref.generate(ids, **args)[:, 200:]
+    assert (new_got == new_want).float().mean() >= 0.9
+
+
+def test_fused_rope_matches_rotary_then_attention(llm):
+    unfused = LLM(llm.model, fused_rope=False, max_batch_size=16)
+    prompts = _prompts(5, [64, 9, 513], llm.config.vocab_size)
+    got, got_logits = llm.generate(prompts, max_new_tokens=16, return_logits=True)
+    want, want_logits = unfused.generate(prompts, max_new_tokens=16, return_logits=True)
+    for g, w, gl, wl in zip(got, want, got_logits, want_logits):
+        n = _first_divergence(g, w) + 1
+        assert float(_rel(gl[:n], wl[:n]).max()) < 2e-2
