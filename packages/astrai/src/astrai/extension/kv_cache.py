@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,10 @@ class BatchPlan:
 
     Host copies for the fallbacks: ``q_lens_host`` and ``kv_lens_host`` (tuples of int).
     The new tokens of request ``b`` are its last ``q_lens_host[b]`` cache positions.
+
+    ``launches``: what backends built for this batch and reuse in every layer (a kernel
+    launch plan: split count, workspaces, converted arguments), by the backend's key; filled
+    by :meth:`PagedKVCache.plan` through the cache's preparers, or by a layer's first call.
     """
 
     seq_ids: tuple[Hashable, ...]
@@ -84,6 +88,7 @@ class BatchPlan:
     q_tile_to_index: torch.Tensor
     q_lens_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
+    launches: dict[Hashable, object] = field(default_factory=dict, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -282,10 +287,13 @@ class PagedKVCache:
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
         self.k_pages = torch.empty(shape, dtype=dtype, device=device)
         self.v_pages = torch.empty(shape, dtype=dtype, device=device)
+        self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
+        self._v_layers = self.v_pages.unbind(0)
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
         self._active: BatchPlan | None = None
+        self._preparers: dict[Hashable, Callable[[PagedKVCache, BatchPlan], object]] = {}
 
     # -- properties
 
@@ -320,6 +328,13 @@ class PagedKVCache:
         self._require_seq(seq_id)
         return tuple(self._pages[seq_id])
 
+    def add_preparer(self, key: Hashable, prepare: Callable[[PagedKVCache, BatchPlan], object]) -> None:
+        """Have every later :meth:`plan` call ``prepare(cache, plan)`` and keep its result (unless
+        None: nothing to prepare for that batch) in ``plan.launches[key]``: a backend registers how to build its per-batch launch once,
+        so the layers' calls only launch. A preparer that raises ``RuntimeError`` (its
+        plugin became unusable) is dropped; the layer's call then decides again."""
+        self._preparers[key] = prepare
+
     # -- layers
 
     def check_layer(self, layer_id: object) -> int:
@@ -331,10 +346,10 @@ class PagedKVCache:
         return layer_id
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
-        return self.k_pages[self.check_layer(layer_id)]
+        return self._k_layers[self.check_layer(layer_id)]
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
-        return self.v_pages[self.check_layer(layer_id)]
+        return self._v_layers[self.check_layer(layer_id)]
 
     # -- sequences and pages
 
@@ -386,8 +401,16 @@ class PagedKVCache:
         for s, n_new, n_pages in zip(seq_ids, new_lens, extra):
             self._pages[s].extend(self._free.pop() for _ in range(n_pages))
             self._lens[s] = n_new
-        self._active = self._build_plan(seq_ids, q_lens, tuple(new_lens))
-        return self._active
+        self._active = plan = self._build_plan(seq_ids, q_lens, tuple(new_lens))
+        for key, prepare in list(self._preparers.items()):
+            try:
+                launch = prepare(self, plan)
+            except RuntimeError:
+                del self._preparers[key]
+                continue
+            if launch is not None:
+                plan.launches[key] = launch
+        return plan
 
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
         qo_indptr = [0]
