@@ -76,6 +76,20 @@ def check_against_contiguous(plan, results, history, seqs):
             torch.testing.assert_close(out[rows], sdpa(qb, k, v, is_causal=True)[0], atol=1e-5, rtol=1e-5)
 
 
+def pages_of(plan):
+    """Each request's page ids as the kernels read them: ceil(kv_len / page) entries from
+    kv_indptr[b], inside the request's span (kv_indptr monotone, ending at len(kv_indices))."""
+    indptr, indices = plan.kv_indptr.tolist(), plan.kv_indices.tolist()
+    assert indptr[0] == 0 and indptr[-1] == len(indices)
+    assert all(a <= b for a, b in zip(indptr, indptr[1:]))
+    out = []
+    for b, n in enumerate(plan.kv_lens.tolist()):
+        used = -(-n // plan.page_size)
+        assert indptr[b] + used <= indptr[b + 1]
+        out.append(indices[indptr[b]:indptr[b] + used])
+    return out
+
+
 def test_plan_metadata_of_the_spec_example():
     cache = PagedKVCache(1, 32, 16, HKV, D, dtype=torch.float32, page_order=shuffled(32, 1))
     for s in "abc":
@@ -86,10 +100,10 @@ def test_plan_metadata_of_the_spec_example():
     assert plan.q_tile_to_batch.tolist() == [0, 0, 1, 2, 2, 2]
     assert plan.q_tile_to_index.tolist() == [0, 1, 0, 0, 1, 2]
     assert plan.kv_lens.tolist() == [70, 10, 130]
-    assert plan.kv_indptr.tolist() == [0, 5, 6, 15]  # ceil(70/16), ceil(10/16), ceil(130/16)
     order = shuffled(32, 1)
-    assert plan.kv_indices.tolist() == order[:15]
-    assert [cache.page_table(s) for s in "abc"] == [tuple(order[:5]), tuple(order[5:6]), tuple(order[6:15])]
+    want = [order[:5], order[5:6], order[6:15]]  # ceil(70/16), ceil(10/16), ceil(130/16) pages
+    assert pages_of(plan) == want
+    assert [cache.page_table(s) for s in "abc"] == [tuple(p) for p in want]
     for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch, plan.q_tile_to_index):
         assert t.dtype == torch.int32 and t.device == cache.device
     assert plan.q_lens_host == (70, 10, 130) and plan.kv_lens_host == (70, 10, 130)
@@ -98,7 +112,7 @@ def test_plan_metadata_of_the_spec_example():
     cache.plan(["a", "b", "c"], [1, 1, 1])
     plan = cache.active_plan
     assert plan.kv_lens.tolist() == [71, 11, 131] and plan.is_decode
-    assert plan.kv_indptr.tolist() == [0, 5, 6, 15]
+    assert pages_of(plan) == want
     assert plan.q_tile_to_batch.tolist() == [0, 1, 2] and plan.q_tile_to_index.tolist() == [0, 0, 0]
 
 
@@ -201,7 +215,8 @@ def test_allocator_errors_and_release():
     with pytest.raises(RuntimeError, match="no active plan"):
         cache.active_plan  # the plan referenced a released sequence
     plan = cache.plan(["b"], [8])
-    assert plan.kv_indptr.tolist() == [0, 4]
+    assert [len(p) for p in pages_of(plan)] == [4]
+    assert sorted(cache.page_table("b")) == [0, 1, 2, 3]  # a's pages came back and went to b
     with pytest.raises(ValueError, match="layer_id 2 is out of range: the cache holds 2 layers"):
         cache.k_cache(2)
     with pytest.raises(ValueError, match="layer_id -1 is out of range"):

@@ -16,6 +16,10 @@ A step of inference runs in two stages:
    layer's new keys/values (:meth:`PagedKVCache.append`) and attends over the cache
    using the same plan. No layer rebuilds metadata.
 
+The page table lives on the cache's device and is updated incrementally
+(:mod:`~astrai.extension.device_page_table`): a decode step's :meth:`~PagedKVCache.plan`
+does O(batch) host work whatever the context length, and one small host->device copy.
+
 Example (plan once, run many)::
 
     >>> import torch
@@ -39,196 +43,18 @@ Writes are detached: the cache is inference state, gradients never flow into it.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
+from .batch_plan import Q_TILE_ROWS, BatchPlan
+from .device_page_table import DevicePageTable
 
-Q_TILE_ROWS = 64
-"""Rows of a Q tile in the ragged prefill schedule (``q_tile_to_batch`` / ``q_tile_to_index``)."""
+__all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
 
 
 class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
-
-
-@dataclass(frozen=True, eq=False)
-class BatchPlan:
-    """Ragged metadata for one batch, built once by :meth:`PagedKVCache.plan`.
-
-    Device tensors (int32, on the cache's device):
-
-    - ``qo_indptr [B+1]``: request ``b``'s new tokens are rows
-      ``qo_indptr[b]:qo_indptr[b+1]`` of the packed ``[total_q, heads, head_dim]`` query;
-    - ``kv_indptr [B+1]``: request ``b``'s page ids are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``;
-    - ``kv_indices [nnz_pages]``: page ids, in token order per request;
-    - ``kv_lens [B]``: tokens in the cache per request, after this step's append;
-    - ``q_tile_to_batch [T]`` / ``q_tile_to_index [T]``: for each 64-row Q tile, its
-      request and its tile index inside that request.
-
-    Host copies for the fallbacks: ``q_lens_host`` and ``kv_lens_host`` (tuples of int).
-    The new tokens of request ``b`` are its last ``q_lens_host[b]`` cache positions.
-
-    ``launches``: what backends built for this batch and reuse in every layer (a kernel
-    launch plan: split count, workspaces, converted arguments), by the backend's key; filled
-    by :meth:`PagedKVCache.plan` through the cache's preparers, or by a layer's first call.
-    """
-
-    seq_ids: tuple[Hashable, ...]
-    page_size: int
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_lens: torch.Tensor
-    q_tile_to_batch: torch.Tensor
-    q_tile_to_index: torch.Tensor
-    q_lens_host: tuple[int, ...]
-    kv_lens_host: tuple[int, ...]
-    launches: dict[Hashable, object] = field(default_factory=dict, repr=False)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.q_lens_host)
-
-    @property
-    def total_q(self) -> int:
-        return sum(self.q_lens_host)
-
-    @property
-    def total_kv(self) -> int:
-        return sum(self.kv_lens_host)
-
-    @property
-    def max_q_len(self) -> int:
-        return max(self.q_lens_host)
-
-    @property
-    def max_kv_len(self) -> int:
-        return max(self.kv_lens_host)
-
-    @property
-    def num_q_tiles(self) -> int:
-        return int(self.q_tile_to_batch.numel())
-
-    @property
-    def is_decode(self) -> bool:
-        """True when every request adds exactly one token (a decode step)."""
-        return all(n == 1 for n in self.q_lens_host)
-
-    @property
-    def uniform_q_len(self) -> int | None:
-        """The common q length when all requests add the same number of tokens, else None."""
-        first = self.q_lens_host[0]
-        return first if all(n == first for n in self.q_lens_host) else None
-
-    # -- token addressing (int64 slots into a layer's pages viewed as [num_pages * page_size, ...])
-
-    def _slots(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Flat slots of token positions ``pos`` of requests ``seq`` (both int64, same shape)."""
-        page_slot = self.kv_indptr.long()[seq] + torch.div(pos, self.page_size, rounding_mode="floor")
-        return self.kv_indices.long()[page_slot] * self.page_size + pos % self.page_size
-
-    def _q_lens_device(self) -> torch.Tensor:
-        """int64 ``[B]`` q lengths, derived on the device (no host copy: the decode path
-        must never synchronise)."""
-        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
-
-    @functools.cached_property
-    def write_index(self) -> torch.Tensor:
-        """int64 ``[total_q]``: slot of each new token, in packed query order."""
-        device = self.qo_indptr.device
-        q_lens = self._q_lens_device()
-        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
-        row = torch.arange(self.total_q, device=device) - self.qo_indptr.long()[seq]
-        pos = self.kv_lens.long()[seq] - q_lens[seq] + row
-        return self._slots(seq, pos)
-
-    @functools.cached_property
-    def flat_index(self) -> torch.Tensor:
-        """int64 ``[total_kv]``: slots of every cached token, requests concatenated."""
-        device = self.kv_lens.device
-        kv_lens = self.kv_lens.long()
-        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), kv_lens, output_size=self.total_kv)
-        starts = torch.cumsum(kv_lens, 0) - kv_lens
-        pos = torch.arange(self.total_kv, device=device) - starts[seq]
-        return self._slots(seq, pos)
-
-    @functools.cached_property
-    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 ``[B, max_kv]`` slots, bool ``[B, max_kv]`` valid); padding points at slot of token 0."""
-        device = self.kv_lens.device
-        pos = torch.arange(self.max_kv_len, device=device).expand(self.batch_size, -1)
-        valid = pos < self.kv_lens.long()[:, None]
-        seq = torch.arange(self.batch_size, device=device)[:, None].expand_as(pos)
-        return self._slots(seq, torch.where(valid, pos, 0)), valid
-
-    @functools.cached_property
-    def q_padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 ``[B, max_q]`` rows of the packed query, bool ``[B, max_q]`` valid); padding -> row 0."""
-        device = self.qo_indptr.device
-        rows = torch.arange(self.max_q_len, device=device).expand(self.batch_size, -1)
-        valid = rows < self._q_lens_device()[:, None]
-        return torch.where(valid, self.qo_indptr.long()[:-1, None] + rows, 0), valid
-
-    def keep_mask(self, causal: bool) -> torch.Tensor:
-        """Bool ``[B, max_q, max_kv]``: which cached tokens each (padded) query row attends to.
-
-        Request ``b``'s new tokens are its last ``q_len`` positions, so with ``causal`` row
-        ``i`` keeps ``j <= i + kv_len - q_len``; padding keys are never kept. Built once per
-        plan and causal flag, then shared by every layer.
-        """
-        name = "_keep_causal" if causal else "_keep_full"
-        cached = self.__dict__.get(name)
-        if cached is None:
-            _, kv_valid = self.padded_index
-            device = kv_valid.device
-            cached = kv_valid[:, None, :].expand(self.batch_size, self.max_q_len, self.max_kv_len)
-            if causal and self.max_q_len > 1:
-                offset = self.kv_lens.long() - torch.tensor(self.q_lens_host, device=device)
-                rows = torch.arange(self.max_q_len, device=device)[None, :, None]
-                cols = torch.arange(self.max_kv_len, device=device)[None, None, :]
-                cached = cached & (cols <= rows + offset[:, None, None])
-            self.__dict__[name] = cached  # frozen dataclass: memoised like the cached properties
-        return cached
-
-    @functools.cached_property
-    def cu_seqlens_q(self) -> torch.Tensor:
-        """int32 ``[B+1]`` prefix sums of q lengths (same values as ``qo_indptr``)."""
-        return self.qo_indptr
-
-    @functools.cached_property
-    def cu_seqlens_kv(self) -> torch.Tensor:
-        """int32 ``[B+1]`` prefix sums of kv lengths (the varlen layout of :attr:`flat_index`)."""
-        return torch.nn.functional.pad(torch.cumsum(self.kv_lens, 0, dtype=torch.int32), (1, 0))
-
-    # -- packing of per-token tensors
-
-    def packed(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """View ``t`` of one row per new token as ``[total_q, heads, head_dim]``.
-
-        Accepted: ``[total_q, H, D]``; ``[1, total_q, H, D]`` (packed); ``[B, L, H, D]`` when
-        every request adds ``L`` tokens. Anything else is a ``ValueError`` naming ``name``.
-        """
-        if t.dim() == 3 and t.shape[0] == self.total_q:
-            return t
-        if t.dim() == 4:
-            if t.shape[0] == 1 and t.shape[1] == self.total_q:
-                return t[0]
-            if t.shape[0] == self.batch_size and t.shape[1] == self.uniform_q_len:
-                return t.reshape(self.total_q, t.shape[2], t.shape[3])
-        raise ValueError(
-            f"{name} has shape {tuple(t.shape)} but the cache's plan adds q_lens={list(self.q_lens_host)} "
-            f"(total {self.total_q}) tokens: expected [1, {self.total_q}, heads, head_dim] (packed)"
-            + (
-                f" or [{self.batch_size}, {self.uniform_q_len}, heads, head_dim]"
-                if self.uniform_q_len is not None
-                else ""
-            )
-        )
 
 
 class PagedKVCache:
@@ -290,6 +116,7 @@ class PagedKVCache:
         self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
         self._v_layers = self.v_pages.unbind(0)
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
+        self._table = DevicePageTable(self.k_pages.device)
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
         self._active: BatchPlan | None = None
@@ -359,12 +186,14 @@ class PagedKVCache:
             raise ValueError(f"seq_id {seq_id!r} is already in the cache")
         self._pages[seq_id] = []
         self._lens[seq_id] = 0
+        self._table.add(seq_id)
 
     def release(self, seq_id: Hashable) -> None:
         """Drop a sequence and return its pages to the free list."""
         self._require_seq(seq_id)
         self._free.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
+        self._table.release(seq_id)
         if self._active is not None and seq_id in self._active.seq_ids:
             self._active = None
 
@@ -380,28 +209,26 @@ class PagedKVCache:
         """
         seq_ids = tuple(seq_ids)
         q_lens = tuple(q_lens)
-        if not seq_ids:
-            raise ValueError("seq_ids must name at least one sequence")
-        if len(q_lens) != len(seq_ids):
-            raise ValueError(f"q_lens has {len(q_lens)} entries but seq_ids has {len(seq_ids)}")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids has duplicates: {list(seq_ids)}")
-        for n in q_lens:
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"q_lens must be ints >= 1, got {list(q_lens)}")
-        for s in seq_ids:
-            self._require_seq(s)
-        new_lens = [self._lens[s] + n for s, n in zip(seq_ids, q_lens)]
-        extra = [math.ceil(n / self.page_size) - len(self._pages[s]) for s, n in zip(seq_ids, new_lens)]
-        if sum(extra) > len(self._free):
+        self._check_batch(seq_ids, q_lens)
+        page, lens, pages = self.page_size, self._lens, self._pages
+        new_lens = tuple(lens[s] + n for s, n in zip(seq_ids, q_lens))
+        extra = [-(-n // page) - len(pages[s]) for s, n in zip(seq_ids, new_lens)]
+        needed = sum(extra)
+        if needed > len(self._free):
             raise CacheFullError(
-                f"kv_cache is out of pages: the batch needs {sum(extra)} more pages of {self.page_size} tokens, "
+                f"kv_cache is out of pages: the batch needs {needed} more pages of {self.page_size} tokens, "
                 f"{len(self._free)} of {self.num_pages} are free (release finished sequences or build a larger cache)"
             )
-        for s, n_new, n_pages in zip(seq_ids, new_lens, extra):
-            self._pages[s].extend(self._free.pop() for _ in range(n_pages))
-            self._lens[s] = n_new
-        self._active = plan = self._build_plan(seq_ids, q_lens, tuple(new_lens))
+        if needed:  # only sequences that cross a page boundary get a page
+            free = self._free
+            for s, n_pages in zip(seq_ids, extra):
+                if n_pages > 0:
+                    new = [free.pop() for _ in range(n_pages)]
+                    self._table.add_pages(s, len(pages[s]), new)
+                    pages[s].extend(new)
+        for s, n in zip(seq_ids, new_lens):
+            lens[s] = n
+        self._active = plan = self._build_plan(seq_ids, q_lens, new_lens)
         for key, prepare in list(self._preparers.items()):
             try:
                 launch = prepare(self, plan)
@@ -412,32 +239,52 @@ class PagedKVCache:
                 plan.launches[key] = launch
         return plan
 
+    def _check_batch(self, seq_ids: tuple, q_lens: tuple) -> None:
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        if len(q_lens) != len(seq_ids):
+            raise ValueError(f"q_lens has {len(q_lens)} entries but seq_ids has {len(seq_ids)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids has duplicates: {list(seq_ids)}")
+        for n in q_lens:
+            if type(n) is not int or n < 1:
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"q_lens must be ints >= 1, got {list(q_lens)}")
+        for s in seq_ids:
+            if s not in self._pages:
+                self._require_seq(s)
+
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
-        qo_indptr = [0]
-        kv_indptr = [0]
-        kv_indices: list[int] = []
-        tile_batch: list[int] = []
-        tile_index: list[int] = []
-        for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
-            qo_indptr.append(qo_indptr[-1] + n)
-            kv_indices.extend(self._pages[s])
-            kv_indptr.append(len(kv_indices))
-            tiles = math.ceil(n / Q_TILE_ROWS)
-            tile_batch.extend([b] * tiles)
-            tile_index.extend(range(tiles))
-        parts = [qo_indptr, kv_indptr, kv_indices, list(kv_lens), tile_batch, tile_index]
-        # one host->device copy for all six arrays
-        flat = torch.tensor([v for p in parts for v in p], dtype=torch.int32).to(self.device)
-        views = torch.split(flat, [len(p) for p in parts])
+        batch = len(seq_ids)
+        qo_indptr = [0] * (batch + 1)
+        total = 0
+        for b, n in enumerate(q_lens):
+            total += n
+            qo_indptr[b + 1] = total
+        if total == batch:  # decode: one tile per request
+            tile_batch, tile_index = list(range(batch)), [0] * batch
+        else:
+            tile_batch, tile_index = [], []
+            for b, n in enumerate(q_lens):
+                tiles = -(-n // Q_TILE_ROWS)
+                tile_batch.extend([b] * tiles)
+                tile_index.extend(range(tiles))
+        width = self._table.width
+        kv_indptr = list(range(0, (batch + 1) * width, width))
+        head = [*qo_indptr, *kv_indptr, *kv_lens, *tile_batch, *tile_index]
+        flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
+        kv_indices = self._table.apply(seq_ids, flat, parts)
+        n_tiles = len(tile_batch)
+        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch, n_tiles, n_tiles])
         return BatchPlan(
             seq_ids=seq_ids,
             page_size=self.page_size,
             qo_indptr=views[0],
             kv_indptr=views[1],
-            kv_indices=views[2],
-            kv_lens=views[3],
-            q_tile_to_batch=views[4],
-            q_tile_to_index=views[5],
+            kv_indices=kv_indices,
+            kv_lens=views[2],
+            q_tile_to_batch=views[3],
+            q_tile_to_index=views[4],
             q_lens_host=q_lens,
             kv_lens_host=kv_lens,
         )
