@@ -36,13 +36,15 @@ def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
     return cols <= rows + (lkv - lq)
 
 
-def _finite_on_cpu(*tensors: torch.Tensor) -> bool:
+def _finite_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
     """False for CPU inputs holding NaN/Inf: torch's CPU SDPA kernels return zeros instead of
     NaN for such rows, so they take a plain softmax. (A host check is free on the CPU; CUDA
-    tensors skip it so the call never synchronises.)"""
-    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+    tensors skip it so the call never synchronises.) A float32 sum per tensor is NaN or Inf
+    when any element is; a finite sum that overflows only sends the call to the plain path.
+    (Cheaper than isfinite().all(): two reductions instead of four ops.)"""
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return True
-    return all(bool(t.isfinite().all()) for t in tensors)
+    return math.isfinite(q.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item())
 
 
 def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
