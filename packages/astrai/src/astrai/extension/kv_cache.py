@@ -43,6 +43,8 @@ Writes are detached: the cache is inference state, gradients never flow into it.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -51,6 +53,17 @@ from .batch_plan import Q_TILE_ROWS, BatchPlan
 from .device_page_table import DevicePageTable
 
 __all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
+
+
+def _locked(method):
+    """Run ``method`` holding the cache's lock (one allocator and page table, many threads)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class CacheFullError(RuntimeError):
@@ -72,6 +85,14 @@ class PagedKVCache:
     Storage: :attr:`k_pages` / :attr:`v_pages` are ``[num_layers, num_pages, page_size,
     kv_heads, head_dim]``; :meth:`k_cache` / :meth:`v_cache` give one layer's
     ``[num_pages, page_size, kv_heads, head_dim]`` view (what the paged kernels take).
+
+    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`append` and the
+    readers of the page accounting hold one lock, so request threads may add and release
+    sequences while an engine thread plans and runs batches: a page is never handed out
+    twice and free + owned pages always make up the cache. The batch itself stays the
+    engine's to order: a plan is the cache's :attr:`active_plan` until the next ``plan``,
+    so one thread should plan a batch and run its layers (or pass ``plan=`` to
+    :meth:`append`).
     """
 
     def __init__(
@@ -115,6 +136,7 @@ class PagedKVCache:
         self.v_pages = torch.empty(shape, dtype=dtype, device=device)
         self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
         self._v_layers = self.v_pages.unbind(0)
+        self._lock = threading.RLock()
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
         self._table = DevicePageTable(self.k_pages.device)
         self._pages: dict[Hashable, list[int]] = {}
@@ -133,10 +155,12 @@ class PagedKVCache:
         return self.k_pages.device
 
     @property
+    @_locked
     def free_pages(self) -> int:
         return len(self._free)
 
     @property
+    @_locked
     def sequences(self) -> tuple[Hashable, ...]:
         return tuple(self._pages)
 
@@ -147,14 +171,17 @@ class PagedKVCache:
             raise RuntimeError("kv_cache has no active plan: call kv_cache.plan(seq_ids, q_lens) once per batch")
         return self._active
 
+    @_locked
     def seq_len(self, seq_id: Hashable) -> int:
         self._require_seq(seq_id)
         return self._lens[seq_id]
 
+    @_locked
     def page_table(self, seq_id: Hashable) -> tuple[int, ...]:
         self._require_seq(seq_id)
         return tuple(self._pages[seq_id])
 
+    @_locked
     def add_preparer(self, key: Hashable, prepare: Callable[[PagedKVCache, BatchPlan], object]) -> None:
         """Have every later :meth:`plan` call ``prepare(cache, plan)`` and keep its result (unless
         None: nothing to prepare for that batch) in ``plan.launches[key]``: a backend registers how to build its per-batch launch once,
@@ -180,6 +207,7 @@ class PagedKVCache:
 
     # -- sequences and pages
 
+    @_locked
     def add_sequence(self, seq_id: Hashable) -> None:
         """Register an empty sequence (it owns no page until a plan adds tokens)."""
         if seq_id in self._pages:
@@ -188,6 +216,7 @@ class PagedKVCache:
         self._lens[seq_id] = 0
         self._table.add(seq_id)
 
+    @_locked
     def release(self, seq_id: Hashable) -> None:
         """Drop a sequence and return its pages to the free list."""
         self._require_seq(seq_id)
@@ -201,6 +230,7 @@ class PagedKVCache:
         if seq_id not in self._pages:
             raise KeyError(f"seq_id {seq_id!r} is not in the cache (add it with add_sequence)")
 
+    @_locked
     def plan(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> BatchPlan:
         """Reserve pages for ``q_lens[b]`` new tokens of ``seq_ids[b]`` and build the batch plan.
 
@@ -305,6 +335,7 @@ class PagedKVCache:
             )
         return plan.packed(t, name)
 
+    @_locked
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None) -> None:
         """Write layer ``layer_id``'s keys/values of the plan's new tokens into their pages.
 
