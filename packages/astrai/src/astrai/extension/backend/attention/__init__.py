@@ -110,7 +110,24 @@ class AttentionPolicy:
             raise ValueError(f"backends must have distinct names, got {names}")
         self.backends = tuple(backends)
         self.op = op
+        self._dense_calls: dict[tuple, tuple[AttentionCall, bool]] = {}
         _POLICIES[id(self)] = self
+
+    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> tuple[AttentionCall, bool]:
+        """``describe_call``, remembered for dense calls by the facts it depends on: a repeated
+        call shape costs one tuple and one dict lookup instead of the checks."""
+        if (kv_cache is not None or mask is not None or layer_id is not None or type(q) is not torch.Tensor
+                or type(k) is not torch.Tensor or type(v) is not torch.Tensor):
+            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, fwd,
+               type(is_causal), is_causal, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        found = self._dense_calls.get(key)
+        if found is None:
+            found = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            if len(self._dense_calls) >= 512:  # many shapes (varying lengths): start over
+                self._dense_calls.clear()
+            self._dense_calls[key] = found
+        return found
 
     def select(self, call: AttentionCall) -> AttentionBackend:
         """The backend that runs ``call`` under the current precedence (no computation)."""
@@ -135,7 +152,10 @@ class AttentionPolicy:
         mask: torch.Tensor | None = None,
         is_causal: bool | None = None,
     ) -> torch.Tensor:
-        call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        if torch.compiler.is_compiling():
+            call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        else:
+            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         if torch.compiler.is_compiling():
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)

@@ -1,0 +1,46 @@
+"""The policy remembers the validated description of a repeated dense call shape; a
+remembered shape must still reject what validation rejects and follow grad mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import attention_ref, tolerance
+
+from astrai.extension.backend.attention import AttentionPolicy, TorchNativeBackend
+
+
+def qkv(seed=0, lq=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, lq, 8, 64, generator=g), torch.randn(2, 5, 2, 64, generator=g), torch.randn(2, 5, 2, 64, generator=g)
+
+
+def test_repeated_shapes_reuse_the_description_and_stay_correct():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    for seed in range(3):
+        q, k, v = qkv(seed)
+        torch.testing.assert_close(policy(q, k, v).double(), attention_ref(q, k, v), **tolerance(torch.float32))
+    assert len(policy._dense_calls) == 1
+
+
+def test_a_remembered_shape_still_rejects_bad_arguments():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    q, k, v = qkv()
+    policy(q, k, v, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool or None, got int"):
+        policy(q, k, v, is_causal=1)  # equal to True as a dict key
+    with pytest.raises(ValueError, match="fwd must be None, 'decode' or 'prefill'"):
+        policy(q, k, v, fwd="decoder")
+    with pytest.raises(ValueError, match="k has batch 1 but q has batch 2"):
+        policy(q, k[:1], v[:1])
+
+
+def test_grad_mode_is_part_of_the_remembered_description():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    q, k, v = qkv(lq=3)
+    q.requires_grad_()
+    with torch.no_grad():
+        assert not policy(q, k, v).requires_grad
+    out = policy(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
