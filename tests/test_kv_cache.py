@@ -10,7 +10,7 @@ from reference import attention_ref, tolerance
 from astrai.extension.backend.attention import ATTN_BACKEND, attention, attn_backend
 from astrai.extension.backend.attention.torch_native import sdpa
 from astrai.extension import kv_cache as kv_cache_module
-from astrai.extension.kv_cache import Q_TILE_ROWS, BatchPlan, CacheFullError, PagedKVCache
+from astrai.extension.kv_cache import BatchPlan, CacheFullError, PagedKVCache
 
 HQ, HKV, D = 8, 2, 64
 
@@ -95,25 +95,26 @@ def test_plan_metadata_of_the_spec_example():
     for s in "abc":
         cache.add_sequence(s)
     plan = cache.plan(["a", "b", "c"], [70, 10, 130])
-    assert Q_TILE_ROWS == 64
     assert plan.qo_indptr.tolist() == [0, 70, 80, 210]
-    assert plan.q_tile_to_batch.tolist() == [0, 0, 1, 2, 2, 2]
-    assert plan.q_tile_to_index.tolist() == [0, 1, 0, 0, 1, 2]
+    to_batch, to_index = plan.q_tiles(64)  # the kernels' tile size, Q_TILE_ROWS of the plugin modules
+    assert to_batch.tolist() == [0, 0, 1, 2, 2, 2] and to_index.tolist() == [0, 1, 0, 0, 1, 2]
+    assert [t.tolist() for t in plan.q_tiles(128)] == [[0, 1, 2, 2], [0, 0, 0, 1]]
+    assert plan.q_tiles(64)[0] is to_batch  # built once per tile size
     assert plan.kv_lens.tolist() == [70, 10, 130]
     order = shuffled(32, 1)
     want = [order[:5], order[5:6], order[6:15]]  # ceil(70/16), ceil(10/16), ceil(130/16) pages
     assert pages_of(plan) == want
     assert [cache.page_table(s) for s in "abc"] == [tuple(p) for p in want]
-    for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch, plan.q_tile_to_index):
+    for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, to_batch, to_index):
         assert t.dtype == torch.int32 and t.device == cache.device
     assert plan.q_lens_host == (70, 10, 130) and plan.kv_lens_host == (70, 10, 130)
-    assert (plan.total_q, plan.max_q_len, plan.num_q_tiles, plan.is_decode) == (210, 130, 6, False)
+    assert (plan.total_q, plan.max_q_len, plan.is_decode) == (210, 130, False)
     # the next decode step: one token each, lengths advance, a new page only where one filled up
     cache.plan(["a", "b", "c"], [1, 1, 1])
     plan = cache.active_plan
     assert plan.kv_lens.tolist() == [71, 11, 131] and plan.is_decode
     assert pages_of(plan) == want
-    assert plan.q_tile_to_batch.tolist() == [0, 1, 2] and plan.q_tile_to_index.tolist() == [0, 0, 0]
+    assert [t.tolist() for t in plan.q_tiles(64)] == [[0, 1, 2], [0, 0, 0]]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from astrai.extension import ops
-from astrai.extension.ops.page_table import PageTableError, check_decode_table, check_prefill_table
+from astrai.extension.ops.page_table import PageTableError, check_decode_table, check_prefill_table, check_q_tiles
 
 I32 = torch.int32
 PAGES, PAGE, HKV, D = 12, 4, 2, 64
@@ -113,7 +113,8 @@ def prefill_table():
 def run_prefill_check(t, total_q=15):
     check_prefill_table("attn_paged_prefill", total_q, t["qo_indptr"], t["kv_indptr"], t["kv_indices"],
                         t["kv_lens"], t["q_tile_to_batch"], t["q_tile_to_index"], page_size=PAGE,
-                        num_pages=PAGES, tile_rows=64, debug=True)
+                        num_pages=PAGES, debug=True)
+    check_q_tiles("attn_paged_prefill", t["qo_indptr"], t["q_tile_to_batch"], t["q_tile_to_index"], tile_rows=64)
 
 
 @pytest.mark.parametrize(

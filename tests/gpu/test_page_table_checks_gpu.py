@@ -77,8 +77,8 @@ def test_debug_mode_rejects_a_corrupted_prefill_table(monkeypatch):
     plan = cache.plan([0, 1], [70, 9])
     q = torch.randn(79, HQ, D, device="cuda").to(BF16)
     k_pages = cache.k_cache(0)
-    args = [plan.qo_indptr, plan.kv_indptr, plan.kv_indices.clone(), plan.kv_lens, plan.q_tile_to_batch,
-            plan.q_tile_to_index]
+    args = [plan.qo_indptr, plan.kv_indptr, plan.kv_indices.clone(), plan.kv_lens,
+            *plan.q_tiles(ops.attention.q_tile_rows("cuda"))]
     ops.attn_paged_prefill(q, k_pages, cache.v_cache(0), *args)
     args[2][plan.kv_indptr[1]] = PAGES  # request 1's first page
     with pytest.raises(PageTableError, match="attn_paged_prefill: request 1: kv_indices holds page id 64"):

@@ -13,10 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Q_TILE_ROWS", "BatchPlan"]
+__all__ = ["BatchPlan", "q_tile_schedule"]
 
-Q_TILE_ROWS = 64
-"""Rows of a Q tile in the ragged prefill schedule (``q_tile_to_batch`` / ``q_tile_to_index``)."""
+
+def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int) -> tuple[list[int], list[int]]:
+    """(tile -> request, tile -> index inside the request) of ``tile_rows``-row Q tiles."""
+    if all(n == 1 for n in q_lens):  # decode: one tile per request
+        return list(range(len(q_lens))), [0] * len(q_lens)
+    to_batch: list[int] = []
+    to_index: list[int] = []
+    for b, n in enumerate(q_lens):
+        tiles = -(-n // tile_rows)
+        to_batch.extend([b] * tiles)
+        to_index.extend(range(tiles))
+    return to_batch, to_index
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,8 +43,9 @@ class BatchPlan:
       cache keeps a device-resident table with room to grow, so a step adds only its new
       pages; ``kv_indptr`` is monotone and ``kv_indptr[B] == len(kv_indices)``);
     - ``kv_lens [B]``: tokens in the cache per request, after this step's append;
-    - ``q_tile_to_batch [T]`` / ``q_tile_to_index [T]``: for each 64-row Q tile, its
-      request and its tile index inside that request.
+    - :meth:`q_tiles` ``(tile_rows)``: ``q_tile_to_batch [T]`` / ``q_tile_to_index [T]``, for
+      each Q tile of the ragged prefill schedule its request and its tile index inside that
+      request; the tile size is the kernels' (the plugin modules' ``Q_TILE_ROWS``).
 
     Host copies for the fallbacks: ``q_lens_host`` and ``kv_lens_host`` (tuples of int).
     The new tokens of request ``b`` are its last ``q_lens_host[b]`` cache positions.
@@ -50,8 +61,6 @@ class BatchPlan:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_lens: torch.Tensor
-    q_tile_to_batch: torch.Tensor
-    q_tile_to_index: torch.Tensor
     q_lens_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
     launches: dict[Hashable, object] = field(default_factory=dict, repr=False)
@@ -76,9 +85,19 @@ class BatchPlan:
     def max_kv_len(self) -> int:
         return max(self.kv_lens_host)
 
-    @property
-    def num_q_tiles(self) -> int:
-        return int(self.q_tile_to_batch.numel())
+    def q_tiles(self, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 ``(q_tile_to_batch, q_tile_to_index)`` of ``tile_rows``-row Q tiles, on the
+        plan's device; built once per plan and tile size (one host->device copy)."""
+        key = ("q_tiles", tile_rows)
+        found = self.launches.get(key)
+        if found is None:
+            to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows)
+            flat = torch.tensor(to_batch + to_index, dtype=torch.int32)
+            device = self.qo_indptr.device
+            if device.type == "cuda":
+                flat = flat.pin_memory().to(device, non_blocking=True)
+            found = self.launches[key] = (flat[: len(to_batch)], flat[len(to_batch):])
+        return found
 
     @functools.cached_property
     def is_decode(self) -> bool:

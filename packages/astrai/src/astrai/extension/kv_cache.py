@@ -10,7 +10,7 @@ A step of inference runs in two stages:
 1. :meth:`PagedKVCache.plan` once per batch: reserves pages for the new tokens of every
    sequence, advances the sequence lengths and returns a :class:`BatchPlan` holding the
    ragged metadata the kernels read (``qo_indptr``, ``kv_indptr``, ``kv_indices``,
-   ``kv_lens``, ``q_tile_to_batch``, ``q_tile_to_index``). The plan becomes the cache's
+   ``kv_lens``; the prefill kernels' Q tiles on demand, :meth:`BatchPlan.q_tiles`). The plan becomes the cache's
    :attr:`~PagedKVCache.active_plan`.
 2. every layer calls ``attention(q, k, v, kv_cache=cache, layer_id=i)``, which writes the
    layer's new keys/values (:meth:`PagedKVCache.append`) and attends over the cache
@@ -29,7 +29,7 @@ Example (plan once, run many)::
     >>> for seq in ("a", "b"):
     ...     cache.add_sequence(seq)
     >>> plan = cache.plan(["a", "b"], q_lens=[70, 10])      # prefill: ragged q lengths
-    >>> plan.qo_indptr.tolist(), plan.q_tile_to_batch.tolist()
+    >>> plan.qo_indptr.tolist(), plan.q_tiles(64)[0].tolist()
     ([0, 70, 80], [0, 0, 1])
     >>> for layer in range(2):                              # every layer reuses the plan
     ...     k = torch.randn(plan.total_q, 2, 64)
@@ -49,10 +49,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .batch_plan import Q_TILE_ROWS, BatchPlan
+from .batch_plan import BatchPlan
 from .device_page_table import DevicePageTable
 
-__all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
+__all__ = ["BatchPlan", "CacheFullError", "PagedKVCache"]
 
 
 def _locked(method):
@@ -291,21 +291,12 @@ class PagedKVCache:
         for b, n in enumerate(q_lens):
             total += n
             qo_indptr[b + 1] = total
-        if total == batch:  # decode: one tile per request
-            tile_batch, tile_index = list(range(batch)), [0] * batch
-        else:
-            tile_batch, tile_index = [], []
-            for b, n in enumerate(q_lens):
-                tiles = -(-n // Q_TILE_ROWS)
-                tile_batch.extend([b] * tiles)
-                tile_index.extend(range(tiles))
         width = self._table.width
         kv_indptr = list(range(0, (batch + 1) * width, width))
-        head = [*qo_indptr, *kv_indptr, *kv_lens, *tile_batch, *tile_index]
+        head = [*qo_indptr, *kv_indptr, *kv_lens]
         flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
         kv_indices = self._table.apply(seq_ids, flat, parts)
-        n_tiles = len(tile_batch)
-        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch, n_tiles, n_tiles])
+        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch])
         return BatchPlan(
             seq_ids=seq_ids,
             page_size=self.page_size,
@@ -313,8 +304,6 @@ class PagedKVCache:
             kv_indptr=views[1],
             kv_indices=kv_indices,
             kv_lens=views[2],
-            q_tile_to_batch=views[3],
-            q_tile_to_index=views[4],
             q_lens_host=q_lens,
             kv_lens_host=kv_lens,
         )

@@ -38,11 +38,10 @@ import functools
 import torch
 
 from ..abi import launch, tensor_arg
-from ..kv_cache import Q_TILE_ROWS
 from . import _plugin
-from .page_table import check_decode_table, check_prefill_table
+from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
-__all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"]
+__all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill", "q_tile_rows"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -93,6 +92,12 @@ def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, devi
     ws_o = torch.empty(splits * batch * q_heads * head_dim, dtype=torch.float32, device=device)
     ws_lse = torch.empty(splits * batch * q_heads, dtype=torch.float32, device=device)
     return ws_o, ws_lse
+
+
+def q_tile_rows(device: torch.device | str | None = None) -> int:
+    """Rows of the paged prefill kernels' Q tiles (``q_tile_to_batch`` / ``q_tile_to_index``):
+    the compiled module's ``Q_TILE_ROWS``, the one definition of it."""
+    return int(_plugin.require("attn_paged_prefill", device).Q_TILE_ROWS)
 
 
 # ---- attn_decode ----------------------------------------------------------------------
@@ -208,10 +213,12 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
     total_q, page_size, num_pages = _cache_geometry("attn_paged_prefill", q, k_cache)
     check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
-                        q_tile_to_index, page_size=page_size, num_pages=num_pages, tile_rows=Q_TILE_ROWS)
+                        q_tile_to_index, page_size=page_size, num_pages=num_pages)
     _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
                    q_tile_to_index=q_tile_to_index)
+    if debug_checks_enabled():
+        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                                q_tile_to_batch, q_tile_to_index, bool(is_causal))
 

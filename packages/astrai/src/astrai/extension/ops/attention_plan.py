@@ -31,7 +31,7 @@ import torch
 from ..abi import current_stream, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
-from .page_table import check_decode_table, check_prefill_table
+from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
 
@@ -140,13 +140,16 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
 
 def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                        kv_lens: torch.Tensor, q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor, *,
-                       total_q: int, tile_rows: int, page_size: int, num_pages: int) -> PagedPrefillLaunch:
-    """Plan a batch's ragged paged prefill (see the module docstring)."""
+                       total_q: int, page_size: int, num_pages: int) -> PagedPrefillLaunch:
+    """Plan a batch's ragged paged prefill (see the module docstring). The Q tiles are of the
+    module's ``Q_TILE_ROWS`` rows (``BatchPlan.q_tiles(ops.attention.q_tile_rows(device))``)."""
     check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens,
-                        q_tile_to_batch, q_tile_to_index, page_size=page_size, num_pages=num_pages,
-                        tile_rows=tile_rows)
+                        q_tile_to_batch, q_tile_to_index, page_size=page_size, num_pages=num_pages)
     index = _device_index(kv_lens)
     module = _plugin.require("attn_paged_prefill", torch.device("cuda", index))
+    if debug_checks_enabled():
+        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index,
+                      tile_rows=int(module.Q_TILE_ROWS))
     table = tuple(tensor_arg(t) for t in (qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
                                           q_tile_to_index))
     return PagedPrefillLaunch(qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index,

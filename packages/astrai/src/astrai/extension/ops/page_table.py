@@ -20,7 +20,13 @@ import os
 
 import torch
 
-__all__ = ["PageTableError", "check_decode_table", "check_prefill_table", "debug_checks_enabled"]
+__all__ = [
+    "PageTableError",
+    "check_decode_table",
+    "check_prefill_table",
+    "check_q_tiles",
+    "debug_checks_enabled",
+]
 
 DEBUG_ENV = "ASTRAI_DEBUG"
 
@@ -94,8 +100,9 @@ def check_decode_table(op: str, batch: int, kv_indptr: object, kv_indices: objec
 
 def check_prefill_table(op: str, total_q: int, qo_indptr: object, kv_indptr: object, kv_indices: object,
                         kv_lens: object, q_tile_to_batch: object, q_tile_to_index: object, *, page_size: int,
-                        num_pages: int, tile_rows: int, debug: bool | None = None) -> None:
-    """Check the page table and Q schedule of a ragged paged prefill (see the module docstring)."""
+                        num_pages: int, debug: bool | None = None) -> None:
+    """Check the page table and the Q schedule's shapes of a ragged paged prefill (the tiles'
+    values need the kernels' tile size: :func:`check_q_tiles`)."""
     _host_check(op, "qo_indptr", qo_indptr, None, "[batch + 1]")
     batch = qo_indptr.shape[0] - 1
     if batch < 1:
@@ -114,13 +121,21 @@ def check_prefill_table(op: str, total_q: int, qo_indptr: object, kv_indptr: obj
     b = _first(qo[1:] < qo[:-1])
     if b is not None:
         raise PageTableError(f"{op}: request {b}: qo_indptr decreases from entry {b} to {b + 1}")
-    if tiles:
-        tb, ti = q_tile_to_batch.long(), q_tile_to_index.long()
-        t = _first((tb < 0) | (tb >= batch))
-        if t is not None:
-            raise PageTableError(f"{op}: q tile {t} names request {int(tb[t])}, outside the batch of {batch}")
-        q_lens = (qo[1:] - qo[:-1])[tb]
-        t = _first((ti < 0) | (ti * tile_rows >= q_lens))
-        if t is not None:
-            raise PageTableError(f"{op}: request {int(tb[t])}: q tile {t} has index {int(ti[t])}, past the "
-                                 f"request's {int(q_lens[t])} query rows ({tile_rows} rows per tile)")
+
+
+def check_q_tiles(op: str, qo_indptr: torch.Tensor, q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
+                  *, tile_rows: int) -> None:
+    """Values of a Q schedule whose shapes passed (debug mode): every tile names a request of
+    the batch and a tile inside its query rows."""
+    if not q_tile_to_batch.shape[0]:
+        return
+    batch = qo_indptr.shape[0] - 1
+    qo, tb, ti = qo_indptr.long(), q_tile_to_batch.long(), q_tile_to_index.long()
+    t = _first((tb < 0) | (tb >= batch))
+    if t is not None:
+        raise PageTableError(f"{op}: q tile {t} names request {int(tb[t])}, outside the batch of {batch}")
+    q_lens = (qo[1:] - qo[:-1])[tb]
+    t = _first((ti < 0) | (ti * tile_rows >= q_lens))
+    if t is not None:
+        raise PageTableError(f"{op}: request {int(tb[t])}: q tile {t} has index {int(ti[t])}, past the "
+                             f"request's {int(q_lens[t])} query rows ({tile_rows} rows per tile)")

@@ -3,8 +3,8 @@
 - decode (one new token per request): ``attn_paged_decode`` over the layer's pages with
   the plan's ``kv_indptr`` / ``kv_indices`` / ``kv_lens`` (split-KV, graph-capturable);
 - prefill and mixed batches (any q lengths, ragged): ``attn_paged_prefill`` over the
-  packed ``[total_q, Hq, D]`` query with the plan's ``qo_indptr`` and 64-row
-  ``q_tile_to_batch`` / ``q_tile_to_index`` (causal bottom-right per request, or full).
+  packed ``[total_q, Hq, D]`` query with the plan's ``qo_indptr`` and its Q tiles of the
+  module's ``Q_TILE_ROWS`` (causal bottom-right per request, or full).
 
 Per batch, the launch is planned once (:mod:`astrai.extension.ops.attention_plan`: split
 count from the plugin's C++ planner, workspaces, converted page table), by the first layer's
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...device import probe_device
-from ...kv_cache import Q_TILE_ROWS, BatchPlan, PagedKVCache
+from ...kv_cache import BatchPlan, PagedKVCache
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
@@ -72,10 +72,12 @@ class CudaBackend(AttentionBackend):
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q")  # [total_q, Hq, D]
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
-        if torch.compiler.is_compiling():
+        launch = plan.launches.get(("cuda", "prefill", q_rows.shape[1]))
+        if torch.compiler.is_compiling():  # the Q tiles come from the eager plan (plan() prepares them)
+            tiles = (launch.q_tile_to_batch, launch.q_tile_to_index) if launch is not None else \
+                plan.q_tiles(attn_ops.q_tile_rows(q.device))
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
-                                              plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch,
-                                              plan.q_tile_to_index, bool(is_causal))
+                                              plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal))
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal))
         return out.reshape(q.shape)
@@ -98,6 +100,6 @@ def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: 
         return plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=q_heads,
                                  kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
                                  page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
-    return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch,
-                              plan.q_tile_to_index, total_q=plan.total_q, tile_rows=Q_TILE_ROWS,
-                              page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
+    tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
+    return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
+                              total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
