@@ -6,7 +6,9 @@ from __future__ import annotations
 import glob
 import importlib.util
 import shutil
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,3 +42,20 @@ def plugin_manifest_of(package_dir: Path, name: str) -> dict[str, Any]:
         return module.manifest()
     finally:
         del sys.modules[spec.name]
+
+
+def build_host_module(name: str, source: Path, include_dirs: list[Path], out_dir: Path) -> ModuleType | None:
+    """Compile a host-only (no CUDA) pybind11 module with the C++ compiler and load it; None
+    when no C++ compiler is on PATH."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        return None
+    import pybind11
+
+    target = out_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{pybind11.get_include()}",
+           f"-I{sysconfig.get_paths()['include']}", *(f"-I{d}" for d in include_dirs), str(source), "-o", str(target)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building {name} failed:\n{res.stderr[-3000:]}")
+    return load_module(name, target)
