@@ -280,6 +280,25 @@ def test_validation_names_the_argument(build):
             call()
 
 
+def test_cuda_failures_carry_their_code(build):
+    """A CUDA failure arrives as RuntimeError with the cudaError_t attached (cuda_error,
+    cuda_error_name): the fallback decides by the code. Here the first CUDA call fails
+    (no GPU, no driver); on a CUDA machine the fake pointers would be launched, so skip."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("launches on fake pointers: only on a machine without a GPU")
+    build_dir, _ = build
+    dec = _load(build_dir, "_attn_decode")
+    P = 1 << 20
+    q, kv = _t(P, [2, 1, 32, 128]), _t(P, [2, 100, 8, 128])
+    with pytest.raises(RuntimeError) as caught:
+        dec.attn_decode(q, kv, kv, q)
+    exc = caught.value
+    assert isinstance(exc.cuda_error, int) and exc.cuda_error != 0
+    assert exc.cuda_error_name.startswith("cudaError") and exc.cuda_error_name in str(exc)
+
+
 def test_standalone_tests_compile():
     """csrc/tests/*.cu keep building with the command in their header (host code and PTX;
     the plugin build above already runs ptxas over the same kernels)."""

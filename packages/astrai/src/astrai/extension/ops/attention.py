@@ -43,8 +43,6 @@ from .page_table import check_decode_table, check_prefill_table, check_q_tiles, 
 
 __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill", "q_tile_rows"]
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
-
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +62,10 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {device_of.device}")
     if device_of.device.type != "cuda":
         raise ValueError(f"{op}: q must be a CUDA tensor, got one on {device_of.device}")
-    if device_of.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: q must be bfloat16 or float16, got {device_of.dtype}")
+    spec = _plugin.op_spec(op, device_of.device)  # None without a usable plugin: require() says why
+    reason = None if spec is None else spec.unsupported(str(device_of.dtype).removeprefix("torch."))
+    if reason is not None:
+        raise TypeError(f"{op}: q: {reason}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,9 +30,6 @@ from .base import AttentionBackend, AttentionCall
 
 __all__ = ["CudaBackend"]
 
-_DTYPES = (torch.float16, torch.bfloat16)
-_HEAD_DIMS = (64, 128, 256)
-
 
 class CudaBackend(AttentionBackend):
     """The astrai-attention plugin's paged decode / ragged prefill kernels."""
@@ -46,17 +43,14 @@ class CudaBackend(AttentionBackend):
             return "the CUDA kernels run over a PagedKVCache; calls without a cache resolve by capability"
         if call.needs_grad:
             return "the CUDA kernels have no backward pass (call needs gradients)"
-        if call.dtype not in _DTYPES:
-            return f"the CUDA kernels need float16 or bfloat16, got {call.dtype}"
-        if call.head_dim not in _HEAD_DIMS:
-            return f"the CUDA kernels support head_dim 64, 128 or 256, got {call.head_dim}"
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
         op = "attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill"
         status = current_runtime().registry.op_status(op, probe_device(call.device))
         if not status.usable:
             return f"{op}: {status.reason}"
-        return None
+        # dtypes and head dims as the plugin's manifest states them (archs: the registry)
+        return status.spec.unsupported(str(call.dtype).removeprefix("torch."), call.head_dim)
 
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan
