@@ -44,3 +44,27 @@ def test_grad_mode_is_part_of_the_remembered_description():
     out = policy(q, k, v)
     out.sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_cache_calls_are_remembered_per_plan_and_still_validated():
+    from astrai.extension.kv_cache import PagedKVCache
+
+    policy = AttentionPolicy([TorchNativeBackend()])
+    cache = PagedKVCache(2, 16, 4, 2, 64, dtype=torch.float32)
+    cache.add_sequence("a")
+    plan = cache.plan(["a"], [3])
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 8, 64, generator=g), torch.randn(1, 3, 2, 64, generator=g)
+    for layer in (0, 1):
+        policy(q, k, k, kv_cache=cache, layer_id=layer)
+    assert sum(1 for key in plan.launches if key[0] == "described") == 2
+    with pytest.raises(ValueError, match="layer_id 2 is out of range"):
+        policy(q, k, k, kv_cache=cache, layer_id=2)
+    with pytest.raises(ValueError, match="q has shape"):
+        policy(q[:, :2], k[:, :2], k[:, :2], kv_cache=cache, layer_id=0)
+    with pytest.raises(ValueError, match="fwd='decode' needs one new token per request"):
+        policy(q, k, k, kv_cache=cache, layer_id=0, fwd="decode")
+    decode = cache.plan(["a"], [1])
+    assert not any(key[0] == "described" for key in decode.launches if isinstance(key, tuple))
+    with pytest.raises(ValueError, match="q has shape"):  # the new batch adds one token
+        policy(q, k, k, kv_cache=cache, layer_id=0)

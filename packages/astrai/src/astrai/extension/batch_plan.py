@@ -198,15 +198,21 @@ class BatchPlan:
         Accepted: ``[total_q, H, D]``; ``[1, total_q, H, D]`` (packed); ``[B, L, H, D]`` when
         every request adds ``L`` tokens. Anything else is a ``ValueError`` naming ``name``.
         """
-        if t.dim() == 3 and t.shape[0] == self.total_q:
-            return t
-        if t.dim() == 4:
-            if t.shape[0] == 1 and t.shape[1] == self.total_q:
-                return t[0]
-            if t.shape[0] == self.batch_size and t.shape[1] == self.uniform_q_len:
-                return t.reshape(self.total_q, t.shape[2], t.shape[3])
+        shape = self.check_packable(t.shape, name)
+        return t if len(shape) == 3 else t.reshape(self.total_q, shape[2], shape[3])
+
+    def check_packable(self, shape: torch.Size, name: str) -> torch.Size:
+        """``shape`` when a tensor of that shape holds one row per new token (see :meth:`packed`),
+        else a ``ValueError`` naming ``name``; no tensor is made."""
+        if len(shape) == 3 and shape[0] == self.total_q:
+            return shape
+        if len(shape) == 4 and (
+            (shape[0] == 1 and shape[1] == self.total_q)
+            or (shape[0] == self.batch_size and shape[1] == self.uniform_q_len)
+        ):
+            return shape
         raise ValueError(
-            f"{name} has shape {tuple(t.shape)} but the cache's plan adds q_lens={list(self.q_lens_host)} "
+            f"{name} has shape {tuple(shape)} but the cache's plan adds q_lens={list(self.q_lens_host)} "
             f"(total {self.total_q}) tokens: expected [1, {self.total_q}, heads, head_dim] (packed)"
             + (
                 f" or [{self.batch_size}, {self.uniform_q_len}, heads, head_dim]"

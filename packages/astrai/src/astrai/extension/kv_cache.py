@@ -136,6 +136,9 @@ class PagedKVCache:
         self.v_pages = torch.empty(shape, dtype=dtype, device=device)
         self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
         self._v_layers = self.v_pages.unbind(0)
+        flat = (num_layers, num_pages * page_size, kv_heads, head_dim)  # token slots, for writes
+        self._k_slots = self.k_pages.view(flat).unbind(0)
+        self._v_slots = self.v_pages.view(flat).unbind(0)
         self._lock = threading.RLock()
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
         self._table = DevicePageTable(self.k_pages.device)
@@ -325,20 +328,25 @@ class PagedKVCache:
         return plan.packed(t, name)
 
     @_locked
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None) -> None:
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None, *,
+               checked: bool = False) -> None:
         """Write layer ``layer_id``'s keys/values of the plan's new tokens into their pages.
 
         ``k`` / ``v``: ``[total_q, kv_heads, head_dim]``, ``[1, total_q, ...]`` or
-        ``[B, L, ...]`` with uniform q lengths (see :meth:`BatchPlan.packed`).
+        ``[B, L, ...]`` with uniform q lengths (see :meth:`BatchPlan.packed`). ``checked``:
+        the caller already validated ``layer_id``, ``k`` and ``v`` against this cache and
+        plan (``attention()`` does), so only the write runs.
         """
         plan = self.active_plan if plan is None else plan
-        layer_id = self.check_layer(layer_id)
-        k = self._check_tokens("k", k, plan)
-        v = self._check_tokens("v", v, plan)
+        if checked:
+            k, v = plan.packed(k, "k"), plan.packed(v, "v")
+        else:
+            layer_id = self.check_layer(layer_id)
+            k = self._check_tokens("k", k, plan)
+            v = self._check_tokens("v", v, plan)
         index = plan.write_index
-        flat_shape = (self.num_pages * self.page_size, self.kv_heads, self.head_dim)
-        self.k_pages[layer_id].view(flat_shape).index_copy_(0, index, k.detach())
-        self.v_pages[layer_id].view(flat_shape).index_copy_(0, index, v.detach())
+        self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)
+        self._v_slots[layer_id].index_copy_(0, index, v.detach() if v.requires_grad else v)
 
     def gather_flat(self, layer_id: int, plan: BatchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of every request, concatenated: ``[total_kv, kv_heads, head_dim]`` each."""

@@ -47,6 +47,8 @@ __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefi
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` when the kernels can stream it with 16-byte copies, else a contiguous copy."""
+    if t.is_contiguous() and t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t  # every stride is a multiple of the last dim
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
     ok = ok and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
     return t if ok else t.contiguous()

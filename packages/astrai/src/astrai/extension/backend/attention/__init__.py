@@ -114,19 +114,31 @@ class AttentionPolicy:
         _POLICIES[id(self)] = self
 
     def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> tuple[AttentionCall, bool]:
-        """``describe_call``, remembered for dense calls by the facts it depends on: a repeated
-        call shape costs one tuple and one dict lookup instead of the checks."""
-        if (kv_cache is not None or mask is not None or layer_id is not None or type(q) is not torch.Tensor
-                or type(k) is not torch.Tensor or type(v) is not torch.Tensor):
+        """``describe_call``, remembered by the facts it depends on: a repeated call shape costs
+        one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
+        policy (bounded); cache calls by their batch's plan (so per batch, every layer after
+        the first, and forgotten with the plan)."""
+        if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
             return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, fwd,
-               type(is_causal), is_causal, (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
-        found = self._dense_calls.get(key)
+        if kv_cache is None:
+            if layer_id is not None:
+                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            memo = self._dense_calls
+            if len(memo) >= 512:  # many shapes (varying lengths): start over
+                memo.clear()
+        elif type(kv_cache) is PagedKVCache and type(layer_id) is int:
+            try:
+                memo = kv_cache.active_plan.launches
+            except RuntimeError:  # no plan: describe_call says so
+                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        else:
+            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               layer_id, fwd, type(is_causal), is_causal,
+               (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        found = memo.get(key)
         if found is None:
-            found = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-            if len(self._dense_calls) >= 512:  # many shapes (varying lengths): start over
-                self._dense_calls.clear()
-            self._dense_calls[key] = found
+            found = memo[key] = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         return found
 
     def select(self, call: AttentionCall) -> AttentionBackend:
