@@ -66,8 +66,8 @@ class CudaBackend(AttentionBackend):
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q")  # [total_q, Hq, D]
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
-        launch = plan.launches.get(("cuda", "prefill", q_rows.shape[1]))
         if torch.compiler.is_compiling():  # the Q tiles come from the eager plan (plan() prepares them)
+            launch = plan.launches.get(("cuda", "prefill", q_rows.shape[1]))
             tiles = (launch.q_tile_to_batch, launch.q_tile_to_index) if launch is not None else \
                 plan.q_tiles(attn_ops.q_tile_rows(q.device))
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
