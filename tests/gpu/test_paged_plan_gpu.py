@@ -94,3 +94,33 @@ def test_schedule_through_plans_and_the_device_table(counting):
         run_step(cache, history, [2, 0, 3], [1, 1, 1], gen)  # a new order of the same requests
         decode_batches += 1
     assert counting["attn_paged_decode"].plans == decode_batches  # once per batch, not per layer
+
+
+def test_a_planned_decode_layer_replays_from_a_cuda_graph():
+    """The planned launch (workspaces owned by the plan) records into a CUDA graph: replays
+    on new queries equal eager calls on the same inputs."""
+    gen = torch.Generator().manual_seed(11)
+    cache = PagedKVCache(1, PAGES, PAGE, HKV, D, dtype=BF16, device="cuda")
+    cache.k_pages.normal_()
+    cache.v_pages.normal_()
+    for s in range(3):
+        cache.add_sequence(s)
+    cache.plan([0, 1, 2], [900, 40, 3000 // PAGE])
+    cache.plan([0, 1, 2], [1, 1, 1])
+    q = torch.randn(3, 1, HQ, D, generator=gen).to(BF16).cuda()
+    k = torch.randn(3, 1, HKV, D, generator=gen).to(BF16).cuda()
+    call = lambda: attention(q, k, k, kv_cache=cache, layer_id=0)  # noqa: E731
+    with attn_backend(ATTN_BACKEND.CUDA):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # plans the batch's launch outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for _ in range(3):
+            q.copy_(torch.randn(q.shape, generator=gen).to(BF16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, call())
