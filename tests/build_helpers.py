@@ -8,7 +8,9 @@ import os
 import importlib.machinery
 import importlib.util
 import shutil
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,10 +76,10 @@ def require_nvcc() -> None:
         pytest.skip("needs a CUDA toolkit: no nvcc on PATH (or CUDACXX)")
 
 
-def host_module(name: str, source: Path, depends: list[Path]) -> ModuleType:
+def host_module(name: str, source: Path, depends: list[Path], include_dirs: tuple[Path, ...] = ()) -> ModuleType:
     """The pybind11 module ``name`` built from one C++ ``source`` with the host compiler (no
-    nvcc), cached under build/host-modules/ by the hash of ``source`` and ``depends``;
-    skips the caller when there is no C++ compiler."""
+    nvcc; headers found next to it or in ``include_dirs``), cached under build/host-modules/
+    by the hash of ``source`` and ``depends``; skips the caller when there is no C++ compiler."""
     import hashlib
     import subprocess
     import sysconfig
@@ -96,7 +98,8 @@ def host_module(name: str, source: Path, depends: list[Path]) -> ModuleType:
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         staging = folder / f".{target.name}.{os.getpid()}"
-        includes = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+        includes = [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                    *(f"-I{d}" for d in include_dirs)]
         built = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", *includes, str(source), "-o",
                                 str(staging)], capture_output=True, text=True)
         if built.returncode != 0:

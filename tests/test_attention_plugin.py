@@ -2,7 +2,11 @@
 plugin for sm_90a whose binaries are inspected (tensor-core SASS in every mma kernel,
 no spills at head_dim <= 128 in the ptxas report) and whose compiled modules are called
 with bad arguments (ValueError naming the argument, before any CUDA call) and asked for
-their launch plans (equal to the Python mirror).
+their launch plans.
+
+The heuristics are checked through ``csrc/heuristics.h`` itself, bound by a host-only
+module (``csrc/tests/planner_module.cpp``, built with the C++ compiler, no CUDA toolkit):
+there is no Python copy of the rules to drift. The kernel modules' plans must equal it.
 """
 
 from __future__ import annotations
@@ -15,63 +19,75 @@ import sys
 from pathlib import Path
 
 import pytest
-from build_helpers import find_tool, load_module
+from build_helpers import find_tool, host_module, load_module
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = REPO / "packages" / "astrai-attention"
-sys.path.insert(0, str(PLUGIN / "src"))
-from astrai_attention import heuristics as H  # noqa: E402
 
 MODULES = ("_attn_decode", "_attn_prefill", "_attn_paged_decode", "_attn_paged_prefill")
 
 
-# -- heuristics (pure Python) ------------------------------------------------------------
+# -- heuristics: csrc/heuristics.h through a host-only binding ---------------------------
+
+
+@pytest.fixture(scope="module")
+def planner():
+    csrc = PLUGIN / "csrc"
+    return host_module("_attn_planner", csrc / "tests" / "planner_module.cpp",
+                       [csrc / "heuristics.h", csrc / "common.h"], include_dirs=(csrc,))
+
+
+def cdiv(a, b):
+    return -(-a // b)
 
 
 @pytest.mark.parametrize("group,hb,groups", [(1, 1, 1), (2, 2, 1), (3, 2, 2), (4, 4, 1), (5, 4, 2), (8, 4, 2),
                                              (32, 4, 8)])
-def test_prefill_head_block(group, hb, groups):
-    assert H.prefill_head_block(group) == hb
-    assert H.prefill_head_groups(group) == groups
-    assert H.Q_TILE_ROWS % hb == 0 and (H.Q_TILE_ROWS // hb) % 16 == 0  # whole warps per head slot
+def test_prefill_head_block(planner, group, hb, groups):
+    for d in (64, 128, 256):
+        assert planner.prefill_launch(group, d)[:2] == (hb, groups)
+    rows = planner.Q_TILE_ROWS
+    assert rows % hb == 0 and (rows // hb) % 16 == 0  # whole warps per head slot
 
 
-def test_prefill_grid_matches_spec_example():
+def test_prefill_grid_matches_spec_example(planner):
     # q lengths [70, 10, 130] -> 6 host tiles; GQA 32/8 -> HB = 4, one head group per kv head
-    assert [H.num_q_tiles(n) for n in (70, 10, 130)] == [2, 1, 3]
-    assert H.prefill_grid(6, kv_heads=8, group=4, batch=1, warps=4) == (24, 8, 1)  # the spec's layout
-    assert H.prefill_grid(6, kv_heads=8, group=4, batch=1) == (12, 8, 1)  # 8 warps: 2 blocks per tile
-    assert H.prefill_warps(1, 128) == 4 and H.prefill_warps(4, 256) == 4 and H.prefill_warps(2, 64) == 8
+    assert planner.Q_TILE_ROWS == 64
+    assert [planner.num_q_tiles(n) for n in (70, 10, 130)] == [2, 1, 3]
+    hb, groups, warps, bpt = planner.prefill_launch(4, 128)
+    assert (6 * bpt, 8 * groups) == (12, 8) and warps == 8  # 8 warps: 2 blocks per tile
+    assert planner.prefill_launch(1, 128)[2] == 4 and planner.prefill_launch(4, 256)[2] == 4
+    assert planner.prefill_launch(2, 64)[2] == 8
+    assert planner.prefill_launch(4, 256)[3] == 4  # the spec's 4-warp layout: grid.x = 24 for 6 tiles
     for group in (1, 2, 3, 4, 8):
         for d in (64, 128, 256):
-            w = H.prefill_warps(group, d)
-            bpt = H.prefill_blocks_per_tile(group, w)
-            rows_per_slot = H.Q_TILE_ROWS // bpt
-            assert rows_per_slot * H.prefill_head_block(group) == 16 * w  # every warp has 16 rows
+            hb, _, w, bpt = planner.prefill_launch(group, d)
+            rows_per_slot = planner.Q_TILE_ROWS // bpt
+            assert rows_per_slot * hb == 16 * w  # every warp has 16 rows
 
 
-def test_decode_splits_fill_the_machine():
+def test_decode_splits_fill_the_machine(planner):
     # B=1, GQA 32/8, kv 4096, 132 SMs: 8 blocks alone would idle the chip
-    s = H.decode_num_splits(1, 8, 4, 128, 4096, 132)
-    assert 16 <= s <= H.MAX_DECODE_SPLITS
+    s = planner.decode_plan(1, 8, 4, 128, 4096, 132)
+    assert 16 <= s <= planner.MAX_SPLITS
     assert 8 * s <= 2 * 132  # one wave
     # a batch that fills the machine needs no split (no combine pass)
-    assert H.decode_num_splits(64, 8, 4, 128, 4096, 132) == 1
-    assert H.decode_num_splits(16, 8, 4, 128, 4096, 132) == 2
+    assert planner.decode_plan(64, 8, 4, 128, 4096, 132) == 1
+    assert planner.decode_plan(16, 8, 4, 128, 4096, 132) == 2
     # one tile: nothing to split
-    assert H.decode_num_splits(1, 8, 4, 128, 64, 132) == 1
-    assert H.decode_num_splits(1, 8, 4, 256, 33, 132) == 1  # 2 tiles: a split costs its combine
+    assert planner.decode_plan(1, 8, 4, 128, 64, 132) == 1
+    assert planner.decode_plan(1, 8, 4, 256, 33, 132) == 1  # 2 tiles: a split costs its combine
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 7, 16, 33, 64, 200])
 @pytest.mark.parametrize("kv", [1, 63, 64, 65, 1000, 4096, 32768])
-def test_decode_split_bounds(batch, kv):
+def test_decode_split_bounds(planner, batch, kv):
     for d in (64, 128, 256):
-        s = H.decode_num_splits(batch, 8, 4, d, kv, 132)
-        tiles = H.cdiv(kv, H.decode_kv_tile(d))
-        assert 1 <= s <= min(H.MAX_DECODE_SPLITS, tiles)
-        o, lse = H.workspace_numel(s, batch, 32, d)
-        assert (o, lse) == ((0, 0) if s == 1 else (s * batch * 32 * d, s * batch * 32))
+        s = planner.decode_plan(batch, 8, 4, d, kv, 132)
+        tiles = cdiv(kv, planner.decode_kv_tile(d))
+        assert 1 <= s <= min(planner.MAX_SPLITS, tiles)
+        units = batch * 8 * planner.decode_head_groups(4)
+        assert s == 1 or units < 2 * 132  # a launch that fills a wave is never split
 
 
 # -- one plugin build for sm_90a ---------------------------------------------------------
@@ -194,24 +210,22 @@ def test_mma_kernels_use_tensor_cores(build):
         assert "LDGSTS" in body, f"{func}: no cp.async"
 
 
-def test_plans_match_the_python_mirror(build):
+def test_kernel_modules_bind_the_same_plans(build, planner):
     build_dir, _ = build
     dec, pdec = _load(build_dir, "_attn_decode"), _load(build_dir, "_attn_paged_decode")
-    pre = _load(build_dir, "_attn_prefill")
-    assert dec.MAX_SPLITS == H.MAX_DECODE_SPLITS and pre.Q_TILE_ROWS == H.Q_TILE_ROWS
+    pre, ppre = _load(build_dir, "_attn_prefill"), _load(build_dir, "_attn_paged_prefill")
+    assert dec.MAX_SPLITS == pdec.MAX_SPLITS == planner.MAX_SPLITS
+    assert pre.Q_TILE_ROWS == ppre.Q_TILE_ROWS == planner.Q_TILE_ROWS
     for batch in (1, 3, 16, 64, 257):
         for kv in (1, 64, 65, 4096, 32768):
             for group in (1, 4, 8, 32):
                 for d in (64, 128, 256):
-                    want = H.decode_num_splits(batch, 8, group, d, kv, 132)
+                    want = planner.decode_plan(batch, 8, group, d, kv, 132)
                     assert dec.decode_plan(batch, 8, group, d, kv, 132) == want
                     assert pdec.decode_plan(batch, 8, group, d, kv, 132) == want
     for hq, hkv in ((8, 8), (32, 8), (24, 8), (64, 2)):
         for d in (64, 128, 256):
-            g = hq // hkv
-            w = H.prefill_warps(g, d)
-            assert pre.prefill_plan(hq, hkv, d) == (H.prefill_head_block(g), H.prefill_head_groups(g), w,
-                                                    H.prefill_blocks_per_tile(g, w))
+            assert pre.prefill_plan(hq, hkv, d) == planner.prefill_launch(hq // hkv, d)
     info = dec.build_info()
     assert info["sass_archs"] == ["sm_90a"] and info["no_mma"] is False
 
@@ -271,6 +285,25 @@ def test_validation_names_the_argument(build):
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
+
+
+def test_cuda_failures_carry_their_code(build):
+    """A CUDA failure arrives as RuntimeError with the cudaError_t attached (cuda_error,
+    cuda_error_name): the fallback decides by the code. Here the first CUDA call fails
+    (no GPU, no driver); on a CUDA machine the fake pointers would be launched, so skip."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("launches on fake pointers: only on a machine without a GPU")
+    build_dir, _ = build
+    dec = _load(build_dir, "_attn_decode")
+    P = 1 << 20
+    q, kv = _t(P, [2, 1, 32, 128]), _t(P, [2, 100, 8, 128])
+    with pytest.raises(RuntimeError) as caught:
+        dec.attn_decode(q, kv, kv, q)
+    exc = caught.value
+    assert isinstance(exc.cuda_error, int) and exc.cuda_error != 0
+    assert exc.cuda_error_name.startswith("cudaError") and exc.cuda_error_name in str(exc)
 
 
 def test_standalone_tests_compile():

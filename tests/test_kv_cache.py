@@ -10,7 +10,7 @@ from reference import attention_ref, tolerance
 from astrai.extension.backend.attention import ATTN_BACKEND, attention, attn_backend
 from astrai.extension.backend.attention.torch_native import sdpa
 from astrai.extension import kv_cache as kv_cache_module
-from astrai.extension.kv_cache import Q_TILE_ROWS, BatchPlan, CacheFullError, PagedKVCache
+from astrai.extension.kv_cache import BatchPlan, CacheFullError, PagedKVCache
 
 HQ, HKV, D = 8, 2, 64
 
@@ -76,30 +76,45 @@ def check_against_contiguous(plan, results, history, seqs):
             torch.testing.assert_close(out[rows], sdpa(qb, k, v, is_causal=True)[0], atol=1e-5, rtol=1e-5)
 
 
+def pages_of(plan):
+    """Each request's page ids as the kernels read them: ceil(kv_len / page) entries from
+    kv_indptr[b], inside the request's span (kv_indptr monotone, ending at len(kv_indices))."""
+    indptr, indices = plan.kv_indptr.tolist(), plan.kv_indices.tolist()
+    assert indptr[0] == 0 and indptr[-1] == len(indices)
+    assert all(a <= b for a, b in zip(indptr, indptr[1:]))
+    out = []
+    for b, n in enumerate(plan.kv_lens.tolist()):
+        used = -(-n // plan.page_size)
+        assert indptr[b] + used <= indptr[b + 1]
+        out.append(indices[indptr[b]:indptr[b] + used])
+    return out
+
+
 def test_plan_metadata_of_the_spec_example():
     cache = PagedKVCache(1, 32, 16, HKV, D, dtype=torch.float32, page_order=shuffled(32, 1))
     for s in "abc":
         cache.add_sequence(s)
     plan = cache.plan(["a", "b", "c"], [70, 10, 130])
-    assert Q_TILE_ROWS == 64
     assert plan.qo_indptr.tolist() == [0, 70, 80, 210]
-    assert plan.q_tile_to_batch.tolist() == [0, 0, 1, 2, 2, 2]
-    assert plan.q_tile_to_index.tolist() == [0, 1, 0, 0, 1, 2]
+    to_batch, to_index = plan.q_tiles(64)  # the kernels' tile size, Q_TILE_ROWS of the plugin modules
+    assert to_batch.tolist() == [0, 0, 1, 2, 2, 2] and to_index.tolist() == [0, 1, 0, 0, 1, 2]
+    assert [t.tolist() for t in plan.q_tiles(128)] == [[0, 1, 2, 2], [0, 0, 0, 1]]
+    assert plan.q_tiles(64)[0] is to_batch  # built once per tile size
     assert plan.kv_lens.tolist() == [70, 10, 130]
-    assert plan.kv_indptr.tolist() == [0, 5, 6, 15]  # ceil(70/16), ceil(10/16), ceil(130/16)
     order = shuffled(32, 1)
-    assert plan.kv_indices.tolist() == order[:15]
-    assert [cache.page_table(s) for s in "abc"] == [tuple(order[:5]), tuple(order[5:6]), tuple(order[6:15])]
-    for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch, plan.q_tile_to_index):
+    want = [order[:5], order[5:6], order[6:15]]  # ceil(70/16), ceil(10/16), ceil(130/16) pages
+    assert pages_of(plan) == want
+    assert [cache.page_table(s) for s in "abc"] == [tuple(p) for p in want]
+    for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, to_batch, to_index):
         assert t.dtype == torch.int32 and t.device == cache.device
     assert plan.q_lens_host == (70, 10, 130) and plan.kv_lens_host == (70, 10, 130)
-    assert (plan.total_q, plan.max_q_len, plan.num_q_tiles, plan.is_decode) == (210, 130, 6, False)
+    assert (plan.total_q, plan.max_q_len, plan.is_decode) == (210, 130, False)
     # the next decode step: one token each, lengths advance, a new page only where one filled up
     cache.plan(["a", "b", "c"], [1, 1, 1])
     plan = cache.active_plan
     assert plan.kv_lens.tolist() == [71, 11, 131] and plan.is_decode
-    assert plan.kv_indptr.tolist() == [0, 5, 6, 15]
-    assert plan.q_tile_to_batch.tolist() == [0, 1, 2] and plan.q_tile_to_index.tolist() == [0, 0, 0]
+    assert pages_of(plan) == want
+    assert [t.tolist() for t in plan.q_tiles(64)] == [[0, 1, 2], [0, 0, 0]]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -201,7 +216,8 @@ def test_allocator_errors_and_release():
     with pytest.raises(RuntimeError, match="no active plan"):
         cache.active_plan  # the plan referenced a released sequence
     plan = cache.plan(["b"], [8])
-    assert plan.kv_indptr.tolist() == [0, 4]
+    assert [len(p) for p in pages_of(plan)] == [4]
+    assert sorted(cache.page_table("b")) == [0, 1, 2, 3]  # a's pages came back and went to b
     with pytest.raises(ValueError, match="layer_id 2 is out of range: the cache holds 2 layers"):
         cache.k_cache(2)
     with pytest.raises(ValueError, match="layer_id -1 is out of range"):

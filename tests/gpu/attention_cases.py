@@ -18,9 +18,9 @@ from checks import assert_attention_close  # noqa: E402
 from reference import attention_ref64  # noqa: E402
 
 from astrai.extension.abi import dtype_code, stream_handle  # noqa: E402
+from astrai.extension.batch_plan import q_tile_schedule  # noqa: E402
 from astrai.extension.ops import _plugin  # noqa: E402
-
-Q_TILE_ROWS = 64
+from astrai.extension.ops.attention import q_tile_rows  # noqa: E402
 
 
 def abi(t: torch.Tensor | None):
@@ -47,13 +47,11 @@ def assert_close(got: torch.Tensor, ref, dtype: torch.dtype, what: str) -> None:
 
 
 def ragged_plan(q_lens, device="cuda"):
-    """qo_indptr, q_tile_to_batch, q_tile_to_index for ragged q lengths (64-row tiles)."""
-    indptr, tb, ti = [0], [], []
-    for b, n in enumerate(q_lens):
+    """qo_indptr, q_tile_to_batch, q_tile_to_index for ragged q lengths (the module's Q tiles)."""
+    indptr = [0]
+    for n in q_lens:
         indptr.append(indptr[-1] + n)
-        for t in range(-(-n // Q_TILE_ROWS)):
-            tb.append(b)
-            ti.append(t)
+    tb, ti = q_tile_schedule(tuple(q_lens), q_tile_rows(device))
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return as_t(indptr), as_t(tb), as_t(ti)
 

@@ -77,7 +77,7 @@ def _cases():
         "attn_paged_prefill": (
             lambda q: attn_ops.attn_paged_prefill(q, pre_cache.k_cache(0), pre_cache.v_cache(0), pre_plan.qo_indptr,
                                              pre_plan.kv_indptr, pre_plan.kv_indices, pre_plan.kv_lens,
-                                             pre_plan.q_tile_to_batch, pre_plan.q_tile_to_index, True),
+                                             *pre_plan.q_tiles(attn_ops.q_tile_rows(DEV)), True),
             lambda: (rand(76, 8, 128),)),
         "fp8_quantize": (lambda x: fp8_ops.fp8_quantize(x, scale, "e4m3", 2), lambda: (rand(96, 160),)),
         "fp8_gemm": (lambda a, b: fp8_ops.mm_fp8(a, b, scale), fp8_pair),

@@ -185,10 +185,8 @@ inline void set_page_table(AttentionParams& p, const TensorArg& indptr, const Te
 inline pybind11::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
     check_heads(q_heads, kv_heads);
     ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
-    const int g = int(q_heads / kv_heads);
-    const int warps = prefill_warps(g, int(head_dim));
-    return pybind11::make_tuple(prefill_head_block(g), prefill_head_groups(g), warps,
-                                prefill_blocks_per_tile(g, warps));
+    const PrefillLaunch l = prefill_launch(int(q_heads / kv_heads), int(head_dim));
+    return pybind11::make_tuple(l.head_block, l.head_groups, l.warps, l.blocks_per_tile);
 }
 
 }  // namespace astrai::attn

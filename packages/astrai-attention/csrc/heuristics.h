@@ -1,6 +1,7 @@
 // Launch heuristics as pure host functions (no CUDA calls): split counts, head packing,
-// grid sizes. Mirrored in Python by astrai_attention/heuristics.py and tested on the CPU
-// against this file through the compiled modules' plan functions.
+// grid sizes. The one definition: the kernel modules bind them (decode_plan, prefill_plan)
+// and csrc/tests/planner_module.cpp binds them for the CPU tests (host C++ only), so no
+// Python copy of these rules exists.
 #pragma once
 
 #include <algorithm>
@@ -63,5 +64,18 @@ constexpr int prefill_blocks_per_tile(int group, int warps) {
     return prefill_head_block(group) * kPrefillWarps / warps;
 }
 constexpr int64_t num_q_tiles(int64_t q_len) { return cdiv(q_len, kQTileRows); }
+
+// The block layout of an mma prefill launch for GQA group `group` (the wgmma kernel on
+// sm_90a runs the same grid).
+struct PrefillLaunch {
+    int head_block;       // HB: query heads per block
+    int head_groups;      // ceil(group / HB): grid.y = kv_heads * head_groups
+    int warps;            // warps per block
+    int blocks_per_tile;  // blocks sharing one host Q tile: grid.x = num_q_tiles * blocks_per_tile
+};
+constexpr PrefillLaunch prefill_launch(int group, int head_dim) {
+    const int warps = prefill_warps(group, head_dim);
+    return {prefill_head_block(group), prefill_head_groups(group), warps, prefill_blocks_per_tile(group, warps)};
+}
 
 }  // namespace astrai::attn

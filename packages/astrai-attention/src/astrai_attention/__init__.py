@@ -4,7 +4,8 @@ The core's registry calls :func:`manifest` through the entry point ``astrai.kern
 attention``; the compiled modules ``astrai_attention._attn_*`` are imported by the core
 only when an op first runs. What the binaries hold (CUDA version, SASS and PTX archs)
 comes from ``build_info.json``, written by the build next to the modules. The launch
-heuristics the binaries use are mirrored in :mod:`astrai_attention.heuristics`.
+heuristics live in one place, ``csrc/heuristics.h``; the compiled modules expose them
+(``decode_plan``, ``prefill_plan``, ``Q_TILE_ROWS``, ``MAX_SPLITS``).
 """
 
 from __future__ import annotations

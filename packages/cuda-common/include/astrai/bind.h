@@ -2,7 +2,7 @@
 //
 //   tensor_arg(name, obj)   a Python tuple (ptr, shape, strides, dtype_code) -> TensorArg
 //   stream_arg(handle)      a Python int (torch's `cuda_stream`) -> cudaStream_t
-//   init_module(m)          error translation (ValueError / RuntimeError) + build_info()
+//   init_module(m)          error translation (ValueError / RuntimeError with .cuda_error) + build_info()
 //
 // build_info() reports what CMake compiled in (the ASTRAI_BUILD_* macros of the
 // generated astrai_build_config.h) and the toolkit's CUDART_VERSION.
@@ -115,7 +115,12 @@ inline void init_module(py::module_& m) {
         } catch (const InvalidArgument& e) {
             PyErr_SetString(PyExc_ValueError, e.what());
         } catch (const CudaError& e) {
-            PyErr_SetString(PyExc_RuntimeError, e.what());
+            // A RuntimeError carrying the cudaError_t: callers decide by the code
+            // (exc.cuda_error, exc.cuda_error_name), never by the message text.
+            py::object exc = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.what());
+            exc.attr("cuda_error") = static_cast<int>(e.code());
+            exc.attr("cuda_error_name") = cudaGetErrorName(e.code());
+            PyErr_SetObject(PyExc_RuntimeError, exc.ptr());
         }
     });
     m.def("build_info", &build_info,

@@ -47,6 +47,13 @@ def dtype_code(tensor: torch.Tensor) -> int:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def current_stream(index: int) -> int:
+    """The raw cudaStream_t of the current stream on CUDA device ``index``."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current stream on ``device``."""
     if _raw_stream is not None:

@@ -10,11 +10,15 @@ A step of inference runs in two stages:
 1. :meth:`PagedKVCache.plan` once per batch: reserves pages for the new tokens of every
    sequence, advances the sequence lengths and returns a :class:`BatchPlan` holding the
    ragged metadata the kernels read (``qo_indptr``, ``kv_indptr``, ``kv_indices``,
-   ``kv_lens``, ``q_tile_to_batch``, ``q_tile_to_index``). The plan becomes the cache's
+   ``kv_lens``; the prefill kernels' Q tiles on demand, :meth:`BatchPlan.q_tiles`). The plan becomes the cache's
    :attr:`~PagedKVCache.active_plan`.
 2. every layer calls ``attention(q, k, v, kv_cache=cache, layer_id=i)``, which writes the
    layer's new keys/values (:meth:`PagedKVCache.append`) and attends over the cache
    using the same plan. No layer rebuilds metadata.
+
+The page table lives on the cache's device and is updated incrementally
+(:mod:`~astrai.extension.device_page_table`): a decode step's :meth:`~PagedKVCache.plan`
+does O(batch) host work whatever the context length, and one small host->device copy.
 
 Example (plan once, run many)::
 
@@ -25,7 +29,7 @@ Example (plan once, run many)::
     >>> for seq in ("a", "b"):
     ...     cache.add_sequence(seq)
     >>> plan = cache.plan(["a", "b"], q_lens=[70, 10])      # prefill: ragged q lengths
-    >>> plan.qo_indptr.tolist(), plan.q_tile_to_batch.tolist()
+    >>> plan.qo_indptr.tolist(), plan.q_tiles(64)[0].tolist()
     ([0, 70, 80], [0, 0, 1])
     >>> for layer in range(2):                              # every layer reuses the plan
     ...     k = torch.randn(plan.total_q, 2, 64)
@@ -40,190 +44,30 @@ Writes are detached: the cache is inference state, gradients never flow into it.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["Q_TILE_ROWS", "BatchPlan", "CacheFullError", "PagedKVCache"]
+from .batch_plan import BatchPlan
+from .device_page_table import DevicePageTable
 
-Q_TILE_ROWS = 64
-"""Rows of a Q tile in the ragged prefill schedule (``q_tile_to_batch`` / ``q_tile_to_index``)."""
+__all__ = ["BatchPlan", "CacheFullError", "PagedKVCache"]
+
+
+def _locked(method):
+    """Run ``method`` holding the cache's lock (one allocator and page table, many threads)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
-
-
-@dataclass(frozen=True, eq=False)
-class BatchPlan:
-    """Ragged metadata for one batch, built once by :meth:`PagedKVCache.plan`.
-
-    Device tensors (int32, on the cache's device):
-
-    - ``qo_indptr [B+1]``: request ``b``'s new tokens are rows
-      ``qo_indptr[b]:qo_indptr[b+1]`` of the packed ``[total_q, heads, head_dim]`` query;
-    - ``kv_indptr [B+1]``: request ``b``'s page ids are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``;
-    - ``kv_indices [nnz_pages]``: page ids, in token order per request;
-    - ``kv_lens [B]``: tokens in the cache per request, after this step's append;
-    - ``q_tile_to_batch [T]`` / ``q_tile_to_index [T]``: for each 64-row Q tile, its
-      request and its tile index inside that request.
-
-    Host copies for the fallbacks: ``q_lens_host`` and ``kv_lens_host`` (tuples of int).
-    The new tokens of request ``b`` are its last ``q_lens_host[b]`` cache positions.
-    """
-
-    seq_ids: tuple[Hashable, ...]
-    page_size: int
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_lens: torch.Tensor
-    q_tile_to_batch: torch.Tensor
-    q_tile_to_index: torch.Tensor
-    q_lens_host: tuple[int, ...]
-    kv_lens_host: tuple[int, ...]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.q_lens_host)
-
-    @property
-    def total_q(self) -> int:
-        return sum(self.q_lens_host)
-
-    @property
-    def total_kv(self) -> int:
-        return sum(self.kv_lens_host)
-
-    @property
-    def max_q_len(self) -> int:
-        return max(self.q_lens_host)
-
-    @property
-    def max_kv_len(self) -> int:
-        return max(self.kv_lens_host)
-
-    @property
-    def num_q_tiles(self) -> int:
-        return int(self.q_tile_to_batch.numel())
-
-    @property
-    def is_decode(self) -> bool:
-        """True when every request adds exactly one token (a decode step)."""
-        return all(n == 1 for n in self.q_lens_host)
-
-    @property
-    def uniform_q_len(self) -> int | None:
-        """The common q length when all requests add the same number of tokens, else None."""
-        first = self.q_lens_host[0]
-        return first if all(n == first for n in self.q_lens_host) else None
-
-    # -- token addressing (int64 slots into a layer's pages viewed as [num_pages * page_size, ...])
-
-    def _slots(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Flat slots of token positions ``pos`` of requests ``seq`` (both int64, same shape)."""
-        page_slot = self.kv_indptr.long()[seq] + torch.div(pos, self.page_size, rounding_mode="floor")
-        return self.kv_indices.long()[page_slot] * self.page_size + pos % self.page_size
-
-    def _q_lens_device(self) -> torch.Tensor:
-        """int64 ``[B]`` q lengths, derived on the device (no host copy: the decode path
-        must never synchronise)."""
-        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
-
-    @functools.cached_property
-    def write_index(self) -> torch.Tensor:
-        """int64 ``[total_q]``: slot of each new token, in packed query order."""
-        device = self.qo_indptr.device
-        q_lens = self._q_lens_device()
-        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
-        row = torch.arange(self.total_q, device=device) - self.qo_indptr.long()[seq]
-        pos = self.kv_lens.long()[seq] - q_lens[seq] + row
-        return self._slots(seq, pos)
-
-    @functools.cached_property
-    def flat_index(self) -> torch.Tensor:
-        """int64 ``[total_kv]``: slots of every cached token, requests concatenated."""
-        device = self.kv_lens.device
-        kv_lens = self.kv_lens.long()
-        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), kv_lens, output_size=self.total_kv)
-        starts = torch.cumsum(kv_lens, 0) - kv_lens
-        pos = torch.arange(self.total_kv, device=device) - starts[seq]
-        return self._slots(seq, pos)
-
-    @functools.cached_property
-    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 ``[B, max_kv]`` slots, bool ``[B, max_kv]`` valid); padding points at slot of token 0."""
-        device = self.kv_lens.device
-        pos = torch.arange(self.max_kv_len, device=device).expand(self.batch_size, -1)
-        valid = pos < self.kv_lens.long()[:, None]
-        seq = torch.arange(self.batch_size, device=device)[:, None].expand_as(pos)
-        return self._slots(seq, torch.where(valid, pos, 0)), valid
-
-    @functools.cached_property
-    def q_padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 ``[B, max_q]`` rows of the packed query, bool ``[B, max_q]`` valid); padding -> row 0."""
-        device = self.qo_indptr.device
-        rows = torch.arange(self.max_q_len, device=device).expand(self.batch_size, -1)
-        valid = rows < self._q_lens_device()[:, None]
-        return torch.where(valid, self.qo_indptr.long()[:-1, None] + rows, 0), valid
-
-    def keep_mask(self, causal: bool) -> torch.Tensor:
-        """Bool ``[B, max_q, max_kv]``: which cached tokens each (padded) query row attends to.
-
-        Request ``b``'s new tokens are its last ``q_len`` positions, so with ``causal`` row
-        ``i`` keeps ``j <= i + kv_len - q_len``; padding keys are never kept. Built once per
-        plan and causal flag, then shared by every layer.
-        """
-        name = "_keep_causal" if causal else "_keep_full"
-        cached = self.__dict__.get(name)
-        if cached is None:
-            _, kv_valid = self.padded_index
-            device = kv_valid.device
-            cached = kv_valid[:, None, :].expand(self.batch_size, self.max_q_len, self.max_kv_len)
-            if causal and self.max_q_len > 1:
-                offset = self.kv_lens.long() - torch.tensor(self.q_lens_host, device=device)
-                rows = torch.arange(self.max_q_len, device=device)[None, :, None]
-                cols = torch.arange(self.max_kv_len, device=device)[None, None, :]
-                cached = cached & (cols <= rows + offset[:, None, None])
-            self.__dict__[name] = cached  # frozen dataclass: memoised like the cached properties
-        return cached
-
-    @functools.cached_property
-    def cu_seqlens_q(self) -> torch.Tensor:
-        """int32 ``[B+1]`` prefix sums of q lengths (same values as ``qo_indptr``)."""
-        return self.qo_indptr
-
-    @functools.cached_property
-    def cu_seqlens_kv(self) -> torch.Tensor:
-        """int32 ``[B+1]`` prefix sums of kv lengths (the varlen layout of :attr:`flat_index`)."""
-        return torch.nn.functional.pad(torch.cumsum(self.kv_lens, 0, dtype=torch.int32), (1, 0))
-
-    # -- packing of per-token tensors
-
-    def packed(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """View ``t`` of one row per new token as ``[total_q, heads, head_dim]``.
-
-        Accepted: ``[total_q, H, D]``; ``[1, total_q, H, D]`` (packed); ``[B, L, H, D]`` when
-        every request adds ``L`` tokens. Anything else is a ``ValueError`` naming ``name``.
-        """
-        if t.dim() == 3 and t.shape[0] == self.total_q:
-            return t
-        if t.dim() == 4:
-            if t.shape[0] == 1 and t.shape[1] == self.total_q:
-                return t[0]
-            if t.shape[0] == self.batch_size and t.shape[1] == self.uniform_q_len:
-                return t.reshape(self.total_q, t.shape[2], t.shape[3])
-        raise ValueError(
-            f"{name} has shape {tuple(t.shape)} but the cache's plan adds q_lens={list(self.q_lens_host)} "
-            f"(total {self.total_q}) tokens: expected [1, {self.total_q}, heads, head_dim] (packed)"
-            + (
-                f" or [{self.batch_size}, {self.uniform_q_len}, heads, head_dim]"
-                if self.uniform_q_len is not None
-                else ""
-            )
-        )
 
 
 class PagedKVCache:
@@ -241,6 +85,14 @@ class PagedKVCache:
     Storage: :attr:`k_pages` / :attr:`v_pages` are ``[num_layers, num_pages, page_size,
     kv_heads, head_dim]``; :meth:`k_cache` / :meth:`v_cache` give one layer's
     ``[num_pages, page_size, kv_heads, head_dim]`` view (what the paged kernels take).
+
+    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`append` and the
+    readers of the page accounting hold one lock, so request threads may add and release
+    sequences while an engine thread plans and runs batches: a page is never handed out
+    twice and free + owned pages always make up the cache. The batch itself stays the
+    engine's to order: a plan is the cache's :attr:`active_plan` until the next ``plan``,
+    so one thread should plan a batch and run its layers (or pass ``plan=`` to
+    :meth:`append`).
     """
 
     def __init__(
@@ -282,10 +134,18 @@ class PagedKVCache:
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
         self.k_pages = torch.empty(shape, dtype=dtype, device=device)
         self.v_pages = torch.empty(shape, dtype=dtype, device=device)
+        self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
+        self._v_layers = self.v_pages.unbind(0)
+        flat = (num_layers, num_pages * page_size, kv_heads, head_dim)  # token slots, for writes
+        self._k_slots = self.k_pages.view(flat).unbind(0)
+        self._v_slots = self.v_pages.view(flat).unbind(0)
+        self._lock = threading.RLock()
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
+        self._table = DevicePageTable(self.k_pages.device)
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
         self._active: BatchPlan | None = None
+        self._preparers: dict[Hashable, Callable[[PagedKVCache, BatchPlan], object]] = {}
 
     # -- properties
 
@@ -298,10 +158,12 @@ class PagedKVCache:
         return self.k_pages.device
 
     @property
+    @_locked
     def free_pages(self) -> int:
         return len(self._free)
 
     @property
+    @_locked
     def sequences(self) -> tuple[Hashable, ...]:
         return tuple(self._pages)
 
@@ -312,13 +174,23 @@ class PagedKVCache:
             raise RuntimeError("kv_cache has no active plan: call kv_cache.plan(seq_ids, q_lens) once per batch")
         return self._active
 
+    @_locked
     def seq_len(self, seq_id: Hashable) -> int:
         self._require_seq(seq_id)
         return self._lens[seq_id]
 
+    @_locked
     def page_table(self, seq_id: Hashable) -> tuple[int, ...]:
         self._require_seq(seq_id)
         return tuple(self._pages[seq_id])
+
+    @_locked
+    def add_preparer(self, key: Hashable, prepare: Callable[[PagedKVCache, BatchPlan], object]) -> None:
+        """Have every later :meth:`plan` call ``prepare(cache, plan)`` and keep its result (unless
+        None: nothing to prepare for that batch) in ``plan.launches[key]``: a backend registers how to build its per-batch launch once,
+        so the layers' calls only launch. A preparer that raises ``RuntimeError`` (its
+        plugin became unusable) is dropped; the layer's call then decides again."""
+        self._preparers[key] = prepare
 
     # -- layers
 
@@ -331,25 +203,29 @@ class PagedKVCache:
         return layer_id
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
-        return self.k_pages[self.check_layer(layer_id)]
+        return self._k_layers[self.check_layer(layer_id)]
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
-        return self.v_pages[self.check_layer(layer_id)]
+        return self._v_layers[self.check_layer(layer_id)]
 
     # -- sequences and pages
 
+    @_locked
     def add_sequence(self, seq_id: Hashable) -> None:
         """Register an empty sequence (it owns no page until a plan adds tokens)."""
         if seq_id in self._pages:
             raise ValueError(f"seq_id {seq_id!r} is already in the cache")
         self._pages[seq_id] = []
         self._lens[seq_id] = 0
+        self._table.add(seq_id)
 
+    @_locked
     def release(self, seq_id: Hashable) -> None:
         """Drop a sequence and return its pages to the free list."""
         self._require_seq(seq_id)
         self._free.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
+        self._table.release(seq_id)
         if self._active is not None and seq_id in self._active.seq_ids:
             self._active = None
 
@@ -357,6 +233,7 @@ class PagedKVCache:
         if seq_id not in self._pages:
             raise KeyError(f"seq_id {seq_id!r} is not in the cache (add it with add_sequence)")
 
+    @_locked
     def plan(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> BatchPlan:
         """Reserve pages for ``q_lens[b]`` new tokens of ``seq_ids[b]`` and build the batch plan.
 
@@ -365,6 +242,37 @@ class PagedKVCache:
         """
         seq_ids = tuple(seq_ids)
         q_lens = tuple(q_lens)
+        self._check_batch(seq_ids, q_lens)
+        page, lens, pages = self.page_size, self._lens, self._pages
+        new_lens = tuple(lens[s] + n for s, n in zip(seq_ids, q_lens))
+        extra = [-(-n // page) - len(pages[s]) for s, n in zip(seq_ids, new_lens)]
+        needed = sum(extra)
+        if needed > len(self._free):
+            raise CacheFullError(
+                f"kv_cache is out of pages: the batch needs {needed} more pages of {self.page_size} tokens, "
+                f"{len(self._free)} of {self.num_pages} are free (release finished sequences or build a larger cache)"
+            )
+        if needed:  # only sequences that cross a page boundary get a page
+            free = self._free
+            for s, n_pages in zip(seq_ids, extra):
+                if n_pages > 0:
+                    new = [free.pop() for _ in range(n_pages)]
+                    self._table.add_pages(s, len(pages[s]), new)
+                    pages[s].extend(new)
+        for s, n in zip(seq_ids, new_lens):
+            lens[s] = n
+        self._active = plan = self._build_plan(seq_ids, q_lens, new_lens)
+        for key, prepare in list(self._preparers.items()):
+            try:
+                launch = prepare(self, plan)
+            except RuntimeError:
+                del self._preparers[key]
+                continue
+            if launch is not None:
+                plan.launches[key] = launch
+        return plan
+
+    def _check_batch(self, seq_ids: tuple, q_lens: tuple) -> None:
         if not seq_ids:
             raise ValueError("seq_ids must name at least one sequence")
         if len(q_lens) != len(seq_ids):
@@ -372,49 +280,33 @@ class PagedKVCache:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids has duplicates: {list(seq_ids)}")
         for n in q_lens:
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"q_lens must be ints >= 1, got {list(q_lens)}")
+            if type(n) is not int or n < 1:
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"q_lens must be ints >= 1, got {list(q_lens)}")
         for s in seq_ids:
-            self._require_seq(s)
-        new_lens = [self._lens[s] + n for s, n in zip(seq_ids, q_lens)]
-        extra = [math.ceil(n / self.page_size) - len(self._pages[s]) for s, n in zip(seq_ids, new_lens)]
-        if sum(extra) > len(self._free):
-            raise CacheFullError(
-                f"kv_cache is out of pages: the batch needs {sum(extra)} more pages of {self.page_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} are free (release finished sequences or build a larger cache)"
-            )
-        for s, n_new, n_pages in zip(seq_ids, new_lens, extra):
-            self._pages[s].extend(self._free.pop() for _ in range(n_pages))
-            self._lens[s] = n_new
-        self._active = self._build_plan(seq_ids, q_lens, tuple(new_lens))
-        return self._active
+            if s not in self._pages:
+                self._require_seq(s)
 
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
-        qo_indptr = [0]
-        kv_indptr = [0]
-        kv_indices: list[int] = []
-        tile_batch: list[int] = []
-        tile_index: list[int] = []
-        for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
-            qo_indptr.append(qo_indptr[-1] + n)
-            kv_indices.extend(self._pages[s])
-            kv_indptr.append(len(kv_indices))
-            tiles = math.ceil(n / Q_TILE_ROWS)
-            tile_batch.extend([b] * tiles)
-            tile_index.extend(range(tiles))
-        parts = [qo_indptr, kv_indptr, kv_indices, list(kv_lens), tile_batch, tile_index]
-        # one host->device copy for all six arrays
-        flat = torch.tensor([v for p in parts for v in p], dtype=torch.int32).to(self.device)
-        views = torch.split(flat, [len(p) for p in parts])
+        batch = len(seq_ids)
+        qo_indptr = [0] * (batch + 1)
+        total = 0
+        for b, n in enumerate(q_lens):
+            total += n
+            qo_indptr[b + 1] = total
+        width = self._table.width
+        kv_indptr = list(range(0, (batch + 1) * width, width))
+        head = [*qo_indptr, *kv_indptr, *kv_lens]
+        flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
+        kv_indices = self._table.apply(seq_ids, flat, parts)
+        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch])
         return BatchPlan(
             seq_ids=seq_ids,
             page_size=self.page_size,
             qo_indptr=views[0],
             kv_indptr=views[1],
-            kv_indices=views[2],
-            kv_lens=views[3],
-            q_tile_to_batch=views[4],
-            q_tile_to_index=views[5],
+            kv_indices=kv_indices,
+            kv_lens=views[2],
             q_lens_host=q_lens,
             kv_lens_host=kv_lens,
         )
@@ -435,20 +327,26 @@ class PagedKVCache:
             )
         return plan.packed(t, name)
 
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None) -> None:
+    @_locked
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan | None = None, *,
+               checked: bool = False) -> None:
         """Write layer ``layer_id``'s keys/values of the plan's new tokens into their pages.
 
         ``k`` / ``v``: ``[total_q, kv_heads, head_dim]``, ``[1, total_q, ...]`` or
-        ``[B, L, ...]`` with uniform q lengths (see :meth:`BatchPlan.packed`).
+        ``[B, L, ...]`` with uniform q lengths (see :meth:`BatchPlan.packed`). ``checked``:
+        the caller already validated ``layer_id``, ``k`` and ``v`` against this cache and
+        plan (``attention()`` does), so only the write runs.
         """
         plan = self.active_plan if plan is None else plan
-        layer_id = self.check_layer(layer_id)
-        k = self._check_tokens("k", k, plan)
-        v = self._check_tokens("v", v, plan)
+        if checked:
+            k, v = plan.packed(k, "k"), plan.packed(v, "v")
+        else:
+            layer_id = self.check_layer(layer_id)
+            k = self._check_tokens("k", k, plan)
+            v = self._check_tokens("v", v, plan)
         index = plan.write_index
-        flat_shape = (self.num_pages * self.page_size, self.kv_heads, self.head_dim)
-        self.k_pages[layer_id].view(flat_shape).index_copy_(0, index, k.detach())
-        self.v_pages[layer_id].view(flat_shape).index_copy_(0, index, v.detach())
+        self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)
+        self._v_slots[layer_id].index_copy_(0, index, v.detach() if v.requires_grad else v)
 
     def gather_flat(self, layer_id: int, plan: BatchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of every request, concatenated: ``[total_kv, kv_heads, head_dim]`` each."""

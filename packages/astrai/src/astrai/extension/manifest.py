@@ -70,6 +70,17 @@ class OpSpec:
     # malformed one costs only the preference, never the plugin (docs/plugins.md)
     prefer: object = field(default=None, compare=False, hash=False)
 
+    def unsupported(self, dtype: str, head_dim: int | None = None) -> str | None:
+        """Why this op, as its manifest states it, cannot take ``dtype`` (a torch dtype name:
+        ``"bfloat16"``) or ``head_dim``; None when it can. The one statement of an op's
+        capabilities the core reads (backends keep no copy of their own)."""
+        if self.dtypes and dtype not in self.dtypes:
+            return f"{self.name} takes {' or '.join(self.dtypes)}, got {dtype}"
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            dims = ", ".join(str(d) for d in self.head_dims)
+            return f"{self.name} supports head_dim {dims}, got {head_dim}"
+        return None
+
 
 @dataclass(frozen=True)
 class Manifest:

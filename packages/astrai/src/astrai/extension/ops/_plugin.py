@@ -9,6 +9,7 @@ import torch
 
 from ..device import DeviceInfo, probe_device
 from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
+from ..manifest import OpSpec
 from ..registry import Registry, failure
 from ..runtime import current_runtime
 
@@ -31,7 +32,18 @@ PLUGIN_OF_OP = {
 # the arch (a manifest claiming an arch its binary lacks), PTX newer than the driver's JIT,
 # a statically linked runtime newer than the driver. They are per-device and not sticky,
 # so the op is marked unusable there and the policy layer falls back. Any other error
-# (an illegal address, a bad argument) propagates unchanged.
+# (an illegal address, a bad argument) propagates unchanged. The plugins' RuntimeError
+# carries the cudaError_t as ``cuda_error`` (cuda-common's bind.h); the decision reads it.
+IMAGE_ERROR_CODES = frozenset({
+    209,  # cudaErrorNoKernelImageForDevice
+    98,  # cudaErrorInvalidDeviceFunction
+    200,  # cudaErrorInvalidKernelImage
+    222,  # cudaErrorUnsupportedPtxVersion
+    35,  # cudaErrorInsufficientDriver
+    36,  # cudaErrorCallRequiresNewerDriver
+})
+# The same errors by name, for a RuntimeError without a code (a binary built before the
+# code was attached, or a third-party plugin): its message names the CUDA error.
 IMAGE_ERRORS = (
     "cudaErrorNoKernelImageForDevice", "no kernel image is available",
     "cudaErrorInvalidDeviceFunction", "invalid device function",
@@ -42,8 +54,14 @@ IMAGE_ERRORS = (
 
 
 def is_image_error(exc: BaseException) -> bool:
-    """True for a ``RuntimeError`` saying the compiled code cannot run on this device."""
-    return isinstance(exc, RuntimeError) and any(key in str(exc) for key in IMAGE_ERRORS)
+    """True for a ``RuntimeError`` saying the compiled code cannot run on this device: by its
+    ``cuda_error`` code when the plugin attached one, else by the CUDA error it names."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    code = getattr(exc, "cuda_error", None)
+    if isinstance(code, int):
+        return code in IMAGE_ERROR_CODES
+    return any(key in str(exc) for key in IMAGE_ERRORS)
 
 
 class GuardedModule:
@@ -109,6 +127,12 @@ def plugin_op(name: str, mutates_args: tuple[str, ...] = ()):
         return call
 
     return wrap
+
+
+def op_spec(op: str, device: torch.device | str | None = None) -> OpSpec | None:
+    """The manifest's statement of ``op`` (dtypes, head dims) from the plugin serving it on
+    ``device``; None when no plugin can."""
+    return current_runtime().registry.op_status(op, probe_device(device)).spec
 
 
 def require(op: str, device: torch.device | str | None = None) -> GuardedModule:

@@ -17,10 +17,13 @@ aligned are copied first. Masks are bool, True = keep; causal is bottom-right al
 scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros.
 
 Each op is a ``torch.library.custom_op`` (``torch.ops.astrai.attn_*``) with a fake
-implementation, so it traces under ``torch.compile``. The decode ops size their split-K
-workspace from shapes only (``decode_plan``) and never synchronize, so they can be
-captured in a CUDA graph. Type errors raise ``TypeError`` here; the compiled module
-validates everything else before launching (``ValueError`` naming the argument). A
+implementation, so it traces under ``torch.compile``. Called alone, the decode ops size
+their split-K workspace from shapes only (``decode_plan``) and never synchronize, so they
+can be captured in a CUDA graph; a batch that runs many layers plans once instead
+(:mod:`.attention_plan`). Type errors raise ``TypeError`` here; the paged ops check their
+page tables' shapes on the host, and their values on the device with ``ASTRAI_DEBUG=1``
+(:mod:`.page_table`); the compiled module validates everything else before launching
+(``ValueError`` naming the argument). A
 missing or unusable plugin raises ``RuntimeError`` with the install command
 (``_plugin.require``).
 
@@ -30,19 +33,22 @@ the stream as an int; the module writes into a preallocated ``out``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..abi import launch, tensor_arg
 from . import _plugin
+from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
-__all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"]
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+__all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill", "q_tile_rows"]
 
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` when the kernels can stream it with 16-byte copies, else a contiguous copy."""
+    if t.is_contiguous() and t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t  # every stride is a multiple of the last dim
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
     ok = ok and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
     return t if ok else t.contiguous()
@@ -58,24 +64,42 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {device_of.device}")
     if device_of.device.type != "cuda":
         raise ValueError(f"{op}: q must be a CUDA tensor, got one on {device_of.device}")
-    if device_of.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: q must be bfloat16 or float16, got {device_of.dtype}")
+    spec = _plugin.op_spec(op, device_of.device)  # None without a usable plugin: require() says why
+    reason = None if spec is None else spec.unsupported(str(device_of.dtype).removeprefix("torch."))
+    if reason is not None:
+        raise TypeError(f"{op}: q: {reason}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
+    """SMs of ``device``, asked of the driver once per device."""
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int):
     batch, _, q_heads, head_dim = q.shape
     group = q_heads // kv_heads if kv_heads and q_heads % kv_heads == 0 else 1
     splits = module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device))
+    return (splits, *_split_workspaces(splits, batch, q_heads, head_dim, q.device))
+
+
+def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, device: torch.device):
+    """(ws_o, ws_lse) float32 partials of a split-KV launch; (None, None) without a split."""
     if splits <= 1:
-        return 1, None, None
-    ws_o = torch.empty(splits * batch * q_heads * head_dim, dtype=torch.float32, device=q.device)
-    ws_lse = torch.empty(splits * batch * q_heads, dtype=torch.float32, device=q.device)
-    return splits, ws_o, ws_lse
+        return None, None
+    ws_o = torch.empty(splits * batch * q_heads * head_dim, dtype=torch.float32, device=device)
+    ws_lse = torch.empty(splits * batch * q_heads, dtype=torch.float32, device=device)
+    return ws_o, ws_lse
+
+
+def q_tile_rows(device: torch.device | str | None = None) -> int:
+    """Rows of the paged prefill kernels' Q tiles (``q_tile_to_batch`` / ``q_tile_to_index``):
+    the compiled module's ``Q_TILE_ROWS``, the one definition of it."""
+    return int(_plugin.require("attn_paged_prefill", device).Q_TILE_ROWS)
 
 
 # ---- attn_decode ----------------------------------------------------------------------
@@ -130,22 +154,45 @@ def _(q, k, v, mask, is_causal):
 
 # ---- attn_paged_decode ----------------------------------------------------------------
 
+def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, page_size, num_pages) of a paged call, or a ValueError naming the argument."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
+        name, t = ("q", q) if not isinstance(q, torch.Tensor) else ("k_cache", k_cache)
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"{op}: k_cache must be [num_pages, page_size, kv_heads, head_dim], "
+                         f"got shape {tuple(k_cache.shape)}")
+    if q.dim() < 1:
+        raise ValueError(f"{op}: q must have a batch (or token) dimension, got shape {tuple(q.shape)}")
+    return q.shape[0], k_cache.shape[1], k_cache.shape[0]
+
+
 def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                      kv_indices: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-    """Decode attention over a paged KV cache (split-KV). See the module docstring."""
+                      kv_indices: torch.Tensor, kv_lens: torch.Tensor, *, num_splits: int = 0) -> torch.Tensor:
+    """Decode attention over a paged KV cache (split-KV). See the module docstring.
+
+    ``num_splits``: the split-KV count (a :func:`~.attention_plan.plan_paged_decode` plan's);
+    0 plans it here from shapes (the mean tokens per request).
+    """
+    batch, page_size, num_pages = _cache_geometry("attn_paged_decode", q, k_cache)
+    check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
+                       num_pages=num_pages)
     _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
                    kv_indices=kv_indices, kv_lens=kv_lens)
-    return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens)
+    return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits))
 
 
 @_plugin.plugin_op("astrai::attn_paged_decode")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                          kv_indices: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+                          kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0) -> torch.Tensor:
     module = _plugin.require("attn_paged_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     splits, ws_o, ws_lse = 1, None, None
-    if q.dim() == 4 and k_cache.dim() == 4 and q.shape[0] > 0:
+    if num_splits > 1 and q.dim() == 4:
+        splits = num_splits
+        ws_o, ws_lse = _split_workspaces(splits, q.shape[0], q.shape[2], q.shape[3], q.device)
+    elif num_splits == 0 and q.dim() == 4 and k_cache.dim() == 4 and q.shape[0] > 0:
         # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
         hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
         splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
@@ -155,7 +202,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 @_attn_paged_decode_op.op.register_fake
-def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens):
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -166,9 +213,14 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                        is_causal: bool = True) -> torch.Tensor:
     """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
+    total_q, page_size, num_pages = _cache_geometry("attn_paged_prefill", q, k_cache)
+    check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
+                        q_tile_to_index, page_size=page_size, num_pages=num_pages)
     _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
                    q_tile_to_index=q_tile_to_index)
+    if debug_checks_enabled():
+        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                                q_tile_to_batch, q_tile_to_index, bool(is_causal))
 

@@ -112,7 +112,36 @@ class AttentionPolicy:
             raise ValueError(f"backends must have distinct names, got {names}")
         self.backends = tuple(backends)
         self.op = op
+        self._dense_calls: dict[tuple, tuple[AttentionCall, bool]] = {}
         _POLICIES[id(self)] = self
+
+    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> tuple[AttentionCall, bool]:
+        """``describe_call``, remembered by the facts it depends on: a repeated call shape costs
+        one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
+        policy (bounded); cache calls by their batch's plan (so per batch, every layer after
+        the first, and forgotten with the plan)."""
+        if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        if kv_cache is None:
+            if layer_id is not None:
+                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            memo = self._dense_calls
+            if len(memo) >= 512:  # many shapes (varying lengths): start over
+                memo.clear()
+        elif type(kv_cache) is PagedKVCache and type(layer_id) is int:
+            try:
+                memo = kv_cache.active_plan.launches
+            except RuntimeError:  # no plan: describe_call says so
+                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        else:
+            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               layer_id, fwd, type(is_causal), is_causal,
+               (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        return found
 
     def select(self, call: AttentionCall) -> AttentionBackend:
         """The backend that runs ``call`` under the current precedence (no computation)."""
@@ -138,7 +167,10 @@ class AttentionPolicy:
         is_causal: bool | None = None,
         appended: bool = False,
     ) -> torch.Tensor:
-        call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        if torch.compiler.is_compiling():
+            call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        else:
+            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         if torch.compiler.is_compiling():
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)

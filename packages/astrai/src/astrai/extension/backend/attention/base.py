@@ -145,7 +145,7 @@ class AttentionBackend(ABC):
         """Write the new tokens to the cache (if any, unless ``appended``: already written), then
         run decode or prefill by ``call.mode``."""
         if kv_cache is not None and not appended:
-            kv_cache.append(layer_id, k, v)
+            kv_cache.append(layer_id, k, v, checked=True)  # the policy layer validated k, v, layer_id
         run = self.fwd_decode if call.mode == "decode" else self.fwd_prefill
         return run(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
 

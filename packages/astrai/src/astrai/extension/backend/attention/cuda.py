@@ -3,8 +3,13 @@
 - decode (one new token per request): ``attn_paged_decode`` over the layer's pages with
   the plan's ``kv_indptr`` / ``kv_indices`` / ``kv_lens`` (split-KV, graph-capturable);
 - prefill and mixed batches (any q lengths, ragged): ``attn_paged_prefill`` over the
-  packed ``[total_q, Hq, D]`` query with the plan's ``qo_indptr`` and 64-row
-  ``q_tile_to_batch`` / ``q_tile_to_index`` (causal bottom-right per request, or full).
+  packed ``[total_q, Hq, D]`` query with the plan's ``qo_indptr`` and its Q tiles of the
+  module's ``Q_TILE_ROWS`` (causal bottom-right per request, or full).
+
+Per batch, the launch is planned once (:mod:`astrai.extension.ops.attention_plan`: split
+count from the plugin's C++ planner, workspaces, converted page table), by the first layer's
+call and, from then on, by ``PagedKVCache.plan`` through a preparer this backend registers
+on the cache; every layer's call then only launches.
 
 It serves cache calls only: a call without a :class:`~astrai.extension.kv_cache.PagedKVCache`
 (training, or plain dense attention) is declined with a reason, and the policy layer
@@ -17,15 +22,13 @@ from __future__ import annotations
 import torch
 
 from ...device import probe_device
-from ...kv_cache import PagedKVCache
+from ...kv_cache import BatchPlan, PagedKVCache
 from ...ops import attention as attn_ops
+from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
 
 __all__ = ["CudaBackend"]
-
-_DTYPES = (torch.float16, torch.bfloat16)
-_HEAD_DIMS = (64, 128, 256)
 
 
 class CudaBackend(AttentionBackend):
@@ -40,29 +43,57 @@ class CudaBackend(AttentionBackend):
             return "the CUDA kernels run over a PagedKVCache; calls without a cache resolve by capability"
         if call.needs_grad:
             return "the CUDA kernels have no backward pass (call needs gradients)"
-        if call.dtype not in _DTYPES:
-            return f"the CUDA kernels need float16 or bfloat16, got {call.dtype}"
-        if call.head_dim not in _HEAD_DIMS:
-            return f"the CUDA kernels support head_dim 64, 128 or 256, got {call.head_dim}"
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
         op = "attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill"
         status = current_runtime().registry.op_status(op, probe_device(call.device))
         if not status.usable:
             return f"{op}: {status.reason}"
-        return None
+        # dtypes and head dims as the plugin's manifest states them (archs: the registry)
+        return status.spec.unsupported(str(call.dtype).removeprefix("torch."), call.head_dim)
 
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan
-        q_rows = plan.packed(q, "q")  # [B, Hq, D], one row per request
-        out = attn_ops.attn_paged_decode(q_rows.unsqueeze(1), kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id),
-                                         plan.kv_indptr, plan.kv_indices, plan.kv_lens)
+        q_rows = plan.packed(q, "q").unsqueeze(1)  # [B, 1, Hq, D], one row per request
+        k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+        if torch.compiler.is_compiling():  # the registered op plans inside the traced graph
+            out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens)
+        else:
+            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages)
         return out.reshape(q.shape)
 
     def fwd_prefill(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan
-        out = attn_ops.attn_paged_prefill(plan.packed(q, "q"), kv_cache.k_cache(layer_id),
-                                          kv_cache.v_cache(layer_id), plan.qo_indptr, plan.kv_indptr,
-                                          plan.kv_indices, plan.kv_lens, plan.q_tile_to_batch,
-                                          plan.q_tile_to_index, bool(is_causal))
+        q_rows = plan.packed(q, "q")  # [total_q, Hq, D]
+        k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+        if torch.compiler.is_compiling():  # the Q tiles come from the eager plan (plan() prepares them)
+            launch = plan.launches.get(("cuda", "prefill", q_rows.shape[1]))
+            tiles = (launch.q_tile_to_batch, launch.q_tile_to_index) if launch is not None else \
+                plan.q_tiles(attn_ops.q_tile_rows(q.device))
+            out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
+                                              plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal))
+        else:
+            out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal))
         return out.reshape(q.shape)
+
+    @staticmethod
+    def _launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: bool):
+        """The batch's launch plan: built by ``kv_cache.plan`` (through the preparer registered
+        here on first use), else now, once, by the first layer that needs it."""
+        key = ("cuda", "decode" if decode else "prefill", q_heads)
+        launch = plan.launches.get(key)
+        if launch is None:
+            launch = plan.launches[key] = _plan_launch(kv_cache, plan, q_heads, decode)
+            kv_cache.add_preparer(key, lambda cache, p: _plan_launch(cache, p, q_heads, decode)
+                                  if p.is_decode == decode else None)
+        return launch
+
+
+def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: bool):
+    if decode:
+        return plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=q_heads,
+                                 kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
+                                 page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
+    tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
+    return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
+                              total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)

@@ -36,13 +36,20 @@ def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
     return cols <= rows + (lkv - lq)
 
 
-def _finite_on_cpu(*tensors: torch.Tensor) -> bool:
+_WIDE = (torch.float32, torch.float64)  # sums that need no wider accumulator
+
+
+def _finite_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
     """False for CPU inputs holding NaN/Inf: torch's CPU SDPA kernels return zeros instead of
     NaN for such rows, so they take a plain softmax. (A host check is free on the CPU; CUDA
-    tensors skip it so the call never synchronises.)"""
-    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+    tensors skip it so the call never synchronises.) A float32 sum per tensor is NaN or Inf
+    when any element is; a finite sum that overflows only sends the call to the plain path.
+    (Cheaper than isfinite().all(): two reductions instead of four ops.)"""
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return True
-    return all(bool(t.isfinite().all()) for t in tensors)
+    if q.dtype in _WIDE:
+        return math.isfinite(q.sum().item() + k.sum().item())
+    return math.isfinite(q.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item())
 
 
 def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
@@ -137,6 +144,11 @@ class TorchNativeBackend(AttentionBackend):
 
     def check(self, call: AttentionCall) -> str | None:
         return None
+
+    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False):
+        if kv_cache is None:  # dense: straight to SDPA (the common tiny call pays no dispatch)
+            return sdpa(q, k, v, mask, is_causal)
+        return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
 
     def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
         return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)

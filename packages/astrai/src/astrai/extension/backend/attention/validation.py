@@ -82,7 +82,7 @@ def _check_cache(q: torch.Tensor, k: torch.Tensor, kv_cache: object, layer_id: o
             f"{kv_cache.kv_heads} kv heads of head_dim {kv_cache.head_dim}"
         )
     plan = kv_cache.active_plan
-    plan.packed(q, "q")  # raises naming q when q does not hold the plan's new tokens
+    plan.check_packable(q.shape, "q")  # raises naming q when q does not hold the plan's new tokens
     if k.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"k has shape {tuple(k.shape)}: with kv_cache, k/v hold the new tokens, "

@@ -1,0 +1,157 @@
+"""Launch plans of the paged attention ops: plan once per batch, then every layer only launches.
+
+A batch's page table is the same for every layer, so everything a paged kernel launch needs
+besides the layer's own tensors is built once, by :func:`plan_paged_decode` /
+:func:`plan_paged_prefill` (FlashInfer's plan -> run):
+
+- the compiled entry point (the registry is asked once, not per call);
+- for decode, the split-KV count from the plugin's C++ planner (``decode_plan``) given the
+  batch's longest request, and the split-K workspaces of that count;
+- the page table already converted to the binaries' call convention.
+
+Calling a plan with ``(q, k_cache, v_cache)`` then allocates ``out``, converts the three
+layer tensors and launches: no device-property query, no planner call, no workspace
+allocation. Under ``torch.compile`` (or for tensor subclasses) the call goes through the
+registered custom op with the plan's split count, so graphs trace as before.
+
+With ``ASTRAI_DEBUG=1`` the plan checks its page table on the device once, when it is built
+(:mod:`.page_table`).
+
+>>> launch = plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens,   # doctest: +SKIP
+...                            q_heads=32, kv_heads=8, head_dim=128, max_kv_len=plan.max_kv_len)
+>>> out = launch(q, k_cache, v_cache)                                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..abi import current_stream, tensor_arg
+from . import _plugin
+from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
+from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
+
+__all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
+
+
+def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
+    """``entry(*head, stream, *tail)`` on ``device_index``'s current stream."""
+    current = torch.cuda.current_device()
+    if device_index == current:
+        entry(*head, current_stream(current), *tail)
+    else:
+        with torch.cuda.device(device_index):
+            entry(*head, current_stream(device_index), *tail)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedDecodeLaunch:
+    """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    num_splits: int
+    ws_o: torch.Tensor | None
+    ws_lse: torch.Tensor | None
+    ws_count: torch.Tensor | None  # arrival counters of the in-kernel split merge, or None
+    pdl: bool
+    _entry: object
+    _device_index: int
+    _table_args: tuple  # kv_indptr .. ws_lse in the binding's order
+    _tail_args: tuple  # ws_count, pdl (after the stream)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
+                                     num_splits=self.num_splits)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q = _rows_aligned(q)
+        head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args)
+        _run(self._device_index, self._entry, head, self._tail_args)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPrefillLaunch:
+    """One batch's ragged paged prefill; call it with ``(q [total_q, Hq, D], k_cache, v_cache, is_causal)``."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    q_tile_to_batch: torch.Tensor
+    q_tile_to_index: torch.Tensor
+    _entry: object
+    _device_index: int
+    _table_args: tuple
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 is_causal: bool = True) -> torch.Tensor:
+        if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            return attn_paged_prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.kv_indices,
+                                      self.kv_lens, self.q_tile_to_batch, self.q_tile_to_index, is_causal)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q = _rows_aligned(q)
+        head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args,
+                bool(is_causal))
+        _run(self._device_index, self._entry, head, ())
+        return out
+
+
+def _device_index(t: torch.Tensor) -> int:
+    if t.device.type != "cuda":
+        raise ValueError(f"the paged kernels need CUDA tensors, got kv_lens on {t.device}")
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor, *,
+                      q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
+                      num_pages: int, in_kernel_merge: bool = False, pdl: bool = False) -> PagedDecodeLaunch:
+    """Plan a batch's paged decode (see the module docstring).
+
+    ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
+    every split. ``in_kernel_merge`` / ``pdl``: the compiled module's alternatives to the
+    combine kernel and to a plain launch, off by default (measured slower:
+    docs/kernels/attention.md). ``page_size`` / ``num_pages``: the cache's, for the page-table
+    checks.
+    """
+    batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
+    check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
+                           num_pages=num_pages)
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    index = _device_index(kv_lens)
+    device = kv_lens.device
+    module = _plugin.require("attn_paged_decode", torch.device("cuda", index))
+    splits = module.decode_plan(batch, kv_heads, q_heads // kv_heads, head_dim, max(max_kv_len, 1),
+                                _num_sms(torch.device("cuda", index))) if batch > 0 else 1
+    ws_o, ws_lse = _split_workspaces(splits, batch, q_heads, head_dim, device)
+    # One counter per (request, kv head, group of query heads): q_heads per request bounds it.
+    ws_count = (torch.zeros(batch * q_heads, dtype=torch.int32, device=device)
+                if in_kernel_merge and splits > 1 else None)
+    table = (tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o),
+             tensor_arg(ws_lse))
+    return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
+                             module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)))
+
+
+def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                       kv_lens: torch.Tensor, q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor, *,
+                       total_q: int, page_size: int, num_pages: int) -> PagedPrefillLaunch:
+    """Plan a batch's ragged paged prefill (see the module docstring). The Q tiles are of the
+    module's ``Q_TILE_ROWS`` rows (``BatchPlan.q_tiles(ops.attention.q_tile_rows(device))``)."""
+    check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens,
+                        q_tile_to_batch, q_tile_to_index, page_size=page_size, num_pages=num_pages)
+    index = _device_index(kv_lens)
+    module = _plugin.require("attn_paged_prefill", torch.device("cuda", index))
+    if debug_checks_enabled():
+        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index,
+                      tile_rows=int(module.Q_TILE_ROWS))
+    table = tuple(tensor_arg(t) for t in (qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
+                                          q_tile_to_index))
+    return PagedPrefillLaunch(qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index,
+                              module.attn_paged_prefill, index, table)
+

@@ -1,0 +1,70 @@
+"""The policy remembers the validated description of a repeated dense call shape; a
+remembered shape must still reject what validation rejects and follow grad mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import attention_ref, tolerance
+
+from astrai.extension.backend.attention import AttentionPolicy, TorchNativeBackend
+
+
+def qkv(seed=0, lq=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, lq, 8, 64, generator=g), torch.randn(2, 5, 2, 64, generator=g), torch.randn(2, 5, 2, 64, generator=g)
+
+
+def test_repeated_shapes_reuse_the_description_and_stay_correct():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    for seed in range(3):
+        q, k, v = qkv(seed)
+        torch.testing.assert_close(policy(q, k, v).double(), attention_ref(q, k, v), **tolerance(torch.float32))
+    assert len(policy._dense_calls) == 1
+
+
+def test_a_remembered_shape_still_rejects_bad_arguments():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    q, k, v = qkv()
+    policy(q, k, v, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool or None, got int"):
+        policy(q, k, v, is_causal=1)  # equal to True as a dict key
+    with pytest.raises(ValueError, match="fwd must be None, 'decode' or 'prefill'"):
+        policy(q, k, v, fwd="decoder")
+    with pytest.raises(ValueError, match="k has batch 1 but q has batch 2"):
+        policy(q, k[:1], v[:1])
+
+
+def test_grad_mode_is_part_of_the_remembered_description():
+    policy = AttentionPolicy([TorchNativeBackend()])
+    q, k, v = qkv(lq=3)
+    q.requires_grad_()
+    with torch.no_grad():
+        assert not policy(q, k, v).requires_grad
+    out = policy(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_cache_calls_are_remembered_per_plan_and_still_validated():
+    from astrai.extension.kv_cache import PagedKVCache
+
+    policy = AttentionPolicy([TorchNativeBackend()])
+    cache = PagedKVCache(2, 16, 4, 2, 64, dtype=torch.float32)
+    cache.add_sequence("a")
+    plan = cache.plan(["a"], [3])
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 8, 64, generator=g), torch.randn(1, 3, 2, 64, generator=g)
+    for layer in (0, 1):
+        policy(q, k, k, kv_cache=cache, layer_id=layer)
+    assert sum(1 for key in plan.launches if key[0] == "described") == 2
+    with pytest.raises(ValueError, match="layer_id 2 is out of range"):
+        policy(q, k, k, kv_cache=cache, layer_id=2)
+    with pytest.raises(ValueError, match="q has shape"):
+        policy(q[:, :2], k[:, :2], k[:, :2], kv_cache=cache, layer_id=0)
+    with pytest.raises(ValueError, match="fwd='decode' needs one new token per request"):
+        policy(q, k, k, kv_cache=cache, layer_id=0, fwd="decode")
+    decode = cache.plan(["a"], [1])
+    assert not any(key[0] == "described" for key in decode.launches if isinstance(key, tuple))
+    with pytest.raises(ValueError, match="q has shape"):  # the new batch adds one token
+        policy(q, k, k, kv_cache=cache, layer_id=0)

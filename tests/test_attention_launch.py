@@ -1,0 +1,125 @@
+"""Plan once, run many: the paged attention launch plans, on the CPU with a fake compiled module.
+
+The fake records what the ops layer asks of the binary: the planner is called once per
+batch (with the batch's longest request), the workspaces and converted page table are the
+same objects in every layer's launch, and the CUDA backend's launches are built by
+``PagedKVCache.plan`` once the backend has seen the cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astrai.extension.backend.attention.base import AttentionCall
+from astrai.extension.backend.attention.cuda import CudaBackend
+from astrai.extension.kv_cache import PagedKVCache
+from astrai.extension.ops import attention_plan
+
+HQ, HKV, D, PAGE = 8, 2, 64, 4
+
+
+class FakeDecodeModule:
+    """What plan_paged_decode / a launch call use of the compiled module."""
+
+    def __init__(self, splits=3):
+        self.splits = splits
+        self.plans: list[tuple] = []
+        self.launches: list[tuple] = []
+
+    def decode_plan(self, batch, kv_heads, group, head_dim, kv_len_hint, num_sms):
+        self.plans.append((batch, kv_heads, group, head_dim, kv_len_hint, num_sms))
+        return self.splits
+
+    def attn_paged_decode(self, *args):
+        self.launches.append(args)
+
+    def attn_paged_prefill(self, *args):
+        self.launches.append(args)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    module = FakeDecodeModule()
+    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
+    monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
+    monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
+    return module
+
+
+def decode_cache(lens, layers=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(layers, 64, PAGE, HKV, D, dtype=torch.bfloat16)
+    for s, n in enumerate(lens):
+        cache.add_sequence(s)
+    cache.plan(list(range(len(lens))), list(lens))
+    plan = cache.plan(list(range(len(lens))), [1] * len(lens))
+    cache.k_pages.copy_(torch.randn(cache.k_pages.shape, generator=g))
+    return cache, plan
+
+
+def test_decode_plan_runs_the_planner_once_with_the_longest_request(fake):
+    cache, plan = decode_cache([5, 17, 9])
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ,
+                                              kv_heads=HKV, head_dim=D, max_kv_len=plan.max_kv_len,
+                                              page_size=PAGE, num_pages=cache.num_pages)
+    assert fake.plans == [(3, HKV, HQ // HKV, D, 18, 132)]
+    assert launch.num_splits == 3
+    assert launch.ws_o.numel() == 3 * 3 * HQ * D and launch.ws_lse.numel() == 3 * 3 * HQ
+    q = torch.randn(3, 1, HQ, D).bfloat16()
+    for layer in range(3):
+        launch(q, cache.k_cache(layer), cache.v_cache(layer))
+    assert len(fake.plans) == 1 and len(fake.launches) == 3
+    first = fake.launches[0]
+    for args in fake.launches:
+        assert args[1][0] == cache.k_cache(fake.launches.index(args)).data_ptr()
+        assert args[4:10] == first[4:10]  # page table, split count and workspaces: planned once
+        assert args[4][0] == plan.kv_indptr.data_ptr() and args[8][0] == launch.ws_o.data_ptr()
+        assert args[-2:] == (None, False)  # no in-kernel merge, no PDL by default
+
+
+def test_in_kernel_merge_and_pdl_are_options_of_the_plan(fake):
+    cache, plan = decode_cache([40])
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ,
+                                              kv_heads=HKV, head_dim=D, max_kv_len=plan.max_kv_len,
+                                              page_size=PAGE, num_pages=cache.num_pages,
+                                              in_kernel_merge=True, pdl=True)
+    assert launch.ws_count is not None and launch.ws_count.dtype == torch.int32
+    assert not launch.ws_count.any()  # the kernel needs the counters at 0
+    launch(torch.randn(1, 1, HQ, D).bfloat16(), cache.k_cache(0), cache.v_cache(0))
+    assert fake.launches[0][-2] == (launch.ws_count.data_ptr(), (HQ,), (1,), 5) and fake.launches[0][-1] is True
+
+
+def call_of(cache, mode):
+    return AttentionCall(cache.device, cache.dtype, D, HQ, HKV, mode, None, True, 0, True, PAGE, False)
+
+
+def test_cuda_backend_plans_in_the_cache_after_first_use(fake):
+    cache, plan = decode_cache([6, 3])
+    backend = CudaBackend()
+    k = torch.randn(2, 1, HKV, D).bfloat16()
+    q = torch.randn(2, 1, HQ, D).bfloat16()
+    for layer in range(3):
+        out = backend.forward(call_of(cache, "decode"), q, k, k, kv_cache=cache, layer_id=layer, is_causal=True)
+        assert out.shape == q.shape
+    assert len(fake.plans) == 1  # the first layer planned the batch, the others reused it
+    plan = cache.plan([0, 1], [1, 1])
+    assert ("cuda", "decode", HQ) in plan.launches  # the next batch is planned by plan() itself
+    assert fake.plans[-1][4] == plan.max_kv_len == 8
+    backend.forward(call_of(cache, "decode"), q, k, k, kv_cache=cache, layer_id=0, is_causal=True)
+    assert len(fake.plans) == 2
+    cache.plan([0, 1], [3, 2])  # a prefill batch: nothing for the decode preparer
+    assert len(fake.plans) == 2
+
+
+def test_a_failing_preparer_is_dropped_and_plan_still_succeeds(fake):
+    cache, plan = decode_cache([6])
+
+    def broken(cache, plan):
+        raise RuntimeError("plugin became unusable")
+
+    cache.add_preparer("broken", broken)
+    plan = cache.plan([0], [1])
+    assert "broken" not in plan.launches
+    assert "broken" not in cache.plan([0], [1]).launches
