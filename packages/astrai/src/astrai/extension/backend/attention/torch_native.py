@@ -145,10 +145,11 @@ class TorchNativeBackend(AttentionBackend):
     def check(self, call: AttentionCall) -> str | None:
         return None
 
-    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False):
+    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
         if kv_cache is None:  # dense: straight to SDPA (the common tiny call pays no dispatch)
             return sdpa(q, k, v, mask, is_causal)
-        return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
+        return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
+                               appended=appended)
 
     def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
         return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
