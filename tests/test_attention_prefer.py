@@ -1,4 +1,5 @@
-"""Dense prefill's measured preference: the plugin's table writer and what the manifest ships."""
+"""Dense prefill's measured preference: the plugin's table writer, what the manifest ships, and
+the CUDA backend's decision for dense calls (the plugin where the table says it is faster)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packages" / "astrai-attention" / "src"))
 from astrai_attention import prefill_table  # noqa: E402
 
 from astrai.extension.backend import fp8_prefer  # noqa: E402
+from astrai.extension.backend.attention import (  # noqa: E402
+    ATTN_BACKEND, AttentionPolicy, CudaBackend, TorchNativeBackend, attn_backend)
+from astrai.extension.backend.attention import cuda as cuda_backend  # noqa: E402
+from astrai.extension.backend.attention.base import AttentionCall  # noqa: E402
+from astrai.extension.registry import Registry  # noqa: E402
+from astrai.extension.runtime import Runtime, use_runtime  # noqa: E402
+from fakes import H200, L20, FakeEntryPoint, entry_points, manifest  # noqa: E402
 
 
 def _bench(rows):
@@ -71,3 +80,74 @@ def test_manifest_ships_the_table_only_with_sm90a_code(monkeypatch):
     assert "prefer" not in ops["attn_paged_prefill"]  # no peer outside the plugin
     info["sass_archs"] = ["sm_80", "sm_89"]
     assert "prefer" not in astrai_attention.manifest()["ops"]["attn_prefill"]
+
+
+# -- the CUDA backend's dense prefill decision ---------------------------------------------
+
+
+ATTN_OPS = {op: {"module": "fake_attn", "abi": 1, "dtypes": ["bfloat16", "float16"], "head_dims": [64, 128, 256],
+                 "min_sm": 80} for op in ("attn_prefill", "attn_paged_prefill", "attn_paged_decode")}
+
+
+def _measured_table():
+    """At d128: the plugin 1.5x the torch path causal at 4x4096, 0.8x without the mask."""
+    return prefill_table.from_bench(_bench([
+        _row("4x4096", 128, True, "astrai contiguous", 1000.0), _row("4x4096", 128, True, "torch path", 1500.0),
+        _row("4x4096", 128, False, "astrai contiguous", 1000.0), _row("4x4096", 128, False, "torch path", 800.0),
+    ]), commit="abc1234", date="2026-12-01")
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    ops = {name: dict(spec) for name, spec in ATTN_OPS.items()}
+    ops["attn_prefill"]["prefer"] = {"90": _measured_table()}
+    rt = Runtime(Registry(entry_points(FakeEntryPoint("attention", manifest("astrai-attention", ops=ops))),
+                          importer=lambda name: pytest.fail(f"imported {name}")))
+    monkeypatch.setattr(cuda_backend, "probe_device", lambda device: H200)
+    monkeypatch.delenv("ASTR_BACKEND", raising=False)
+    with use_runtime(rt):
+        yield rt
+
+
+def _dense(causal=True, tokens=4 * 4096, kv=4096, mode="prefill", mask_ndim=0, needs_grad=False):
+    return AttentionCall(torch.device("cuda", 0), torch.bfloat16, 128, 32, 8, mode, None, causal, mask_ndim, False,
+                         None, needs_grad, (tokens, kv))
+
+
+def _policy():
+    return AttentionPolicy((CudaBackend(), TorchNativeBackend()))
+
+
+def _trace(runtime):
+    return {e.candidate: e for e in runtime.explain("attention")[-1].trace}
+
+
+def test_dense_prefill_runs_the_plugin_where_measured_faster(runtime):
+    assert _policy().select(_dense(causal=True)).name == "cuda"
+    accepted = _trace(runtime)["cuda"]
+    assert accepted.accepted and "measured 1.50x torch at 16384x4096x128 causal" in accepted.reason
+
+
+def test_dense_prefill_keeps_torch_where_it_is_faster(runtime):
+    assert _policy().select(_dense(causal=False)).name == "torch_native"
+    passed_over = _trace(runtime)["cuda"]
+    assert not passed_over.accepted and "0.80x torch" in passed_over.reason and "torch is faster" in passed_over.reason
+    # an explicit selection asks for capability only
+    with attn_backend(ATTN_BACKEND.CUDA):
+        assert _policy().select(_dense(causal=False)).name == "cuda"
+
+
+def test_dense_prefill_without_a_table_for_the_arch_keeps_torch(runtime, monkeypatch):
+    monkeypatch.setattr(cuda_backend, "probe_device", lambda device: L20)
+    assert _policy().select(_dense()).name == "torch_native"
+    assert "no measured table" in _trace(runtime)["cuda"].reason
+
+
+@pytest.mark.parametrize("call,why", [
+    (_dense(mode="decode"), "dense decode"),
+    (_dense(needs_grad=True), "no backward"),
+    (_dense(mask_ndim=2), "no 'masked' class"),
+])
+def test_dense_calls_the_plugin_does_not_take(runtime, call, why):
+    assert _policy().select(call).name == "torch_native"
+    assert why in _trace(runtime)["cuda"].reason

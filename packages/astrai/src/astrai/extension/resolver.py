@@ -3,7 +3,9 @@
 Callers describe a call with a hashable ``key`` (op, device, dtype, shape class) and
 hand over the candidates in default priority order. Each candidate has a ``name`` and
 ``check(call) -> str | None`` (None: it can run the call; otherwise the reason it can't)
-and, optionally, ``why_capable(call) -> str | None``: the trace's reason when it wins.
+and, optionally, ``why_capable(call) -> str | None``: the trace's reason when it wins, and
+``slower_than_peer(call) -> str | None``: a reason to pass over a capable candidate that was
+measured slower than a later one for this call (not applied to an explicit selection).
 
 - ``explicit`` (an ``attn_backend(...)`` selection) is strict: that candidate or an error.
 - ``preferred`` (the ``ASTR_BACKEND`` environment variable) is tried first, then the rest.
@@ -96,6 +98,10 @@ class Resolver:
                 trace.append(TraceEntry(name, False, f"not a backend of {op}"))
                 continue
             reason = candidate.check(call)
+            if reason is None and source != "explicit":
+                # capable, but measured slower than a later candidate: passed over unless asked for
+                slower = getattr(candidate, "slower_than_peer", None)
+                reason = slower(call) if slower else None
             if reason is None and winner is None:
                 winner = candidate
                 why = getattr(candidate, "why_capable", None)  # optional: why it was chosen

@@ -56,6 +56,9 @@ class AttentionCall(NamedTuple):
     paged: bool  # a PagedKVCache was given
     page_size: int | None
     needs_grad: bool  # autograd will differentiate through the result
+    # dense prefill on CUDA: (query rows, kv length) rounded up to powers of two, for measured
+    # preference tables; () for every other call
+    size_class: tuple[int, ...] = ()
     op: str = "attention"
 
     @property

@@ -11,10 +11,12 @@ count from the plugin's C++ planner, workspaces, converted page table), by the f
 call and, from then on, by ``PagedKVCache.plan`` through a preparer this backend registers
 on the cache; every layer's call then only launches.
 
-It serves cache calls only: a call without a :class:`~astrai.extension.kv_cache.PagedKVCache`
-(training, or plain dense attention) is declined with a reason, and the policy layer
-resolves it by capability (flash-attn, then torch SDPA). No backward kernel exists, so calls
-that need gradients are declined too.
+Dense prefill (no cache, no gradients) runs ``attn_prefill`` where the plugin's measured
+table for the device's arch (the op's manifest ``prefer`` entry, against the torch path)
+says it is faster at the call's size class; elsewhere the backend is passed over with the
+measured reason and flash-attn or torch SDPA runs the call (an explicit
+``attn_backend(ATTN_BACKEND.CUDA)`` still runs it). Dense decode and calls that need
+gradients (no backward kernel) are declined.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from ...device import probe_device
 from ...kv_cache import BatchPlan, PagedKVCache
+from .. import fp8_prefer
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
@@ -32,25 +35,57 @@ __all__ = ["CudaBackend"]
 
 
 class CudaBackend(AttentionBackend):
-    """The astrai-attention plugin's paged decode / ragged prefill kernels."""
+    """The astrai-attention plugin's paged decode / ragged prefill kernels, and its dense
+    prefill where measured faster than torch."""
 
     name = "cuda"
 
     def check(self, call: AttentionCall) -> str | None:
         if call.device_type != "cuda":
             return f"the CUDA kernels need CUDA tensors, got {call.device}"
-        if not call.paged:
-            return "the CUDA kernels run over a PagedKVCache; calls without a cache resolve by capability"
         if call.needs_grad:
             return "the CUDA kernels have no backward pass (call needs gradients)"
+        if not call.paged:
+            if call.mode == "decode":
+                return "dense decode runs on torch SDPA (the plugin's decode serves a PagedKVCache)"
+            return self._op_unsupported("attn_prefill", call)
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
-        op = "attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill"
+        return self._op_unsupported("attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill", call)
+
+    def slower_than_peer(self, call: AttentionCall) -> str | None:
+        """Dense prefill: why torch runs instead, unless the measured table says we are faster."""
+        if call.paged:
+            return None
+        verdict = self._measured(call)
+        if verdict is None:
+            return "attn_prefill: no measured table against torch for this GPU's arch; torch is used"
+        return None if verdict.plugin_faster else f"attn_prefill: {verdict.reason}"
+
+    def why_capable(self, call: AttentionCall) -> str | None:
+        verdict = None if call.paged else self._measured(call)
+        return None if verdict is None else f"attn_prefill: {verdict.reason}"
+
+    @staticmethod
+    def _measured(call: AttentionCall) -> fp8_prefer.Verdict | None:
+        device = probe_device(call.device)
+        status = current_runtime().registry.op_status("attn_prefill", device)
+        mode = "masked" if call.mask_ndim else "causal" if call.causal else "full"
+        return fp8_prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
+
+    @staticmethod
+    def _op_unsupported(op: str, call: AttentionCall) -> str | None:
         status = current_runtime().registry.op_status(op, probe_device(call.device))
         if not status.usable:
             return f"{op}: {status.reason}"
         # dtypes and head dims as the plugin's manifest states them (archs: the registry)
         return status.spec.unsupported(str(call.dtype).removeprefix("torch."), call.head_dim)
+
+    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
+        if kv_cache is None:  # dense prefill: the contiguous kernel on the caller's tensors
+            return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal))
+        return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
+                               appended=appended)
 
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan

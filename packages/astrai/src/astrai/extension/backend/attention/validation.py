@@ -146,5 +146,11 @@ def describe_call(
         kv_cache is not None,
         page_size,
         (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled(),
+        _size_class(qs, ks) if kv_cache is None and not decode and q.device.type == "cuda" else (),
     )
     return call, causal
+
+
+def _size_class(qs: torch.Size, ks: torch.Size) -> tuple[int, int]:
+    """(batch x q_len, kv_len), each rounded up to a power of two."""
+    return 1 << (qs[0] * qs[1] - 1).bit_length(), 1 << (ks[1] - 1).bit_length()
