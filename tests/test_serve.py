@@ -178,8 +178,8 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     assert capture_pages(100, 4, 10) == [10, 10, 10, 10]
     assert capture_pages(30, 4, 10) == [8, 8, 7, 7]
     ps = 4
-    order = torch.randperm(40, generator=torch.Generator().manual_seed(20)).tolist()  # scattered page tables
-    cache = PagedKVCache(num_layers=1, num_pages=40, page_size=ps, kv_heads=1, head_dim=8, dtype=torch.float32,
+    order = torch.randperm(80, generator=torch.Generator().manual_seed(20)).tolist()  # scattered page tables
+    cache = PagedKVCache(num_layers=1, num_pages=80, page_size=ps, kv_heads=1, head_dim=8, dtype=torch.float32,
                          page_order=order)
     cache.add_sequence("pad")
     cache.plan(["pad"], [1])
@@ -211,6 +211,17 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     width = real_slots.shape[1]
     assert torch.equal(slots[:3, :width][real_valid], real_slots[real_valid])
     assert valid[3].sum() == 1 and slots[3, 0].item() == pad_page * ps
+    # a request longer than any captured row (the table's rows widened since the capture)
+    cache.add_sequence("long")
+    cache.plan(["long"], [36 * ps + 2])  # 37 pages after the decode step: the table's rows widen
+    wide = cache.plan(["a", "long"], [1, 1])
+    fill_plan(captured, wide, pad_page)
+    fresh = dataclasses.replace(captured, kv_lens_host=(*wide.kv_lens_host, 1, 1), q_lens_host=(1,) * 4)
+    assert fresh.write_index[:2].tolist() == wide.write_index.tolist()
+    assert fresh.write_index[2:].tolist() == [pad_page * ps] * 2
+    slots, valid = fresh.padded_index
+    wide_slots, wide_valid = wide.padded_index
+    assert torch.equal(slots[:2, :wide_slots.shape[1]][wide_valid], wide_slots[wide_valid])
     with pytest.raises(ValueError, match="does not fit the captured plan"):
         fill_plan(real, captured, pad_page)
 

@@ -49,7 +49,7 @@ def reference(q, k_cache, v_cache, table, lens):
 
 
 @pytest.mark.parametrize("corruption, req, match", [
-    (("kv_indices", 3, PAGES + 100), 2, "page id 164"),
+    (("kv_indices", 5, PAGES + 100), 2, "page id 164"),  # entries 4..8 are request 2's
     (("kv_indices", 0, -7), 0, "page id -7"),
     (("kv_indptr", 2, 1), 1, "kv_indptr decreases"),
     (("kv_lens", 1, 17), 1, "needs more pages"),

@@ -54,21 +54,34 @@ def capture_pages(free: int, size: int, max_seq_pages: int) -> list[int]:
 
 def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
     """Copy the decode ``plan`` of ``n`` requests into the captured decode plan ``target`` of
-    ``B >= n`` rows, in place; rows ``n..B-1`` get one token on ``pad_page``."""
+    ``B >= n`` rows, in place; rows ``n..B-1`` get one token on ``pad_page``.
+
+    The captured page table is rewritten compact (request ``b``'s pages at ``kv_indptr[b]``,
+    one after the other), so it holds any step whose pages fit its size, whatever the width
+    of the rows ``plan``'s table has (``kv_indptr[b] = b * width``). Device ops of fixed
+    shapes only: no host sync.
+    """
     n, size = plan.batch_size, target.batch_size
-    nnz, room = plan.kv_indices.numel(), target.kv_indices.numel()
-    if n > size or nnz + size - n > room:
-        raise ValueError(f"the decode step ({n} requests, {nnz} pages) does not fit the captured plan "
+    room = target.kv_indices.numel()
+    need = sum(-(-kv // plan.page_size) for kv in plan.kv_lens_host) + size - n
+    if n > size or need > room:
+        raise ValueError(f"the decode step ({n} requests, {need - size + n} pages) does not fit the captured plan "
                          f"({size} requests, {room} pages): reserve() the workload first")
-    target.kv_indptr[: n + 1].copy_(plan.kv_indptr)
-    target.kv_indices[:nnz].copy_(plan.kv_indices)
+    device = target.kv_indices.device
+    pages = torch.ones(size, dtype=torch.long, device=device)  # pad rows: one page
+    pages[:n] = torch.div(plan.kv_lens.long() + plan.page_size - 1, plan.page_size, rounding_mode="floor")
+    starts = torch.zeros(size + 1, dtype=torch.long, device=device)
+    torch.cumsum(pages, 0, out=starts[1:])
+    slot = torch.arange(room, device=device)
+    row = torch.searchsorted(starts[1:], slot, right=True)  # the request each compact slot belongs to
+    col = slot - starts[row.clamp(max=size - 1)]
+    src = plan.kv_indptr.long()[row.clamp(max=n - 1)] + col
+    real = row < n
+    pages_of = plan.kv_indices[src.clamp(max=plan.kv_indices.numel() - 1)]
+    target.kv_indices.copy_(torch.where(real, pages_of, torch.full_like(pages_of, pad_page)))
+    target.kv_indptr.copy_(starts)
     target.kv_lens[:n].copy_(plan.kv_lens)
-    pad = size - n
-    if pad:
-        steps = torch.arange(nnz + 1, nnz + pad + 1, dtype=target.kv_indptr.dtype, device=target.kv_indptr.device)
-        target.kv_indptr[n + 1:].copy_(steps)
-        target.kv_indices[nnz: nnz + pad].fill_(pad_page)
-        target.kv_lens[n:].fill_(1)
+    target.kv_lens[n:].fill_(1)
 
 
 class _Graph:

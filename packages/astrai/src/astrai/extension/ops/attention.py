@@ -64,6 +64,8 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {device_of.device}")
     if device_of.device.type != "cuda":
         raise ValueError(f"{op}: q must be a CUDA tensor, got one on {device_of.device}")
+    if torch.compiler.is_compiling():  # the registry's context is not traceable; the binding checks dtypes too
+        return
     spec = _plugin.op_spec(op, device_of.device)  # None without a usable plugin: require() says why
     reason = None if spec is None else spec.unsupported(str(device_of.dtype).removeprefix("torch."))
     if reason is not None:
