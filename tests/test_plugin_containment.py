@@ -50,6 +50,8 @@ def on_h200(monkeypatch):
     the rotary op goes through ``_plugin.require`` as the real one does on a CUDA tensor."""
     monkeypatch.setattr(rotary, "probe_device", lambda device=None: H200)
     monkeypatch.setattr(_plugin, "probe_device", lambda device=None: H200)
+    # the kernel path launches on the current stream: hand the fake module a null stream
+    monkeypatch.setattr(rotary.ops_rotary, "launch", lambda device, fn, *args: fn(*args, 0))
     monkeypatch.setattr(rotary.ops_rotary, "rotary_emb",
                         lambda x, cos, sin: _plugin.require("rotary_emb", x.device).rotary_emb(x, cos, sin))
 
@@ -157,7 +159,7 @@ def test_launch_argument_errors_and_interrupts_propagate_and_keep_the_op(on_h200
 
 @pytest.mark.parametrize("where", ["import", "launch"])
 def test_rotary_survives_a_plugin_that_exits(on_h200, where):
-    module = fake_module("fake_kernels", rotary_emb=raising(SystemExit(3)))
+    module = fake_module("fake_kernels", rotary_emb=raising(SystemExit(3)), rotary=raising(SystemExit(3)))
     importer = raising(SystemExit(3)) if where == "import" else (lambda name: module)
     runtime = Runtime(Registry(entry_points(FakeEntryPoint("acme", op_manifest("rotary_emb"))), importer=importer))
     with use_runtime(runtime), torch.no_grad(), warnings.catch_warnings(record=True) as caught:

@@ -38,6 +38,7 @@ import functools
 import torch
 
 from ..abi import launch, tensor_arg
+from ..compiling import assume_constant_result
 from . import _plugin
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
@@ -98,6 +99,7 @@ def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, devi
     return ws_o, ws_lse
 
 
+@assume_constant_result  # a constant of the binary: traced graphs read it once, not the registry
 def q_tile_rows(device: torch.device | str | None = None) -> int:
     """Rows of the paged prefill kernels' Q tiles (``q_tile_to_batch`` / ``q_tile_to_index``):
     the compiled module's ``Q_TILE_ROWS``, the one definition of it."""
