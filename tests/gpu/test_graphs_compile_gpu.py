@@ -63,6 +63,7 @@ def _cases():
     cos, sin = (t.to(DEV) for t in rotary_tables(33, 128, offset=4000))
     dec_cache, dec_plan = paged_cache([1, 1, 1])
     pre_cache, pre_plan = paged_cache([70, 5, 1])
+    pre_tiles = pre_plan.q_tiles(attn_ops.q_tile_rows(DEV))  # the plan's, built eagerly as plan() does
     scale = torch.tensor(0.5, device=DEV)
     return {
         "rotary_emb": (lambda x: rotary_ops.rotary_emb(x, cos, sin), lambda: (rand(2, 33, 8, 128),)),
@@ -77,7 +78,7 @@ def _cases():
         "attn_paged_prefill": (
             lambda q: attn_ops.attn_paged_prefill(q, pre_cache.k_cache(0), pre_cache.v_cache(0), pre_plan.qo_indptr,
                                              pre_plan.kv_indptr, pre_plan.kv_indices, pre_plan.kv_lens,
-                                             *pre_plan.q_tiles(attn_ops.q_tile_rows(DEV)), True),
+                                             *pre_tiles, True),
             lambda: (rand(76, 8, 128),)),
         "fp8_quantize": (lambda x: fp8_ops.fp8_quantize(x, scale, "e4m3", 2), lambda: (rand(96, 160),)),
         "fp8_gemm": (lambda a, b: fp8_ops.mm_fp8(a, b, scale), fp8_pair),

@@ -94,8 +94,10 @@ class BatchPlan:
             to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows)
             flat = torch.tensor(to_batch + to_index, dtype=torch.int32)
             device = self.qo_indptr.device
-            if device.type == "cuda":
+            if device.type == "cuda" and not torch.compiler.is_compiling():
                 flat = flat.pin_memory().to(device, non_blocking=True)
+            elif device.type == "cuda":  # a traced graph holds the copy as a constant (no pinning there)
+                flat = flat.to(device)
             found = self.launches[key] = (flat[: len(to_batch)], flat[len(to_batch):])
         return found
 
