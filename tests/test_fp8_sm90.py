@@ -187,7 +187,8 @@ def built(tmp_path_factory):
     (d / "probe.cu").write_text(PROBE)
     obj = d / "probe.o"
     r = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-                        "-I", str(SM90), "-c", str(d / "probe.cu"), "-o", str(obj)],
+                        "-I", str(SM90), "-I", str(REPO / "packages" / "cuda-common" / "include"),
+                        "-c", str(d / "probe.cu"), "-o", str(obj)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     env_path = str(Path(cuobjdump).parent)

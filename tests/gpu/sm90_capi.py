@@ -28,7 +28,8 @@ def build(target: Path = DEFAULT_LIB) -> Path:
         raise FileNotFoundError("nvcc is not on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     cmd = [nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler",
-           "-fPIC", "-shared", "-I", str(SRC), str(SRC / "capi.cu"), "-o", str(target)]
+           "-fPIC", "-shared", "-I", str(SRC), "-I", str(ROOT / "packages" / "cuda-common" / "include"),
+           str(SRC / "capi.cu"), "-o", str(target)]
     subprocess.run(cmd, check=True)
     return target
 

@@ -1,16 +1,19 @@
-// Hopper (sm_90a) PTX primitives used by the FP8 wgmma mainloop:
-//   mbarrier      init / arrive / arrive.expect_tx / try_wait.parity
+// Hopper (sm_90a) PTX primitives used by the FP8 wgmma mainloop, beside the ones both plugins
+// share (astrai/sm90.cuh: mbarrier init / arrive / wait, wgmma fence / commit / wait,
+// setmaxnreg), which are brought into this namespace:
+//   mbarrier      arrive.expect_tx, cluster-scope try_wait
 //   TMA           cp.async.bulk.tensor.2d global -> shared, completing on an mbarrier
 //                 (and its cluster multicast form)
 //   clusters      rank, cluster barrier, mapa + remote mbarrier arrive
-//   wgmma         fence / commit_group / wait_group and the shared-memory descriptor
-//   setmaxnreg    register hand-over between producer and consumer warpgroups
+//   wgmma         accumulator register fences and the shared-memory descriptor
 // Everything here is device code; callers guard it with ASTRAI_SM90_ENABLED.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (type only: nothing from libcuda is linked)
 
 #include <cstdint>
+
+#include "astrai/sm90.cuh"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ASTRAI_SM90_ENABLED 1
@@ -20,44 +23,31 @@
 
 namespace astrai::fp8::sm90 {
 
+using astrai::sm90::mbar_arrive;
+using astrai::sm90::mbar_init;
+using astrai::sm90::mbar_init_fence;
+using astrai::sm90::mbar_try_wait;
+using astrai::sm90::mbar_wait;
+using astrai::sm90::setmaxnreg_dec;
+using astrai::sm90::setmaxnreg_inc;
+using astrai::sm90::wgmma_commit;
+using astrai::sm90::wgmma_fence;
+using astrai::sm90::wgmma_wait;
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // ---- mbarrier ------------------------------------------------------------------------
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Makes the initialised barriers visible to the other threads and to the async proxy (TMA).
-__device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
+// init / init fence / arrive / try_wait / wait: astrai/sm90.cuh (shared with the attention
+// plugin); the transaction-count and cluster forms are the GEMM's own.
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
 
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
-// Same, with cluster-scope acquire: for barriers that a peer CTA of the cluster arrives on.
+// mbar_try_wait with cluster-scope acquire: for barriers that a peer CTA of the cluster arrives on.
 __device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
     uint32_t done;
     asm volatile(
@@ -68,13 +58,6 @@ __device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t par
         : "r"(bar), "r"(parity)
         : "memory");
     return done != 0;
-}
-
-// Waits until the phase of `bar` with the given parity has completed. A freshly initialised
-// barrier counts its (virtual) previous phase, parity 1, as complete.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
 }
 
 // ---- clusters ------------------------------------------------------------------------
@@ -135,19 +118,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
 
 // ---- wgmma ---------------------------------------------------------------------------
 
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-template <int Pending>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
-}
-
 // Pins accumulator registers so the compiler neither reads them before a wgmma_wait nor
 // moves their updates across a wgmma issue.
 template <int R>
@@ -166,18 +136,6 @@ __device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t saddr) {
     d |= static_cast<uint64_t>(1024 >> 4) << 32;          // stride byte offset
     d |= static_cast<uint64_t>(1) << 62;                  // layout: 128-byte swizzle
     return d;
-}
-
-// ---- registers -----------------------------------------------------------------------
-
-template <int R>
-__device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
-}
-
-template <int R>
-__device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 
 }  // namespace astrai::fp8::sm90

@@ -1,7 +1,7 @@
 // Standalone check and benchmark of the Hopper FP8 GEMM (wgmma + TMA, sm_90a).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
-//        -I packages/astrai-fp8/csrc/gemm/sm90 \
+//        -I packages/astrai-fp8/csrc/gemm/sm90 -I packages/cuda-common/include \
 //        packages/astrai-fp8/csrc/gemm/sm90/tests/sm90_gemm_test.cu -o /tmp/sm90_gemm_test
 //   /tmp/sm90_gemm_test quick | full | sanitize | bench | configs   [--json FILE]
 //
