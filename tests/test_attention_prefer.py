@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "packages" / "astrai-attention" / "src"))
 from astrai_attention import prefill_table  # noqa: E402
 
-from astrai.extension.backend import fp8_prefer  # noqa: E402
+from astrai.extension.backend import prefer  # noqa: E402
 from astrai.extension.backend.attention import (  # noqa: E402
     ATTN_BACKEND, AttentionPolicy, CudaBackend, TorchNativeBackend, attn_backend)
 from astrai.extension.backend.attention import cuda as cuda_backend  # noqa: E402
@@ -54,12 +54,12 @@ def test_table_verdicts_name_the_measurement():
                     _row("4x4096", 128, True, "torch path", 1500.0),
                     _row("4x4096", 128, False, "astrai contiguous", 1000.0),
                     _row("4x4096", 128, False, "torch path", 800.0)])
-    prefer = {"90": prefill_table.from_bench(bench, commit="abc1234", date="2026-12-01")}
-    win = fp8_prefer.verdict(prefer, 90, (4 * 4096, 4096, 128), "causal")
+    entry = {"90": prefill_table.from_bench(bench, commit="abc1234", date="2026-12-01")}
+    win = prefer.verdict(entry, 90, (4 * 4096, 4096, 128), "causal")
     assert win.plugin_faster and "1.50x torch" in win.reason and "abc1234" in win.reason
-    lose = fp8_prefer.verdict(prefer, 90, (2 * 3000, 3000, 128), "full")
+    lose = prefer.verdict(entry, 90, (2 * 3000, 3000, 128), "full")
     assert not lose.plugin_faster and "torch is faster" in lose.reason
-    assert fp8_prefer.verdict(prefer, 89, (4096, 4096, 128), "causal") is None  # no table for sm_89
+    assert prefer.verdict(entry, 89, (4096, 4096, 128), "causal") is None  # no table for sm_89
 
 
 def test_table_needs_paired_rows():

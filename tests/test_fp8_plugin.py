@@ -192,8 +192,8 @@ def test_manifest_matches_the_binary(plugin_manifest, so):
     # mma.sync is native on 89 and 120; a build with the sm_90a wgmma kernel adds 90
     assert set(parsed.ops["fp8_gemm"].native_sm) == {89, 90, 120}
     # the sm_90a build ships the measured table (packaged with the wheel)
-    from astrai.extension.backend import fp8_prefer
-    assert fp8_prefer.table_for(parsed.ops["fp8_gemm"].prefer, 90).peer == "scaled_mm"
+    from astrai.extension.backend import prefer
+    assert prefer.table_for(parsed.ops["fp8_gemm"].prefer, 90).peer == "scaled_mm"
     assert parsed.ops["fp8_gemm"].min_sm == parsed.ops["fp8_quantize"].min_sm == 89
     assert parsed.ops["fp8_scale_update"].min_sm == 89
     assert plugin_manifest["ops"]["fp8_scale_update"]["dtypes"] == ["float32"]

@@ -26,19 +26,19 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_policy_on_this_device():
-    from astrai.extension.backend import fp8_prefer
+    from astrai.extension.backend import prefer
 
     info = probe_device()
     status = current_runtime().registry.op_status("fp8_gemm", info)
     native = status.usable and status.native is not False
-    table = fp8_prefer.table_for(status.spec.prefer, info.sm) if native else None
+    table = prefer.table_for(status.spec.prefer, info.sm) if native else None
     if table is None:
         expected = "plugin" if native else "scaled_mm"
         assert backend.choose_gemm(info, "e4m3", "e4m3") == expected
     else:  # a measured table (sm_90 with the wgmma build): it decides per shape class
         assert backend.choose_gemm(info, "e4m3", "e4m3") == "scaled_mm"  # no shape given
         for c in (c for c in table.classes if c.mode == backend.GEMM_MODE):
-            expected = "plugin" if c.ratio > fp8_prefer.MIN_RATIO else "scaled_mm"
+            expected = "plugin" if c.ratio > prefer.MIN_RATIO else "scaled_mm"
             assert backend.choose_gemm(info, "e4m3", "e4m3", shape=(c.m, c.n, c.k)) == expected, c
         reasons = [d.trace[0].reason for d in current_runtime().explain("fp8_gemm")
                    if d.key[0] == info.key and d.key[-1] is not None]

@@ -5,7 +5,7 @@ GEMM (``scale * a @ b + bias`` -> bf16), in priority order:
 1. ``plugin``    the astrai-fp8 kernel, when the registry says ``fp8_gemm`` is usable on
                  the device *and* its manifest marks the GEMM native there (``native_sm``)
                  *and*, where the manifest ships a measured table for the arch (``prefer``,
-                 see ``fp8_prefer``), the nearest measured shape class says it beats
+                 see ``prefer``), the nearest measured shape class says it beats
                  cuBLASLt; the trace carries the measured ratio either way. On sm_90 the
                  mma.sync kernel is an fp16 emulation: a build without the Hopper wgmma
                  mainloop is never chosen there, and the trace says so. With it, operands
@@ -36,7 +36,7 @@ from ..device import DeviceInfo, probe_device
 from ..ops import _plugin as ops_plugin
 from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime, current_runtime
-from . import fp8_prefer, fp8_torch
+from . import fp8_torch, prefer
 from .fp8_torch import _SCALED_MM_ALIGN, FP8_DTYPES, FP8_FORMATS, QUANTIZE_INPUT_DTYPES
 
 GEMM_BACKENDS = ("plugin", "scaled_mm", "emulated")
@@ -103,8 +103,8 @@ class _PluginOp:
             return f"{status.reason}: {verdict.reason}"
         return None
 
-    def _measured(self, status, call: Fp8Call) -> fp8_prefer.Verdict | None:
-        return fp8_prefer.verdict(status.spec.prefer, call.device.sm, call.shape, call.mode)
+    def _measured(self, status, call: Fp8Call) -> prefer.Verdict | None:
+        return prefer.verdict(status.spec.prefer, call.device.sm, call.shape, call.mode)
 
     def why_capable(self, call: Fp8Call) -> str | None:
         """The trace's reason when the plugin wins: the measured ratio, where there is one."""

@@ -25,7 +25,7 @@ import torch
 
 from ...device import probe_device
 from ...kv_cache import BatchPlan, PagedKVCache
-from .. import fp8_prefer
+from .. import prefer
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
@@ -67,11 +67,11 @@ class CudaBackend(AttentionBackend):
         return None if verdict is None else f"attn_prefill: {verdict.reason}"
 
     @staticmethod
-    def _measured(call: AttentionCall) -> fp8_prefer.Verdict | None:
+    def _measured(call: AttentionCall) -> prefer.Verdict | None:
         device = probe_device(call.device)
         status = current_runtime().registry.op_status("attn_prefill", device)
         mode = "masked" if call.mask_ndim else "causal" if call.causal else "full"
-        return fp8_prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
+        return prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
 
     @staticmethod
     def _op_unsupported(op: str, call: AttentionCall) -> str | None:

@@ -1,6 +1,6 @@
 """The measured preference table: the plugin's GEMM runs on sm_90 only where it beat cuBLASLt.
 
-* ``backend.fp8_prefer``: parsing, nearest-class lookup, the verdict and its reason;
+* ``backend.prefer``: parsing, nearest-class lookup, the verdict and its reason;
 * the policy both ways through fake manifests (plugin faster / cuBLASLt faster), the
   reason in the resolver trace, the M bucket in the decision key;
 * malformed tables never break the registry: the plugin stays accepted (its quantize
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from astrai.extension.backend import fp8 as backend
-from astrai.extension.backend import fp8_prefer
+from astrai.extension.backend import prefer
 from astrai.extension.manifest import parse_manifest
 from astrai.extension.registry import Registry
 from astrai.extension.runtime import Runtime
@@ -48,18 +48,18 @@ TABLE = {
 }
 
 
-def _ops(prefer=None, native=(89, 90, 120)):
+def _ops(entry=None, native=(89, 90, 120)):
     gemm = {"module": "fake_fp8_ops", "abi": 1, "min_sm": 89, "native_sm": list(native),
             "dtypes": ["float8_e4m3fn", "float8_e5m2"]}
-    if prefer is not None:
-        gemm["prefer"] = prefer
+    if entry is not None:
+        gemm["prefer"] = entry
     return {"fp8_quantize": {"module": "fake_fp8_ops", "abi": 1, "min_sm": 89,
                              "dtypes": ["float32", "float16", "bfloat16"]},
             "fp8_gemm": gemm}
 
 
-def _runtime(prefer=None, **kw) -> Runtime:
-    raw = manifest("astrai-fp8", ops=_ops(prefer, **kw))
+def _runtime(entry=None, **kw) -> Runtime:
+    raw = manifest("astrai-fp8", ops=_ops(entry, **kw))
     return Runtime(Registry(entry_points(FakeEntryPoint("fp8", raw, dist="astrai-fp8")),
                             importer=lambda name: pytest.fail(f"imported {name}")))
 
@@ -73,7 +73,7 @@ def _trace(runtime: Runtime):
 
 
 def test_parse_and_ratio():
-    table = fp8_prefer.parse_table(TABLE)
+    table = prefer.parse_table(TABLE)
     assert table.peer == "scaled_mm" and len(table.classes) == 5
     assert table.classes[1].ratio == pytest.approx(1.04)
     assert table.classes[1].shape == "1024x8192x8192"
@@ -88,32 +88,32 @@ def test_parse_and_ratio():
     ((1024, 10240, 8192), (1024, 8192, 8192)),  # log2(10240/8192) < log2(28672/10240)
 ])
 def test_nearest_class_in_log_space(shape, expect):
-    near = fp8_prefer.parse_table(TABLE).nearest(*shape, "promote")
+    near = prefer.parse_table(TABLE).nearest(*shape, "promote")
     assert (near.m, near.n, near.k) == expect
 
 
 def test_nearest_respects_the_mode():
-    table = fp8_prefer.parse_table(TABLE)
+    table = prefer.parse_table(TABLE)
     assert table.nearest(16, 8192, 8192, "fast").ours_ms == 0.9
     assert table.nearest(16, 8192, 8192, "other") is None
 
 
 def test_verdict_reasons():
-    yes = fp8_prefer.verdict({"90": TABLE}, 90, (1024, 8192, 8192), "promote")
+    yes = prefer.verdict({"90": TABLE}, 90, (1024, 8192, 8192), "promote")
     assert yes.plugin_faster
     assert yes.reason.startswith("measured 1.04x scaled_mm at 1024x8192x8192 promote")
     assert "commit abc1234" in yes.reason
-    no = fp8_prefer.verdict({"90": TABLE}, 90, (8192, 8192, 8192), "promote")
+    no = prefer.verdict({"90": TABLE}, 90, (8192, 8192, 8192), "promote")
     assert not no.plugin_faster and "0.95x" in no.reason and "scaled_mm is faster there" in no.reason
-    near = fp8_prefer.verdict({"90": TABLE}, 90, (1024, 28672, 4096), "promote")
+    near = prefer.verdict({"90": TABLE}, 90, (1024, 28672, 4096), "promote")
     assert near.plugin_faster and "nearest to 1024x28672x4096" in near.reason
-    assert fp8_prefer.verdict({"90": TABLE}, 89, (1024, 8192, 8192), "promote") is None
-    assert fp8_prefer.verdict(None, 90, (1024, 8192, 8192), "promote") is None
+    assert prefer.verdict({"90": TABLE}, 89, (1024, 8192, 8192), "promote") is None
+    assert prefer.verdict(None, 90, (1024, 8192, 8192), "promote") is None
 
 
 def test_a_tie_keeps_the_peer():
     tie = {"peer": "scaled_mm", "classes": [_cls(1024, 8192, 8192, 0.1, 0.1)]}
-    assert not fp8_prefer.verdict({"90": tie}, 90, (1024, 8192, 8192), "promote").plugin_faster
+    assert not prefer.verdict({"90": tie}, 90, (1024, 8192, 8192), "promote").plugin_faster
 
 
 # ------------------------------------------------------------------ the policy
@@ -163,7 +163,7 @@ def test_native_without_a_table_still_means_plugin_first():
     assert backend.choose_gemm(H200, "e4m3", "e4m3", runtime=runtime, shape=(8192, 8192, 8192)) == "plugin"
 
 
-@pytest.mark.parametrize("prefer, words", [
+@pytest.mark.parametrize("entry, words", [
     ("not a dict", "'prefer' must be a dict"),
     ({"90": "sm90_table.json unreadable: OSError: gone"}, "unreadable"),
     ({"90": {"classes": TABLE["classes"]}}, "'peer' must be a backend name"),
@@ -176,8 +176,8 @@ def test_native_without_a_table_still_means_plugin_first():
      "'mode' must be a string"),
     ({"90": {"peer": "scaled_mm", "classes": ["row"]}}, "class 0 must be a dict"),
 ])
-def test_a_malformed_table_keeps_the_plugin_but_not_its_gemm(prefer, words):
-    runtime = _runtime(prefer)
+def test_a_malformed_table_keeps_the_plugin_but_not_its_gemm(entry, words):
+    runtime = _runtime(entry)
     status = runtime.registry.op_status("fp8_gemm", H200)
     assert status.usable  # the registry accepts the plugin
     assert runtime.registry.op_status("fp8_quantize", H200).usable
@@ -226,9 +226,9 @@ def test_manifest_marks_90_native_and_ships_the_table_with_sm90a(monkeypatch):
     parsed = parse_manifest(astrai_fp8.manifest())
     gemm = parsed.ops["fp8_gemm"]
     assert gemm.native_sm == (89, 90, 120)
-    table = fp8_prefer.table_for(gemm.prefer, 90)
+    table = prefer.table_for(gemm.prefer, 90)
     assert table.peer == "scaled_mm" and table.classes
-    assert fp8_prefer.table_for(gemm.prefer, 89) is None
+    assert prefer.table_for(gemm.prefer, 89) is None
 
 
 def test_manifest_without_sm90a_is_not_native_on_90(monkeypatch):
@@ -241,13 +241,13 @@ def test_a_missing_table_file_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(sm90_table, "TABLE_FILE", "no_such_table.json")
     value = sm90_table.load()
     assert isinstance(value, str) and "no_such_table.json unreadable" in value
-    v = fp8_prefer.verdict({"90": value}, 90, (1024, 8192, 8192), "promote")
+    v = prefer.verdict({"90": value}, 90, (1024, 8192, 8192), "promote")
     assert not v.plugin_faster and "unreadable" in v.reason
 
 
 def test_the_shipped_table_comes_from_a_real_run():
     raw = json.loads((REPO / "packages/astrai-fp8/src/astrai_fp8/sm90_table.json").read_text())
-    table = fp8_prefer.parse_table(raw)
+    table = prefer.parse_table(raw)
     assert raw["sm"] == 90 and "H200" in raw["device"] and raw["commit"] and raw["date"]
     assert {c.mode for c in table.classes} == {"promote", "fast"}
     ms = {c.m for c in table.classes}
@@ -266,7 +266,7 @@ def test_from_bench_skips_rows_without_a_peer_time():
     table = sm90_table.from_bench(bench, commit="abc1234", date="2026-11-29")
     assert [(c["m"], c["mode"]) for c in table["classes"]] == [(1024, "promote"), (1024, "fast")]
     assert table["measured"] == "NVIDIA H200, commit abc1234, 2026-11-29"
-    assert fp8_prefer.parse_table(table).classes[0].ratio == pytest.approx(1.1)
+    assert prefer.parse_table(table).classes[0].ratio == pytest.approx(1.1)
     with pytest.raises(ValueError, match="no row"):
         sm90_table.from_bench({"rows": bench["rows"][1:]}, commit="x", date="y")
 

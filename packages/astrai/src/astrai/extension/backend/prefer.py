@@ -1,8 +1,9 @@
 """Measured preference tables: where a plugin's kernel beats the peer the core would use.
 
 A plugin may ship, per op and per arch, the times of its kernel and of a peer (for FP8 GEMM:
-``torch._scaled_mm``, the core's ``scaled_mm`` backend) on a set of shape classes, under the
-op spec's optional manifest key ``prefer`` (docs/plugins.md)::
+``torch._scaled_mm``, the core's ``scaled_mm`` backend; for dense prefill: the torch SDPA
+backend) on a set of shape classes, under the op spec's optional manifest key ``prefer``
+(docs/plugins.md)::
 
     "prefer": {"90": {"peer": "scaled_mm", "measured": "NVIDIA H200, commit 1a2b3c4, 2026-11-29",
                       "classes": [{"m": 1024, "n": 8192, "k": 8192, "mode": "promote",
