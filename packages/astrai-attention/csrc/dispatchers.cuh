@@ -31,23 +31,27 @@ void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
     done.fetch_or(bit, std::memory_order_release);
 }
 
-// The current device's compute capability as 10 * major + minor, asked of the driver once
-// per device (launchers ask on every call).
-inline int device_arch() {
+// An attribute of the current device, asked of the driver once per device (launchers ask
+// on every call).
+template <cudaDeviceAttr kAttr>
+int device_attribute() {
     constexpr int kMaxDevices = 64;
-    static std::atomic<int> arch[kMaxDevices];  // 0: not asked yet (static: zero-initialized)
+    static std::atomic<int> cache[kMaxDevices];  // value + 1; 0: not asked yet (static: zero-initialized)
     int dev = 0;
     ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
-    std::atomic<int>& slot = arch[dev % kMaxDevices];
-    int a = slot.load(std::memory_order_relaxed);
-    if (a == 0) {
-        int major = 0, minor = 0;
-        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        a = 10 * major + minor;
-        slot.store(a, std::memory_order_relaxed);
-    }
-    return a;
+    std::atomic<int>& slot = cache[dev % kMaxDevices];
+    const int cached = slot.load(std::memory_order_relaxed);
+    if (cached != 0) return cached - 1;
+    int value = 0;
+    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&value, kAttr, dev));
+    slot.store(value + 1, std::memory_order_relaxed);
+    return value;
+}
+
+// The current device's compute capability as 10 * major + minor.
+inline int device_arch() {
+    return 10 * device_attribute<cudaDevAttrComputeCapabilityMajor>() +
+           device_attribute<cudaDevAttrComputeCapabilityMinor>();
 }
 
 // Programmatic dependent launch needs sm_90+.
@@ -112,21 +116,6 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 // Whether the current device is an sm_90 (Hopper) GPU.
 inline bool device_is_sm90() { return device_arch() == 90; }
 
-// The current device's multiprocessor count, asked of the driver once per device.
-inline int device_sm_count() {
-    constexpr int kMaxDevices = 64;
-    static std::atomic<int> sms[kMaxDevices];  // 0: not asked yet
-    int dev = 0;
-    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
-    std::atomic<int>& slot = sms[dev % kMaxDevices];
-    int n = slot.load(std::memory_order_relaxed);
-    if (n == 0) {
-        ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        slot.store(n, std::memory_order_relaxed);
-    }
-    return n;
-}
-
 // launch_prefill_d's layout value that forces the Hopper kernel where it applies.
 constexpr int kPrefillWgmma = 90;
 
@@ -141,7 +130,7 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
         p.work_grid_x = int(grid.x);
         p.work_grid_y = int(grid.y);
         p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
-        grid = dim3(unsigned(std::min(p.num_work, device_sm_count())));
+        grid = dim3(unsigned(std::min(p.num_work, device_attribute<cudaDevAttrMultiProcessorCount>())));
     }
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);

@@ -42,18 +42,12 @@ struct PanelTile {
 //   ping-pong           d64 +6-8 %, d128 -3..+5 %, d256 -3 %: on for d <= 128
 //   persistent grid     d128 453 / 519 / 297 against 470 / 560 / 274 one block per item
 //                       (a static round-robin of items; long sequences lose): off
-//   BN 192 at d64, 80 at d256: spill (and serialize the wgmma at d64): not built
+//   (K/V tiles of 192 rows at d64 and 80 at d256 spilled, and serialized the wgmma at d64)
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
 #endif
 #ifndef ASTRAI_PREFILL_PERSISTENT
 #define ASTRAI_PREFILL_PERSISTENT 0
-#endif
-#ifndef ASTRAI_PREFILL_BN64
-#define ASTRAI_PREFILL_BN64 128
-#endif
-#ifndef ASTRAI_PREFILL_BN256
-#define ASTRAI_PREFILL_BN256 64
 #endif
 
 template <int D_>
@@ -62,7 +56,7 @@ struct PrefillWsConfig {
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers
-    static constexpr int kBN = D == 64 ? ASTRAI_PREFILL_BN64 : D == 128 ? 128 : ASTRAI_PREFILL_BN256;
+    static constexpr int kBN = D <= 128 ? 128 : 64;
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kThreads = 3 * 128;
     // The block starts with 168 registers a thread (64K / 384, rounded down to 8), and the
