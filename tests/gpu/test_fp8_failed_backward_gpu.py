@@ -9,22 +9,13 @@ import torch
 
 from astrai.extension._fp8 import linear
 from astrai.extension.fp8 import DelayedScaling, Format, fp8_autocast, fp8_state
+from test_fp8_failed_backward import FailsInBackward  # the CPU test's failing identity
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                        reason="needs a CUDA device of sm_89 or newer"),
 ]
-
-
-class FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("upstream backward failed")
 
 
 def test_a_failed_backward_is_forgotten_on_the_gpu():
