@@ -23,6 +23,8 @@ using namespace astrai::attn;
 namespace {
 
 bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
+bool g_check = true;     // --bench-only: skip the correctness cases
+int g_dim = 0;           // --dim D: time head dim D alone (0: all)
 
 int g_sms = 132;
 std::mt19937 g_rng(4321);
@@ -215,6 +217,7 @@ void bench() {
 
 template <int D>
 void bench_prefill_d() {
+    if (g_dim != 0 && g_dim != D) return;
     const int Hq = 32, Hkv = 8;
     for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
         const int B = B_, L = L_;
@@ -265,8 +268,14 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
         if (std::string(argv[i]) == "--no-bench") do_bench = false;
         if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
+        if (std::string(argv[i]) == "--bench-only") g_check = false;
+        if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+    if (!g_check) {
+        bench_prefill();
+        return 0;
+    }
     int fails = 0, total = 0;
     auto check = [&](bool ok) { ++total; fails += !ok; };
     for (int page : {1, 16}) {

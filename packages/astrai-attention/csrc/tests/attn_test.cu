@@ -94,6 +94,8 @@ struct Case {
 
 int g_sms = 132;
 bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
+bool g_check = true;     // --bench-only: skip the correctness cases
+int g_dim = 0;           // --dim D: time head dim D alone (0: all)
 std::mt19937 g_rng(1234);
 
 // One prefill (Lq > 1 or causal) or decode (Lq == 1) case; returns pass/fail.
@@ -209,7 +211,7 @@ void bench() {
                     p.num_splits, us, bytes / us * 1e-6);
     }
     for (int D : {64, 128, 256})
-        for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
+        if (g_dim == 0 || g_dim == D) for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
             const int B = B_, L = L_;
             const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv * D;
             DeviceBuffer<uint16_t> q(qe), k(ke), v(ke), o(qe);
@@ -251,8 +253,14 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
         if (std::string(argv[i]) == "--no-bench") do_bench = false;
         if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
+        if (std::string(argv[i]) == "--bench-only") g_check = false;
+        if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+    if (!g_check) {
+        bench();
+        return 0;
+    }
     int fails = 0, total = 0;
     std::vector<Case> decode_cases = {
         {1, 1, 1, 8, 8, 128, true, false, false, 0},
