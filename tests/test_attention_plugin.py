@@ -196,6 +196,7 @@ def test_hopper_prefill_is_warp_specialized_wgmma(build):
         assert "HMMA" not in body, f"{func}: mma.sync left in the wgmma kernel"
         assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{func}: no register hand-over"
         assert "LDGSTS" in body and "ARRIVES.LDGSTSBAR" in body, f"{func}: no cp.async completing on an mbarrier"
+        assert "UTMALDG.4D" in body, f"{func}: no TMA load of K/V tiles"
         assert not re.search(r"\b(STL|LDL)\b", body), f"{func}: local-memory traffic"
 
 

@@ -55,6 +55,7 @@ struct AttentionParams {
     const int32_t* kv_lens = nullptr;
     int page_size = 1;
     int page_shift = 0;  // log2(page_size) when a power of two, else -1
+    int num_pages = 0;   // pages in the cache (k_cache.size(0)); 0: unknown
 
     // Packed (ragged) Q.
     const int32_t* qo_indptr = nullptr;

@@ -132,9 +132,11 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
         p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
         grid = dim3(unsigned(std::min(p.num_work, device_attribute<cudaDevAttrMultiProcessorCount>())));
     }
+    KvTensorMaps maps;
+    if constexpr (ASTRAI_PREFILL_TMA) maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);
-    prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+    prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
     ASTRAI_CHECK_LAUNCH();
 }
 

@@ -8,6 +8,9 @@
 //   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <climits>
+
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
 #include "entry_utils.h"
@@ -50,6 +53,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     p.q_stride_l = q.stride(0); p.q_stride_h = q.stride(1);
     p.o_stride_l = out.stride(0); p.o_stride_h = out.stride(1);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1] (as qo_indptr)");
+    p.num_pages = int(std::min<int64_t>(k.size(0), INT32_MAX));
     p.qo_indptr = qo.data<const int32_t>();
     p.q_tile_to_batch = tb.data<const int32_t>();
     p.q_tile_to_index = ti.data<const int32_t>();

@@ -2,10 +2,14 @@
 //
 // A block of three warpgroups owns 128 (row, head) pairs of one kv-head group, packed as in
 // the 8-warp mma.sync block (HB >= 2 query heads share each K/V tile):
-//   warpgroup 0 (producer)   setmaxnreg.dec; loads Q once, then streams K and V tiles through
-//                            two rings of kStages stages with cp.async (any KV source: the
-//                            contiguous and the paged policy share this body), each copy
-//                            batch completing on the stage's "full" mbarrier.
+//   warpgroup 0 (producer)   setmaxnreg.dec; loads Q once (cp.async), then streams K and V
+//                            tiles through two rings of kStages stages, each tile completing
+//                            on the stage's "full" mbarrier: by TMA where the K/V tensor maps
+//                            encode (contiguous K/V: one thread, a box per 64-column panel;
+//                            paged with 8 | page_size: a box per page, lane i of warp 0
+//                            loading page i, tiles ending past kv_len by cp.async), else by
+//                            cp.async from all 128 threads (any KV source: the contiguous and
+//                            the paged policy share this body).
 //   warpgroups 1, 2          setmaxnreg.inc; 64 rows each. Per K/V tile t:
 //     (consumers)              S_t = Q K_t^T          wgmma SS, issued
 //                              O  += P_{t-1} V_{t-1}  wgmma RS, issued right behind it
@@ -20,6 +24,7 @@
 #pragma once
 
 #include "astrai/sm90.cuh"
+#include "kv_tensor_maps.h"
 #include "prefill_parts.cuh"
 #include "wgmma_ops.cuh"
 #include "wgmma_utils.cuh"
@@ -41,10 +46,19 @@ struct PanelTile {
 // Measured on an H200 (GQA 32/8 bf16, TFLOP/s at 4x4096 / 1x16384 / 16x1024, causal):
 //   ping-pong           d64 +6-8 %, d128 -3..+5 %, d256 -3 %: on for d <= 128
 //   persistent grid     d128 453 / 519 / 297 against 470 / 560 / 274 one block per item
-//                       (a static round-robin of items; long sequences lose): off
+//                       (a static round-robin of items; long sequences lose): off (with
+//                       the TMA producer 491 / 583 / 302 against 542 / 648 / 300: still off;
+//                       a snake order of the round-robin measured worse still)
+//   K/V by TMA          d128 542 / 648 / 300 against 463 / 503 / 276 by cp.async (whose
+//                       address arithmetic was a third of all issued instructions), paged
+//                       (page 16) 458 / 560 / 262 against 391 / 454 / 238: on
+//   3 stages at d128    (room made by one Q slot) 541 / 658 / 297: no gain, 2 kept
 //   (K/V tiles of 192 rows at d64 and 80 at d256 spilled, and serialized the wgmma at d64)
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
+#endif
+#ifndef ASTRAI_PREFILL_TMA
+#define ASTRAI_PREFILL_TMA 1
 #endif
 #ifndef ASTRAI_PREFILL_PERSISTENT
 #define ASTRAI_PREFILL_PERSISTENT 0
@@ -74,7 +88,7 @@ struct PrefillWsConfig {
     static constexpr int kQBytes = kRows * D * 2;
     // Q slots: a persistent block loads the next work item's Q while it finishes this one
     // (d256's 64 KB Q leaves room for one).
-    static constexpr int kQBuffers = D == 256 ? 1 : 2;
+    static constexpr int kQBuffers = kPersistent && D <= 128 ? 2 : 1;
     // full K, full V, empty K, empty V per stage; full and empty per Q slot
     static constexpr int kBarriers = 4 * kStages + 2 * kQBuffers;
     static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBuffers * kQBytes + 8 * kBarriers;
@@ -109,11 +123,82 @@ struct RingPos {
 };
 
 #if ASTRAI_ATTN_SM90
-// Warpgroup 0, one work item: Q into its slot, then K_t / V_t into their ring stages, each
-// once the consumers released the slot's previous use.
+// kTma (contiguous K/V), from one thread: per tile D / 64 boxes (panels), each stage's full
+// barrier expecting the tile's bytes. Rows past kv_len arrive as zeros; rows past a causal
+// kv_end are real K/V that the consumers mask.
+template <class C>
+__device__ __forceinline__ void produce_kv_tma(const KvTensorMaps& maps, const QWork& qw, const PrefillSpan& sp,
+                                               const PrefillWsSmem<C>& sm, RingPos& pos) {
+    using namespace sm90;
+    constexpr int kPanels = C::D / 64;
+    auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int t) {
+        mbar_arrive_expect_tx(bar, C::kTileBytes);
+#pragma unroll
+        for (int c = 0; c < kPanels; ++c)
+            tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes, map, bar, c * 64, sp.kvh, t * C::kBN, qw.b);
+    };
+    for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
+        const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
+        if (use > 0) mbar_wait(sm.empty_k(s), (use - 1) & 1);
+        load(&maps.k, sm.k_stage(s), sm.full_k(s), t);
+        if (use > 0) mbar_wait(sm.empty_v(s), (use - 1) & 1);
+        load(&maps.v, sm.v_stage(s), sm.full_v(s), t);
+    }
+}
+
+// kTmaWholeTiles (paged K/V), from all 128 producer threads, each arriving once per stage
+// use: a tile inside kv_len goes by TMA, lane i of warp 0 loading page box i (box_rows
+// slots of one page, landing at row i * box_rows: whole 8-row swizzle atoms) and thread 0
+// arriving with the tile's byte count; a tile that ends past kv_len goes by cp.async, which
+// zero-fills the rows a page holds past the request (stale slots, possibly NaN).
 template <typename T, class C, class KV>
-__device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
-                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
+__device__ __forceinline__ void produce_kv_paged_tma(const AttentionParams& p, const KvTensorMaps& maps,
+                                                     const QWork& qw, const PrefillSpan& sp,
+                                                     const PrefillWsSmem<C>& sm, RingPos& pos) {
+    using namespace sm90;
+    constexpr int kPanels = C::D / 64;
+    KvTileLoader<T, KV, PanelTile<C::kBN>, C::D, C::kBN, 128> kv(p, qw, sp);
+    const typename KV::Request req = KV::request(p, qw.b);
+    const int box = int(threadIdx.x) < C::kBN / maps.box_rows ? int(threadIdx.x) : -1;
+    auto stage_tile = [&](bool whole, int page, int slot, const CUtensorMap* map, uint32_t dst, uint32_t bar,
+                          auto&& copy) {
+        if (!whole) {
+            copy();
+            mbar_arrive_on_cp_async(bar);
+            return;
+        }
+        if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, C::kTileBytes);
+        if (box >= 0) {
+#pragma unroll
+            for (int c = 0; c < kPanels; ++c)
+                tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes + box * maps.box_rows * 128, map, bar, c * 64,
+                            sp.kvh, slot, page);
+        }
+        if (threadIdx.x != 0) mbar_arrive(bar);
+    };
+    for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
+        const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
+        const bool whole = (t + 1) * C::kBN <= sp.kv_len;
+        int page = 0, slot = 0;
+        if (whole && box >= 0) {
+            const int first = t * C::kBN + box * maps.box_rows, page_index = KV::page_of(req, first);
+            page = __ldg(req.pages + page_index);
+            slot = first - page_index * p.page_size;
+        }
+        if (!whole) kv.fetch(t);
+        if (use > 0) mbar_wait(sm.empty_k(s), (use - 1) & 1);
+        stage_tile(whole, page, slot, &maps.k, sm.k_stage(s), sm.full_k(s), [&] { kv.load_k(t, sm.k_stage(s)); });
+        if (use > 0) mbar_wait(sm.empty_v(s), (use - 1) & 1);
+        stage_tile(whole, page, slot, &maps.v, sm.v_stage(s), sm.full_v(s), [&] { kv.load_v(t, sm.v_stage(s)); });
+    }
+}
+
+// Warpgroup 0, one work item: Q into its slot, then K_t / V_t into their ring stages, each
+// once the consumers released the slot's previous use (by TMA per maps.mode, else cp.async
+// from all 128 threads).
+template <typename T, class C, class KV>
+__device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const KvTensorMaps& maps, const QWork& qw,
+                                                   const PrefillSpan& sp, const PrefillWsSmem<C>& sm, RingPos& pos) {
     using sm90::mbar_arrive_on_cp_async;
     using sm90::mbar_wait;
     const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
@@ -121,6 +206,13 @@ __device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, con
     load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
     mbar_arrive_on_cp_async(sm.q_full(qs));
     ++pos.items;
+    if (maps.mode == KvTensorMaps::kTma) {
+        if (threadIdx.x == 0) produce_kv_tma<C>(maps, qw, sp, sm, pos);
+        return;
+    }
+    if constexpr (KV::kPaged) {
+        if (maps.mode == KvTensorMaps::kTmaWholeTiles) return produce_kv_paged_tma<T, C, KV>(p, maps, qw, sp, sm, pos);
+    }
     KvTileLoader<T, KV, PanelTile<C::kBN>, C::D, C::kBN, 128> kv(p, qw, sp);
     if (sp.n_tiles > 0) kv.fetch(0);
     for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
@@ -219,7 +311,10 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
 
         for (int t = 1; t < n; ++t) {
             const int sk = stage(t), sv = stage(t - 1);
+            // Both waits before the issue: a branch between the two GEMMs' issue makes
+            // ptxas insert a warpgroup.arrive ahead of P V. V_{t-1} has had a whole tile.
             mbar_wait(sm.full_k(sk), parity(t));
+            mbar_wait(sm.full_v(sv), parity(t - 1));
             fence_proxy_async();
             my_turn();
             fence_accumulators(o);
@@ -227,8 +322,6 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             wgmma_fence();
             issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
             wgmma_commit();
-            mbar_wait(sm.full_v(sv), parity(t - 1));
-            fence_proxy_async();
             issue_pv<T, C>(o, pa, sm.v_stage(sv));
             wgmma_commit();
             your_turn();
@@ -271,15 +364,18 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
 // (work_grid_x, work_grid_y, *) x fastest: the producer runs ahead into the next item's Q and
 // K/V while the consumers finish this one.
 template <typename T, int D, class QSched, class KV>
-__global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1) prefill_ws_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1)
+    prefill_ws_kernel(const AttentionParams p, const __grid_constant__ KvTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
     using C = PrefillWsConfig<D>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
     if (threadIdx.x == 0) {
         for (int s = 0; s < C::kStages; ++s) {
-            sm90::mbar_init(sm.full_k(s), 128);  // one cp.async arrival per producer thread
-            sm90::mbar_init(sm.full_v(s), 128);
+            // one arrival per producer thread, or (kTma) the TMA thread's alone
+            const uint32_t producers = maps.mode == KvTensorMaps::kTma ? 1 : 128;
+            sm90::mbar_init(sm.full_k(s), producers);
+            sm90::mbar_init(sm.full_v(s), producers);
             sm90::mbar_init(sm.empty_k(s), 256);  // every consumer thread releases
             sm90::mbar_init(sm.empty_v(s), 256);
         }
@@ -307,7 +403,7 @@ __global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1) prefill_ws_ke
         for_each_item([&](const BlockCoord& c) {
             const QWork qw = QSched::get(p, c);
             if (qw.row_base >= qw.q_len) return;  // the same items are skipped by every role
-            prefill_ws_produce<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+            prefill_ws_produce<T, C, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
         });
         cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {

@@ -67,6 +67,7 @@ struct PagedCache {
         p.kv_indptr = d_indptr->ptr; p.kv_indices = d_indices->ptr; p.kv_lens = d_lens->ptr;
         p.page_size = page_size;
         p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(page_size) : -1;
+        p.num_pages = num_pages;
     }
 };
 

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) synchronisation primitives shared by the plugins' warp-specialized kernels:
-//   mbarrier      init / arrive / cp.async completion arrive / try_wait.parity
+//   mbarrier      init / arrive / arrive.expect_tx / cp.async completion arrive / try_wait.parity
+//   TMA           cp.async.bulk.tensor.4d global -> shared, completing on an mbarrier
 //   proxy fence   generic-proxy shared-memory writes -> async proxy (wgmma, TMA) reads
 //   wgmma         fence / commit_group / wait_group
 //   named barriers between warpgroups, and setmaxnreg register hand-over
@@ -26,6 +27,13 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// Arrives on `bar` and adds `bytes` to the transaction count its phase waits for (the TMA
+// loads that complete on it).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
 // Arrives on `bar` once every cp.async this thread issued so far has landed; counts against
 // the barrier's expected arrivals (noinc), so init it with the number of copying threads.
 __device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
@@ -49,6 +57,20 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     while (!mbar_try_wait(bar, parity)) {
     }
+}
+
+// ---- TMA -----------------------------------------------------------------------------
+
+// One box of a 4-D tensor map (c0 = innermost coordinate, in elements) into shared memory;
+// the bytes count against the transaction count of `bar`. `map` must live in kernel
+// parameter (__grid_constant__), constant or global memory.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, uint32_t bar, int32_t c0, int32_t c1,
+                                            int32_t c2, int32_t c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
 }
 
 // ---- proxies and wgmma ---------------------------------------------------------------

@@ -24,6 +24,7 @@
 namespace astrai::fp8::sm90 {
 
 using astrai::sm90::mbar_arrive;
+using astrai::sm90::mbar_arrive_expect_tx;
 using astrai::sm90::mbar_init;
 using astrai::sm90::mbar_init_fence;
 using astrai::sm90::mbar_try_wait;
@@ -39,13 +40,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // ---- mbarrier ------------------------------------------------------------------------
-// init / init fence / arrive / try_wait / wait: astrai/sm90.cuh (shared with the attention
-// plugin); the transaction-count and cluster forms are the GEMM's own.
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
+// init / init fence / arrive / arrive.expect_tx / try_wait / wait: astrai/sm90.cuh (shared
+// with the attention plugin); the cluster forms are the GEMM's own.
 
 // mbar_try_wait with cluster-scope acquire: for barriers that a peer CTA of the cluster arrives on.
 __device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {

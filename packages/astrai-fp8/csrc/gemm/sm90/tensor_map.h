@@ -1,38 +1,16 @@
 // Tensor maps for the TMA loads, encoded with the driver's cuTensorMapEncodeTiled reached
-// through cudaGetDriverEntryPointByVersion: the module links no libcuda.
+// through cudaGetDriverEntryPointByVersion (astrai/tensor_map.h): the module links no libcuda.
 #pragma once
 
-#include <cuda.h>
-#include <cuda_runtime.h>
+#include "astrai/tensor_map.h"
 
 #include <cstdint>
 #include <string>
 
 namespace astrai::fp8::sm90 {
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver entry point, looked up once per process (a function-local static: the driver
-// symbol cannot change while the process runs). nullptr if the driver lacks it.
-inline EncodeTiledFn encode_tiled_fn() {
-    static const EncodeTiledFn fn = []() -> EncodeTiledFn {
-        void* ptr = nullptr;
-        cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-        const cudaError_t err = cudaGetDriverEntryPointByVersion(
-            "cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
-#else
-        const cudaError_t err =
-            cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
-#endif
-        if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
-        return reinterpret_cast<EncodeTiledFn>(ptr);
-    }();
-    return fn;
-}
+using astrai::encode_tiled_fn;
+using astrai::EncodeTiledFn;
 
 // Row-major fp8 matrix [rows, cols] with `ld` bytes between rows, read in boxes of
 // box_rows x 128 bytes with the 128-byte swizzle the wgmma descriptors expect. Parts of a
