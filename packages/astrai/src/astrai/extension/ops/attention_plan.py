@@ -48,7 +48,13 @@ def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
 
 @dataclass(frozen=True, eq=False)
 class PagedDecodeLaunch:
-    """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``."""
+    """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``.
+
+    ``slots`` (int64 ``[B]``, the plan's ``write_index``): given when the compiled module
+    writes the step's keys/values itself; :attr:`appends` then says so, and a call with
+    ``k_new`` / ``v_new`` (``[B, 1, Hkv, D]`` or ``[1, B, Hkv, D]``) writes them to the caches
+    in the same binding call, before attending.
+    """
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -62,15 +68,32 @@ class PagedDecodeLaunch:
     _device_index: int
     _table_args: tuple  # kv_indptr .. ws_lse in the binding's order
     _tail_args: tuple  # ws_count, pdl (after the stream)
+    slots: torch.Tensor | None = None
+    _slots_arg: tuple | None = None
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    @property
+    def appends(self) -> bool:
+        """True when a call can write the step's keys/values (the module has the fused append)."""
+        return self._slots_arg is not None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
+                 cache_args: tuple | None = None) -> torch.Tensor:
+        """``cache_args``: ``(tensor_arg(k_cache), tensor_arg(v_cache))`` when the caller keeps them."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            if k_new is not None:
+                raise ValueError("k_new: the fused append runs in eager mode only (append first)")
             return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
                                      num_splits=self.num_splits)
+        if k_new is not None and self._slots_arg is None:
+            raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q = _rows_aligned(q)
-        head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args)
-        _run(self._device_index, self._entry, head, self._tail_args)
+        k_arg, v_arg = cache_args if cache_args is not None else (tensor_arg(k_cache), tensor_arg(v_cache))
+        head = (tensor_arg(q), k_arg, v_arg, tensor_arg(out), *self._table_args)
+        tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
+                                                      self._slots_arg)
+        _run(self._device_index, self._entry, head, tail)
         return out
 
 
@@ -109,14 +132,16 @@ def _device_index(t: torch.Tensor) -> int:
 
 def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor, *,
                       q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
-                      num_pages: int, in_kernel_merge: bool = False, pdl: bool = False) -> PagedDecodeLaunch:
+                      num_pages: int, in_kernel_merge: bool = False, pdl: bool = False,
+                      slots: torch.Tensor | None = None) -> PagedDecodeLaunch:
     """Plan a batch's paged decode (see the module docstring).
 
     ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
     every split. ``in_kernel_merge`` / ``pdl``: the compiled module's alternatives to the
     combine kernel and to a plain launch, off by default (measured slower:
     docs/kernels/attention.md). ``page_size`` / ``num_pages``: the cache's, for the page-table
-    checks.
+    checks. ``slots``: the plan's ``write_index`` (int64 ``[B]``), to append in the launch
+    where the compiled module can (``PagedDecodeLaunch.appends``).
     """
     batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
     check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
@@ -134,8 +159,15 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
                 if in_kernel_merge and splits > 1 else None)
     table = (tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o),
              tensor_arg(ws_lse))
+    if slots is not None:
+        if slots.dtype != torch.int64 or slots.shape != (batch,) or slots.device != device:
+            raise ValueError(f"slots must be int64 [{batch}] on {device} (one cache row per request), got "
+                             f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
+        if getattr(module, "kv_append", None) is None:  # a module built before the fused append
+            slots = None
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
-                             module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)))
+                             module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
+                             None if slots is None else tensor_arg(slots))
 
 
 def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
