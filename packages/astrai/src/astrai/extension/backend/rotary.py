@@ -202,7 +202,7 @@ def _make_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
         return _Plan(lambda x, c, s, p: rotary_torch(x, c, s, p, interleaved), False, range_check)
     if needs_grad:
         return _Plan(lambda x, c, s, p: _RotaryFunction.apply(x, c, s, p, interleaved), True, range_check)
-    if x.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1:  # on CUDA: choose() said so
+    if x.is_cuda and x.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1:
         return _Plan(ops_rotary.rotary_emb_launcher(x, cos, sin, positions, interleaved, False), True, range_check)
     return _Plan(lambda x, c, s, p: ops_rotary.rotary_emb_unchecked(x, c, s, p, interleaved, False), True, range_check)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import current_stream, tensor_arg
+from ..abi import current_device, current_stream, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -38,7 +38,7 @@ __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan
 
 def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
     """``entry(*head, stream, *tail)`` on ``device_index``'s current stream."""
-    current = torch.cuda.current_device()
+    current = current_device()
     if device_index == current:
         entry(*head, current_stream(current), *tail)
     else:
@@ -87,10 +87,14 @@ class PagedDecodeLaunch:
                                      num_splits=self.num_splits)
         if k_new is not None and self._slots_arg is None:
             raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
+        return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new)
+
+    def run_eager(self, q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None = None,
+                  v_new: torch.Tensor | None = None) -> torch.Tensor:
+        """The call for a caller that checked what ``__call__`` checks (plain tensors, eager
+        mode, ``k_new`` only where :attr:`appends`) and keeps the layer's ``cache_args``."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        q = _rows_aligned(q)
-        k_arg, v_arg = cache_args if cache_args is not None else (tensor_arg(k_cache), tensor_arg(v_cache))
-        head = (tensor_arg(q), k_arg, v_arg, tensor_arg(out), *self._table_args)
+        head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
         tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
                                                       self._slots_arg)
         _run(self._device_index, self._entry, head, tail)

@@ -181,12 +181,10 @@ class AttentionPolicy:
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():
             call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        else:
-            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        if torch.compiler.is_compiling():
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)
         else:
+            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
             backend = self.select(call)
         try:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,

@@ -97,14 +97,14 @@ class CudaBackend(AttentionBackend):
         written by the decode launch itself (one binding call) where the compiled module can."""
         plan = kv_cache.active_plan
         launch = self._launch(kv_cache, plan, q.shape[2], True)
-        k_pages, v_pages, cache_args = _layer_args(kv_cache, layer_id)
+        cache_args = _layer_args(kv_cache, layer_id)
         q_rows = q if q.shape[1] == 1 else q.reshape(q.shape[1], 1, q.shape[2], q.shape[3])  # packed [1, B, ...]
         if launch.appends and not appended:
-            out = launch(q_rows, k_pages, v_pages, k, v, cache_args=cache_args)
+            out = launch.run_eager(q_rows, cache_args, k, v)
         else:
             if not appended:
                 kv_cache.append(layer_id, k, v, plan, checked=True)
-            out = launch(q_rows, k_pages, v_pages, cache_args=cache_args)
+            out = launch.run_eager(q_rows, cache_args)
         return out if q_rows is q else out.reshape(q.shape)
 
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
@@ -144,8 +144,8 @@ class CudaBackend(AttentionBackend):
         return launch
 
 
-# Per cache, per layer: the layer's page views and their binding arguments (fixed for the
-# cache's life), so a layer's call converts only its own q, k, v.
+# Per cache, per layer: the binding arguments of the layer's pages (fixed for the cache's
+# life), so a layer's call converts only its own q, k, v and out.
 _LAYER_ARGS: weakref.WeakKeyDictionary[PagedKVCache, dict[int, tuple]] = weakref.WeakKeyDictionary()
 
 
@@ -155,8 +155,7 @@ def _layer_args(kv_cache: PagedKVCache, layer_id: int) -> tuple:
         layers = _LAYER_ARGS.setdefault(kv_cache, {})
     found = layers.get(layer_id)
     if found is None:
-        k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
-        found = layers[layer_id] = (k_pages, v_pages, (tensor_arg(k_pages), tensor_arg(v_pages)))
+        found = layers[layer_id] = (tensor_arg(kv_cache.k_cache(layer_id)), tensor_arg(kv_cache.v_cache(layer_id)))
     return found
 
 
