@@ -111,7 +111,9 @@ inline TensorArg tensor_arg(const char* name, py::handle obj) {
 
 inline cudaStream_t stream_arg(py::handle obj) {
     int64_t value = 0;
-    if (int64_of(obj.ptr(), &value) && value >= 0) return reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(value));
+    if (int64_of(obj.ptr(), &value) && value >= 0) {
+        return reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(value));
+    }
     ASTRAI_CHECK(py::isinstance<py::int_>(obj) && obj.cast<py::int_>() >= py::int_(0),
                  "stream: expected the stream handle as a non-negative int");
     return reinterpret_cast<cudaStream_t>(obj.cast<std::uintptr_t>());
