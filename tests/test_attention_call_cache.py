@@ -57,9 +57,15 @@ def test_cache_calls_are_remembered_per_plan_and_still_validated():
     q, k = torch.randn(1, 3, 8, 64, generator=g), torch.randn(1, 3, 2, 64, generator=g)
     for layer in (0, 1):
         policy(q, k, k, kv_cache=cache, layer_id=layer)
-    assert sum(1 for key in plan.launches if key[0] == "described") == 2
+    assert sum(1 for key in plan.launches if key[0] == "described") == 1  # every layer shares it
     with pytest.raises(ValueError, match="layer_id 2 is out of range"):
         policy(q, k, k, kv_cache=cache, layer_id=2)
+    with pytest.raises(ValueError, match="layer_id -1 is out of range"):
+        policy(q, k, k, kv_cache=cache, layer_id=-1)
+    with pytest.raises(TypeError, match="layer_id must be an int, got bool"):
+        policy(q, k, k, kv_cache=cache, layer_id=True)
+    with pytest.raises(TypeError, match="layer_id must be an int, got str"):
+        policy(q, k, k, kv_cache=cache, layer_id="0")
     with pytest.raises(ValueError, match="q has shape"):
         policy(q[:, :2], k[:, :2], k[:, :2], kv_cache=cache, layer_id=0)
     with pytest.raises(ValueError, match="fwd='decode' needs one new token per request"):

@@ -123,3 +123,58 @@ def test_a_failing_preparer_is_dropped_and_plan_still_succeeds(fake):
     plan = cache.plan([0], [1])
     assert "broken" not in plan.launches
     assert "broken" not in cache.plan([0], [1]).launches
+
+
+class FakeAppendingModule(FakeDecodeModule):
+    """A compiled module with the fused append (``kv_append`` and the decode's trailing k_new, v_new, slots)."""
+
+    def kv_append(self, *args):
+        raise AssertionError("the decode launch appends itself")
+
+
+def test_a_decode_step_appends_in_the_decode_launch_where_the_module_can(monkeypatch):
+    module = FakeAppendingModule()
+    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
+    monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
+    monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
+    cache, plan = decode_cache([6, 3])
+    before = cache.k_pages.clone()
+    backend = CudaBackend()
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    v = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    for layer, q in enumerate((torch.randn(2, 1, HQ, D).bfloat16(), torch.randn(1, 2, HQ, D).bfloat16())):
+        out = backend.forward(call_of(cache, "decode"), q, k.reshape(q.shape[:2] + k.shape[2:]),
+                              v.reshape(q.shape[:2] + v.shape[2:]), kv_cache=cache, layer_id=layer, is_causal=True)
+        assert out.shape == q.shape
+        args = module.launches[-1]
+        assert args[1][0] == cache.k_cache(layer).data_ptr() and args[2][0] == cache.v_cache(layer).data_ptr()
+        assert args[0][1] == (2, 1, HQ, D)  # a packed [1, B, ...] query is viewed per request
+        k_new, v_new, slots = args[-3:]
+        assert k_new[0] == k.data_ptr() and v_new[0] == v.data_ptr()
+        assert slots == (plan.write_index.data_ptr(), (2,), (1,), 6)
+    assert torch.equal(cache.k_pages, before)  # no index_copy_: the launch wrote (here: nothing)
+    assert plan.write_index.tolist() == [cache.page_table(0)[1] * PAGE + 2, cache.page_table(1)[0] * PAGE + 3]
+    launch = plan.launches[("cuda", "decode", HQ)]
+    assert launch.appends and launch.slots is plan.write_index
+
+
+def test_a_module_without_the_fused_append_gets_the_torch_writes(fake):
+    cache, plan = decode_cache([6, 3])
+    k = torch.randn(2, 1, HKV, D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    CudaBackend().forward(call_of(cache, "decode"), torch.randn(2, 1, HQ, D).bfloat16(), k, -k, kv_cache=cache,
+                          layer_id=1, is_causal=True)
+    assert not plan.launches[("cuda", "decode", HQ)].appends
+    assert len(fake.launches[-1]) == 13  # no k_new, v_new, slots
+    rows = cache.k_cache(1).reshape(-1, HKV, D)[plan.write_index]
+    torch.testing.assert_close(rows, k[:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(cache.v_cache(1).reshape(-1, HKV, D)[plan.write_index], -k[:, 0], rtol=0, atol=0)
+
+
+def test_plan_rejects_slots_that_are_not_one_int64_row_per_request(fake):
+    cache, plan = decode_cache([6, 3])
+    with pytest.raises(ValueError, match=r"slots must be int64 \[2\]"):
+        attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ, kv_heads=HKV,
+                                         head_dim=D, max_kv_len=plan.max_kv_len, page_size=PAGE,
+                                         num_pages=cache.num_pages, slots=plan.write_index.int())

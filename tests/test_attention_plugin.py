@@ -282,6 +282,27 @@ def test_validation_names_the_argument(build):
                                          _t(P, [10, 32, 128]), _t(P, [3], dtype=5), _t(P, [3], dtype=5),
                                          _t(P, [4], dtype=5), _t(P, [2], dtype=5), _t(P, [2], dtype=5),
                                          _t(P, [3], dtype=5)), r"q_tile_to_index"),
+        # the paged KV append, alone and fused into the decode launch (checked before either launch)
+        (lambda: pdec.kv_append(_t(P, [2, 8, 128]), _t(P, [2, 8, 128]), _t(P, [10, 16, 8, 128]),
+                                _t(P, [10, 16, 8, 128]), _t(P, [2], dtype=5), 0),
+         r"slots: expected dtype int64"),
+        (lambda: pdec.kv_append(_t(P, [2, 8, 128]), _t(P, [2, 8, 64]), _t(P, [10, 16, 8, 128]),
+                                _t(P, [10, 16, 8, 128]), _t(P, [2], dtype=6), 0),
+         r"v_new: expected bfloat16 \[2, 8, 128\]"),
+        (lambda: pdec.kv_append(_t(P, [2, 8, 128]), _t(P, [2, 8, 128]), _t(P, [10, 16, 4, 128]),
+                                _t(P, [10, 16, 4, 128]), _t(P, [2], dtype=6), 0),
+         r"k_cache: expected bfloat16 \[num_pages"),
+        (lambda: pdec.kv_append(_t(P, [2, 8, 128]), _t(P, [2, 8, 128]), _t(P, [10, 16, 8, 128]),
+                                _t(P, [10, 16, 8, 128]), _t(P, [3], dtype=6), 0),
+         r"slots: expected one slot per new token"),
+        (lambda: pdec.attn_paged_decode(q, _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), q,
+                                        _t(P, [3], dtype=5), _t(P, [10], dtype=5), _t(P, [2], dtype=5),
+                                        k_new=_t(P, [2, 1, 8, 128])),
+         r"k_new: the append needs k_new, v_new and slots"),
+        (lambda: pdec.attn_paged_decode(q, _t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), q,
+                                        _t(P, [3], dtype=5), _t(P, [10], dtype=5), _t(P, [2], dtype=5),
+                                        k_new=_t(P, [2, 1, 8, 128]), v_new=_t(P, [2, 1, 8, 128]),
+                                        slots=_t(P, [2], dtype=5)), r"slots: expected dtype int64"),
     ]
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

@@ -11,19 +11,25 @@
 //   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
 //     blocks start while the stream's previous kernel drains); off by default (slower
 //     in the measurements: dispatchers.cuh)
+//   k_new, v_new, slots: optional, together: this step's keys/values are first written to
+//     rows slots of the caches (kv_append's arguments; checked with the rest, before either
+//     launch), so a decode step's append and attention cost one call
+//   kv_append(k_new, v_new, k_cache, v_cache, slots, stream): the append alone (kv_append.cuh)
 //   decode_plan(...) as in _attn_decode
 #include <pybind11/pybind11.h>
 
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
 #include "entry_utils.h"
+#include "kv_append.cuh"
 
 namespace astrai::attn {
 namespace py = pybind11;
 
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
-                       py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl) {
+                       py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
+                       py::handle k_new_a, py::handle v_new_a, py::handle slots_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -49,8 +55,26 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
+    if (!k_new_a.is_none() || !v_new_a.is_none() || !slots_a.is_none()) {
+        ASTRAI_CHECK(!k_new_a.is_none() && !v_new_a.is_none() && !slots_a.is_none(),
+                     "k_new: the append needs k_new, v_new and slots together");
+        int unit = 0;
+        const KvAppendParams ap = check_kv_append(bind::tensor_arg("k_new", k_new_a),
+                                                  bind::tensor_arg("v_new", v_new_a), k, v,
+                                                  bind::tensor_arg("slots", slots_a), &unit);
+        launch_kv_append(ap, unit, stream);
+    }
     if (B == 0) return;
     dispatch_decode<PagedKV>(p, q.dtype, int(D), stream, pdl);
+}
+
+void kv_append(py::handle k_new_a, py::handle v_new_a, py::handle k_cache_a, py::handle v_cache_a,
+               py::handle slots_a, py::handle stream_a) {
+    int unit = 0;
+    const KvAppendParams p = check_kv_append(
+        bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a), bind::tensor_arg("k_cache", k_cache_a),
+        bind::tensor_arg("v_cache", v_cache_a), bind::tensor_arg("slots", slots_a), &unit);
+    launch_kv_append(p, unit, bind::stream_arg(stream_a));
 }
 
 }  // namespace astrai::attn
@@ -62,7 +86,13 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           py::arg("v_cache"), py::arg("out"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("kv_lens"),
           py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
           py::arg("stream") = 0, py::arg("ws_count") = py::none(), py::arg("pdl") = false,
-          "Decode attention over a paged KV cache into out (split-KV).");
+          py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
+          "Decode attention over a paged KV cache into out (split-KV), after writing k_new / v_new\n"
+          "to rows slots of the caches when given.");
+    m.def("kv_append", &astrai::attn::kv_append, py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
+          py::arg("v_cache"), py::arg("slots"), py::arg("stream"),
+          "Write k_new / v_new [T, Hkv, D] or [B, L, Hkv, D] to rows slots (int64 [T]) of k_cache /\n"
+          "v_cache [num_pages, page_size, Hkv, D], in one launch.");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
           "Split count of a decode launch (pure function of shapes).");

@@ -45,7 +45,31 @@ inline std::vector<std::string> split_list(const std::string& text) {
     return out;
 }
 
+// An int that fits int64 -> true and *out; anything else -> false (no Python error left set).
+inline bool int64_of(PyObject* obj, int64_t* out) {
+    if (!PyLong_Check(obj)) return false;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return false;
+    }
+    *out = static_cast<int64_t>(value);
+    return true;
+}
+
 inline std::vector<int64_t> int_list(const char* name, const char* field, py::handle obj) {
+    PyObject* seq = obj.ptr();
+    if (PyTuple_Check(seq)) {  // what the wrappers pass: read in place (this runs on every launch)
+        const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+        std::vector<int64_t> out(static_cast<size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            PyObject* item = PyTuple_GET_ITEM(seq, i);
+            ASTRAI_CHECK(PyLong_Check(item), name, ": ", field, " must hold ints");
+            ASTRAI_CHECK(int64_of(item, &out[static_cast<size_t>(i)]), name, ": ", field, " holds an int beyond int64");
+        }
+        return out;
+    }
     ASTRAI_CHECK(py::isinstance<py::sequence>(obj) && !py::isinstance<py::str>(obj), name, ": ",
                  field, " must be a sequence of ints, got ", std::string(py::str(py::type::of(obj).attr("__name__"))));
     std::vector<int64_t> out;
@@ -56,25 +80,40 @@ inline std::vector<int64_t> int_list(const char* name, const char* field, py::ha
     return out;
 }
 
-// (ptr, shape, strides, dtype_code) -> TensorArg, checked for consistent shape/strides.
+// (ptr, shape, strides, dtype_code) -> TensorArg, checked for consistent shape/strides. Read
+// with the C API: this runs for every tensor of every launch.
 inline TensorArg tensor_arg(const char* name, py::handle obj) {
-    ASTRAI_CHECK(py::isinstance<py::tuple>(obj) && py::len(obj) == 4, name,
+    PyObject* tup = obj.ptr();
+    ASTRAI_CHECK(PyTuple_Check(tup) && PyTuple_GET_SIZE(tup) == 4, name,
                  ": expected a tuple (data_ptr, shape, strides, dtype_code)");
-    auto tup = py::reinterpret_borrow<py::tuple>(obj);
     TensorArg t;
     t.name = name;
-    ASTRAI_CHECK(py::isinstance<py::int_>(tup[0]), name, ": data_ptr must be an int");
-    ASTRAI_CHECK(tup[0].cast<py::int_>() >= py::int_(0), name, ": data_ptr must be >= 0");
-    t.ptr = tup[0].cast<std::uintptr_t>();
-    t.shape = int_list(name, "shape", tup[1]);
-    t.strides = int_list(name, "strides", tup[2]);
-    ASTRAI_CHECK(py::isinstance<py::int_>(tup[3]), name, ": dtype_code must be an int");
-    t.dtype = dtype_from_code(tup[3].cast<int64_t>(), name);
+    PyObject* ptr = PyTuple_GET_ITEM(tup, 0);
+    ASTRAI_CHECK(PyLong_Check(ptr), name, ": data_ptr must be an int");
+    int64_t small = 0;
+    if (int64_of(ptr, &small)) {
+        ASTRAI_CHECK(small >= 0, name, ": data_ptr must be >= 0");
+        t.ptr = static_cast<std::uintptr_t>(small);
+    } else {  // beyond int64: must still be a pointer
+        ASTRAI_CHECK(py::reinterpret_borrow<py::int_>(ptr) >= py::int_(0), name, ": data_ptr must be >= 0");
+        t.ptr = py::reinterpret_borrow<py::int_>(ptr).cast<std::uintptr_t>();
+    }
+    t.shape = int_list(name, "shape", PyTuple_GET_ITEM(tup, 1));
+    t.strides = int_list(name, "strides", PyTuple_GET_ITEM(tup, 2));
+    PyObject* code = PyTuple_GET_ITEM(tup, 3);
+    int64_t dtype = -1;
+    ASTRAI_CHECK(PyLong_Check(code), name, ": dtype_code must be an int");
+    ASTRAI_CHECK(int64_of(code, &dtype), name, ": unknown dtype code (beyond int64)");
+    t.dtype = dtype_from_code(dtype, name);
     check_layout(t);
     return t;
 }
 
 inline cudaStream_t stream_arg(py::handle obj) {
+    int64_t value = 0;
+    if (int64_of(obj.ptr(), &value) && value >= 0) {
+        return reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(value));
+    }
     ASTRAI_CHECK(py::isinstance<py::int_>(obj) && obj.cast<py::int_>() >= py::int_(0),
                  "stream: expected the stream handle as a non-negative int");
     return reinterpret_cast<cudaStream_t>(obj.cast<std::uintptr_t>());

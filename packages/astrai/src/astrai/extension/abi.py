@@ -47,6 +47,16 @@ def dtype_code(tensor: torch.Tensor) -> int:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# torch's accessor of the current CUDA device: torch.cuda.current_device() adds its lazy-init
+# checks to every call, and a launch only ever follows CUDA tensors (CUDA is initialised).
+_raw_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_device() -> int:
+    """The index of the current CUDA device (CUDA already initialised)."""
+    return _raw_device() if _raw_device is not None else torch.cuda.current_device()
+
+
 def current_stream(index: int) -> int:
     """The raw cudaStream_t of the current stream on CUDA device ``index``."""
     if _raw_stream is not None:
@@ -69,7 +79,8 @@ def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
     """A tensor as the binaries take it: ``(data_ptr, shape, strides in elements, dtype code)``."""
     if t is None:
         return None
-    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_code(t)
+    code = DTYPE_CODES.get(t.dtype)
+    return t.data_ptr(), tuple(t.shape), t.stride(), dtype_code(t) if code is None else code
 
 
 def launch(device: torch.device, fn, *args) -> None:
@@ -77,7 +88,7 @@ def launch(device: torch.device, fn, *args) -> None:
     current device, like torch's own kernels) and its current stream appended as the last
     argument; the device is looked up once, as this is every launch's host path."""
     index = device.index
-    current = torch.cuda.current_device()
+    current = current_device()
     if index is None or index == current:
         fn(*args, _raw_stream(current) if _raw_stream is not None else stream_handle(device))
     else:

@@ -69,6 +69,8 @@ def _probe_cuda(index: int) -> DeviceInfo:
 
 def probe_device(device: torch.device | str | None = None) -> DeviceInfo:
     """Describe ``device`` (default: the current CUDA device, else the CPU)."""
+    if type(device) is torch.device and device.index is not None and device.type == "cuda":
+        return _probe_cuda(device.index)  # a tensor's device: the per-call case
     if device is None:
         if not torch.cuda.is_available():
             return CPU

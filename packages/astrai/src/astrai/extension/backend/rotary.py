@@ -111,13 +111,20 @@ def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
     try:
         return kernel()
     except RuntimeError:
-        if torch.compiler.is_compiling():
-            raise
-        runtime = current_runtime()
-        if runtime.registry.op_status(op, probe_device(device)).usable:
-            raise
-        runtime.resolver.clear()
-        return torch_path()
+        return fall_back(device, torch_path, op)
+
+
+def fall_back(device: torch.device, torch_path, op: str = OP):
+    """What ``with_fallback`` does once the kernel raised ``RuntimeError``: ``torch_path()``
+    when the plugin's module is now marked unusable, else the error again. Call it only
+    while handling that error."""
+    if torch.compiler.is_compiling():
+        raise  # noqa: PLE0704 - the kernel's error, being handled by the caller
+    runtime = current_runtime()
+    if runtime.registry.op_status(op, probe_device(device)).usable:
+        raise  # noqa: PLE0704
+    runtime.resolver.clear()
+    return torch_path()
 
 
 class _RotaryFunction(torch.autograd.Function):
@@ -235,8 +242,10 @@ def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], 
             check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
         if not plan.kernel:
             return plan.run(x, cos, sin, positions)
-        return with_fallback(x.device, lambda: plan.run(x, cos, sin, positions),
-                             lambda: rotary_torch(x, cos, sin, positions, interleaved))
+        try:  # with_fallback, without two closures per call
+            return plan.run(x, cos, sin, positions)
+        except RuntimeError:
+            return fall_back(x.device, lambda: rotary_torch(x, cos, sin, positions, interleaved))
     # traced by torch.compile, or arguments the checks will name
     check_x("x", x)
     cos, sin = check_freqs(freqs, x, x.shape[1], positions)

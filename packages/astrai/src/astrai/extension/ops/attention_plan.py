@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import current_stream, tensor_arg
+from ..abi import current_device, current_stream, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -38,7 +38,7 @@ __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan
 
 def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
     """``entry(*head, stream, *tail)`` on ``device_index``'s current stream."""
-    current = torch.cuda.current_device()
+    current = current_device()
     if device_index == current:
         entry(*head, current_stream(current), *tail)
     else:
@@ -48,7 +48,13 @@ def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
 
 @dataclass(frozen=True, eq=False)
 class PagedDecodeLaunch:
-    """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``."""
+    """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``.
+
+    ``slots`` (int64 ``[B]``, the plan's ``write_index``): given when the compiled module
+    writes the step's keys/values itself; :attr:`appends` then says so, and a call with
+    ``k_new`` / ``v_new`` (``[B, 1, Hkv, D]`` or ``[1, B, Hkv, D]``) writes them to the caches
+    in the same binding call, before attending.
+    """
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -62,15 +68,36 @@ class PagedDecodeLaunch:
     _device_index: int
     _table_args: tuple  # kv_indptr .. ws_lse in the binding's order
     _tail_args: tuple  # ws_count, pdl (after the stream)
+    slots: torch.Tensor | None = None
+    _slots_arg: tuple | None = None
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    @property
+    def appends(self) -> bool:
+        """True when a call can write the step's keys/values (the module has the fused append)."""
+        return self._slots_arg is not None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
+                 cache_args: tuple | None = None) -> torch.Tensor:
+        """``cache_args``: ``(tensor_arg(k_cache), tensor_arg(v_cache))`` when the caller keeps them."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            if k_new is not None:
+                raise ValueError("k_new: the fused append runs in eager mode only (append first)")
             return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
                                      num_splits=self.num_splits)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        q = _rows_aligned(q)
-        head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args)
-        _run(self._device_index, self._entry, head, self._tail_args)
+        if k_new is not None and self._slots_arg is None:
+            raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
+        return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new)
+
+    def run_eager(self, q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None = None,
+                  v_new: torch.Tensor | None = None) -> torch.Tensor:
+        """The call for a caller that checked what ``__call__`` checks (plain tensors, eager
+        mode, ``k_new`` only where :attr:`appends`) and keeps the layer's ``cache_args``."""
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper to call than torch.empty
+        head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
+        tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
+                                                      self._slots_arg)
+        _run(self._device_index, self._entry, head, tail)
         return out
 
 
@@ -109,14 +136,16 @@ def _device_index(t: torch.Tensor) -> int:
 
 def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor, *,
                       q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
-                      num_pages: int, in_kernel_merge: bool = False, pdl: bool = False) -> PagedDecodeLaunch:
+                      num_pages: int, in_kernel_merge: bool = False, pdl: bool = False,
+                      slots: torch.Tensor | None = None) -> PagedDecodeLaunch:
     """Plan a batch's paged decode (see the module docstring).
 
     ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
     every split. ``in_kernel_merge`` / ``pdl``: the compiled module's alternatives to the
     combine kernel and to a plain launch, off by default (measured slower:
     docs/kernels/attention.md). ``page_size`` / ``num_pages``: the cache's, for the page-table
-    checks.
+    checks. ``slots``: the plan's ``write_index`` (int64 ``[B]``), to append in the launch
+    where the compiled module can (``PagedDecodeLaunch.appends``).
     """
     batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
     check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
@@ -134,8 +163,15 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
                 if in_kernel_merge and splits > 1 else None)
     table = (tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o),
              tensor_arg(ws_lse))
+    if slots is not None:
+        if slots.dtype != torch.int64 or slots.shape != (batch,) or slots.device != device:
+            raise ValueError(f"slots must be int64 [{batch}] on {device} (one cache row per request), got "
+                             f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
+        if getattr(module, "kv_append", None) is None:  # a module built before the fused append
+            slots = None
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
-                             module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)))
+                             module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
+                             None if slots is None else tensor_arg(slots))
 
 
 def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

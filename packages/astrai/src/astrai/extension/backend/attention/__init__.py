@@ -63,6 +63,7 @@ class ATTN_BACKEND(str, enum.Enum):
 
 
 _VALID = ", ".join(b.value for b in ATTN_BACKEND)
+_UNPARSED = object()
 
 
 def _parse_backend(value: object, source: str) -> ATTN_BACKEND:
@@ -95,11 +96,19 @@ def attn_backend(backend: ATTN_BACKEND | str | None) -> Iterator[ATTN_BACKEND | 
         _explicit.reset(token)
 
 
+_env_parsed: dict[str, str | None] = {}  # ASTR_BACKEND's value -> the backend it names
+
+
 def _env_backend() -> str | None:
     raw = os.environ.get(ENV_VAR)
-    if raw is None or not raw.strip():
+    if raw is None:
         return None
-    return _parse_backend(raw, ENV_VAR).value
+    found = _env_parsed.get(raw, _UNPARSED)
+    if found is _UNPARSED:  # parsed once per value; an invalid one raises on every call
+        found = _parse_backend(raw, ENV_VAR).value if raw.strip() else None
+        if len(_env_parsed) < 64:
+            _env_parsed[raw] = found
+    return found
 
 
 class AttentionPolicy:
@@ -118,8 +127,9 @@ class AttentionPolicy:
     def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> tuple[AttentionCall, bool]:
         """``describe_call``, remembered by the facts it depends on: a repeated call shape costs
         one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
-        policy (bounded); cache calls by their batch's plan (so per batch, every layer after
-        the first, and forgotten with the plan)."""
+        policy (bounded); cache calls by their batch's plan, for every layer (so per batch,
+        every call after the first, and forgotten with the plan): ``layer_id``, the one fact
+        that varies between the layers, is checked on every call."""
         if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
             return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         if kv_cache is None:
@@ -136,11 +146,13 @@ class AttentionPolicy:
         else:
             return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
         key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               layer_id, fwd, type(is_causal), is_causal,
+               fwd, type(is_causal), is_causal,
                (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         found = memo.get(key)
         if found is None:
             found = memo[key] = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        elif kv_cache is not None and not 0 <= layer_id < kv_cache.num_layers:
+            kv_cache.check_layer(layer_id)  # raises naming layer_id
         return found
 
     def select(self, call: AttentionCall) -> AttentionBackend:
@@ -169,12 +181,10 @@ class AttentionPolicy:
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():
             call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        else:
-            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-        if torch.compiler.is_compiling():
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)
         else:
+            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
             backend = self.select(call)
         try:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,

@@ -21,8 +21,11 @@ gradients (no backward kernel) are declined.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from ...abi import tensor_arg
 from ...device import probe_device
 from ...kv_cache import BatchPlan, PagedKVCache
 from .. import prefer
@@ -84,8 +87,25 @@ class CudaBackend(AttentionBackend):
     def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
         if kv_cache is None:  # dense prefill: the contiguous kernel on the caller's tensors
             return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal))
+        if call.mode == "decode" and type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            return self._decode_step(q, k, v, kv_cache, layer_id, appended)
         return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
                                appended=appended)
+
+    def _decode_step(self, q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
+        """An eager decode call, validated by the policy layer: the step's keys/values are
+        written by the decode launch itself (one binding call) where the compiled module can."""
+        plan = kv_cache.active_plan
+        launch = self._launch(kv_cache, plan, q.shape[2], True)
+        cache_args = _layer_args(kv_cache, layer_id)
+        q_rows = q if q.shape[1] == 1 else q.reshape(q.shape[1], 1, q.shape[2], q.shape[3])  # packed [1, B, ...]
+        if launch.appends and not appended:
+            out = launch.run_eager(q_rows, cache_args, k, v)
+        else:
+            if not appended:
+                kv_cache.append(layer_id, k, v, plan, checked=True)
+            out = launch.run_eager(q_rows, cache_args)
+        return out if q_rows is q else out.reshape(q.shape)
 
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan
@@ -124,11 +144,27 @@ class CudaBackend(AttentionBackend):
         return launch
 
 
+# Per cache, per layer: the binding arguments of the layer's pages (fixed for the cache's
+# life), so a layer's call converts only its own q, k, v and out.
+_LAYER_ARGS: weakref.WeakKeyDictionary[PagedKVCache, dict[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _layer_args(kv_cache: PagedKVCache, layer_id: int) -> tuple:
+    layers = _LAYER_ARGS.get(kv_cache)
+    if layers is None:
+        layers = _LAYER_ARGS.setdefault(kv_cache, {})
+    found = layers.get(layer_id)
+    if found is None:
+        found = layers[layer_id] = (tensor_arg(kv_cache.k_cache(layer_id)), tensor_arg(kv_cache.v_cache(layer_id)))
+    return found
+
+
 def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: bool):
     if decode:
         return plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=q_heads,
                                  kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
-                                 page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
+                                 page_size=kv_cache.page_size, num_pages=kv_cache.num_pages,
+                                 slots=plan.write_index)
     tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
     return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
                               total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)

@@ -1,0 +1,136 @@
+// The paged KV append: one step's new keys and values written into their cache rows, k and v
+// in one launch (what two index_copy_ calls did). No torch.
+//
+//   k_new, v_new [T, Hkv, D] or [B, L, Hkv, D] (token t = b * L + l), any strides with a
+//   contiguous last dim; k_cache, v_cache [num_pages, page_size, Hkv, D], pages following
+//   each other, viewed as rows [num_pages * page_size, Hkv, D]; slots int64 [T]: token t goes
+//   to row slots[t]. A slot outside the rows is skipped (the plan's slots never are).
+//
+// check_kv_append validates everything on the host (ValueError naming the argument) and
+// fills the params; launch_kv_append then only launches. Copies move 16 bytes per thread
+// when every pointer, stride and row allows it, else one element.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "astrai/check.h"
+#include "astrai/dtype.h"
+#include "astrai/tensor_arg.h"
+
+namespace astrai::attn {
+
+struct KvAppendParams {
+    const char* src[2] = {};  // k_new, v_new
+    char* dst[2] = {};        // k_cache, v_cache rows
+    int64_t src_stride_b[2] = {}, src_stride_l[2] = {}, src_stride_h[2] = {};  // bytes
+    int64_t dst_stride_row[2] = {}, dst_stride_h[2] = {};                      // bytes
+    const int64_t* slots = nullptr;
+    int64_t rows = 0;     // num_pages * page_size
+    int64_t tokens = 0;   // T
+    int64_t seq_len = 1;  // L of a [B, L, H, D] input (T for [T, H, D])
+    int64_t heads = 0;
+    int64_t units = 0;    // copy units per head row
+};
+
+template <typename Unit>
+__global__ void kv_append_kernel(KvAppendParams p) {
+    const int64_t per_tensor = p.tokens * p.heads * p.units;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < 2 * per_tensor;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int which = i >= per_tensor;
+        const int64_t j = i - which * per_tensor;
+        const int64_t u = j % p.units;
+        const int64_t h = (j / p.units) % p.heads;
+        const int64_t t = j / (p.units * p.heads);
+        const int64_t row = p.slots[t];
+        if (row < 0 || row >= p.rows) continue;
+        const int64_t b = t / p.seq_len, l = t - b * p.seq_len;
+        const Unit* src = reinterpret_cast<const Unit*>(p.src[which] + b * p.src_stride_b[which] +
+                                                        l * p.src_stride_l[which] + h * p.src_stride_h[which]);
+        Unit* dst = reinterpret_cast<Unit*>(p.dst[which] + row * p.dst_stride_row[which] + h * p.dst_stride_h[which]);
+        dst[u] = src[u];
+    }
+}
+
+// Checks the append's arguments against each other (ValueError naming the argument) and
+// returns its params; `unit` is set to the copy width in bytes (16, or the element size).
+inline KvAppendParams check_kv_append(const TensorArg& k_new, const TensorArg& v_new, const TensorArg& k_cache,
+                                      const TensorArg& v_cache, const TensorArg& slots, int* unit) {
+    ASTRAI_CHECK(k_new.ndim() == 3 || k_new.ndim() == 4, k_new.name,
+                 ": expected [T, kv_heads, head_dim] or [B, L, kv_heads, head_dim], got shape ",
+                 shape_str(k_new.shape));
+    ASTRAI_CHECK(v_new.shape == k_new.shape && v_new.dtype == k_new.dtype, v_new.name, ": expected ",
+                 dtype_name(k_new.dtype), " ", shape_str(k_new.shape), " like ", k_new.name, ", got ",
+                 dtype_name(v_new.dtype), " ", shape_str(v_new.shape));
+    const int64_t heads = k_new.size(-2), dim = k_new.size(-1);
+    for (const TensorArg* c : {&k_cache, &v_cache}) {
+        expect_ndim(*c, 4);
+        ASTRAI_CHECK(c->dtype == k_new.dtype && c->size(2) == heads && c->size(3) == dim, c->name, ": expected ",
+                     dtype_name(k_new.dtype), " [num_pages, page_size, ", heads, ", ", dim, "] for ", k_new.name,
+                     " ", shape_str(k_new.shape), ", got ", dtype_name(c->dtype), " ", shape_str(c->shape));
+        ASTRAI_CHECK(c->size(0) <= 1 || c->stride(0) == c->size(1) * c->stride(1), c->name,
+                     ": pages must follow each other (stride(0) = page_size * stride(1)), got strides ",
+                     shape_str(c->strides));
+    }
+    ASTRAI_CHECK(v_cache.shape == k_cache.shape, v_cache.name, ": shape ", shape_str(v_cache.shape),
+                 " differs from ", k_cache.name, "'s ", shape_str(k_cache.shape));
+    const int64_t tokens = k_new.ndim() == 3 ? k_new.size(0) : k_new.size(0) * k_new.size(1);
+    expect_ndim(slots, 1);
+    expect_dtype(slots, DType::Int64);
+    ASTRAI_CHECK(slots.size(0) == tokens, slots.name, ": expected one slot per new token [", tokens, "], got shape ",
+                 shape_str(slots.shape));
+    ASTRAI_CHECK(slots.size(0) <= 1 || slots.stride(0) == 1, slots.name, ": must be contiguous");
+    expect_data(slots, 8);
+
+    const int64_t esize = dtype_size(k_new.dtype);
+    const TensorArg* all[4] = {&k_new, &v_new, &k_cache, &v_cache};
+    bool wide = (dim * esize) % 16 == 0;
+    for (const TensorArg* t : all) {
+        expect_last_dim_contiguous(*t);
+        expect_data(*t, int(esize));
+        wide = wide && t->ptr % 16 == 0;
+        for (int d = 0; d + 1 < t->ndim(); ++d) wide = wide && (t->size(d) <= 1 || (t->stride(d) * esize) % 16 == 0);
+    }
+    *unit = wide ? 16 : int(esize);
+
+    KvAppendParams p;
+    const TensorArg* src[2] = {&k_new, &v_new};
+    const TensorArg* dst[2] = {&k_cache, &v_cache};
+    for (int i = 0; i < 2; ++i) {
+        const TensorArg& s = *src[i];
+        p.src[i] = reinterpret_cast<const char*>(s.ptr);
+        p.src_stride_b[i] = s.ndim() == 4 ? s.stride(0) * esize : 0;
+        p.src_stride_l[i] = s.stride(-3) * esize;
+        p.src_stride_h[i] = s.stride(-2) * esize;
+        p.dst[i] = reinterpret_cast<char*>(dst[i]->ptr);
+        p.dst_stride_row[i] = dst[i]->stride(1) * esize;
+        p.dst_stride_h[i] = dst[i]->stride(2) * esize;
+    }
+    p.slots = slots.data<const int64_t>();
+    p.rows = k_cache.size(0) * k_cache.size(1);
+    p.tokens = tokens;
+    p.seq_len = k_new.ndim() == 4 ? k_new.size(1) : (tokens > 0 ? tokens : 1);
+    p.heads = heads;
+    p.units = dim * esize / *unit;
+    return p;
+}
+
+inline void launch_kv_append(const KvAppendParams& p, int unit, cudaStream_t stream) {
+    const int64_t items = 2 * p.tokens * p.heads * p.units;
+    if (items == 0) return;
+    constexpr int kThreads = 256;
+    const int64_t blocks = (items + kThreads - 1) / kThreads;
+    const unsigned grid = unsigned(blocks < 65535 * 8 ? blocks : 65535 * 8);  // grid-stride beyond
+    switch (unit) {
+        case 16: kv_append_kernel<uint4><<<grid, kThreads, 0, stream>>>(p); break;
+        case 8: kv_append_kernel<uint2><<<grid, kThreads, 0, stream>>>(p); break;
+        case 4: kv_append_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(p); break;
+        case 2: kv_append_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(p); break;
+        default: kv_append_kernel<uint8_t><<<grid, kThreads, 0, stream>>>(p); break;
+    }
+    ASTRAI_CHECK_LAUNCH();
+}
+
+}  // namespace astrai::attn
