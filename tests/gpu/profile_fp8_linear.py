@@ -160,7 +160,7 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
                 print(f"{label + (', backward on its own thread' if threaded else ', one thread'):<58} "
                       f"{host_us(fn, calls=30):8.1f}")
     names = ["_fp8_linear", "_plan_for", "_forward", "_quantize", "_quantize_weight", "_end_steps",
-             "_end_with_backward", "_end_backward_pass", "_fold_refs", "_role_views"]
+             "_end_with_backward", "_fold_refs", "_role_views"]
     saved = {name: getattr(fp8_mod, name) for name in names}
     fwd, bwd = fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward
     try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -87,9 +86,8 @@ def is_fp8_autocast_enabled() -> bool:
     return bool(stack) and stack[-1].enabled
 
 
-@contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
-                 cache_weights: bool | None = None) -> Iterator[None]:
+                 cache_weights: bool | None = None) -> _Autocast:
     """Run ``F.linear`` / ``nn.Linear`` in FP8 inside the block (see the module docstring).
 
     Regions nest: the innermost decides (``enabled=False`` inside switches FP8 off for
@@ -113,18 +111,41 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
         recipe = DelayedScaling()
     elif not isinstance(recipe, (DelayedScaling, DynamicScaling)):
         raise TypeError(f"recipe must be a DelayedScaling or DynamicScaling, got {type(recipe).__name__}")
-    stack = _stack()
-    outermost = not stack
-    touched = {} if outermost else stack[0].touched
-    stack.append(_Region(enabled, recipe, touched, cache_weights))
-    mode = _LinearMode() if outermost else None
-    try:
+    return _Autocast(enabled, recipe, cache_weights)
+
+
+class _Autocast(contextlib.ContextDecorator):
+    """One ``fp8_autocast`` region: a plain context manager (no generator), as its enter
+    and exit are on the path of every step. The outermost region of a thread routes
+    ``F.linear`` (``_LinearMode``) and ends the forward step of every linear it ran."""
+
+    __slots__ = ("enabled", "recipe", "cache_weights", "_modes")
+
+    def __init__(self, enabled: bool, recipe: Recipe, cache_weights: bool | None):
+        self.enabled, self.recipe, self.cache_weights = enabled, recipe, cache_weights
+        self._modes: list[_LinearMode | None] = []  # per entry: the mode an outermost one pushed
+
+    def __enter__(self) -> None:
+        stack = _stack()
+        outermost = not stack
+        stack.append(_Region(self.enabled, self.recipe, {} if outermost else stack[0].touched,
+                             self.cache_weights))
+        mode = _LinearMode() if outermost else None
+        self._modes.append(mode)
         if mode is not None:
-            with mode:
-                yield
-        else:
-            yield
-    finally:
-        stack.pop()
-        if outermost:
-            _end_steps([(state.forward_roles, state.recipe) for state in touched.values()])
+            try:
+                mode.__enter__()
+            except BaseException:
+                self._modes.pop()
+                stack.pop()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        mode = self._modes.pop()
+        try:
+            if mode is not None:
+                mode.__exit__(*exc)
+        finally:
+            region = _stack().pop()
+            if mode is not None:
+                _end_steps([(state.forward_roles, state.recipe) for state in region.touched.values()])

@@ -4,9 +4,7 @@ and wgrad GEMMs in FP8, and the end of each backward pass's gradient step."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -167,44 +165,51 @@ def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, in
 
 
 _pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
-_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its callback is freed
+_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its end is freed
+
+
+class _PassEnd:
+    """The callback ending one backward pass's gradient step, held by the engine alone:
+    called when the pass finishes, it updates every state the pass used together
+    (``_end_steps``). Freed unrun (the pass raised), it has those states forget the
+    gradient amaxes the pass recorded, so the next pass neither folds them into its step
+    nor finds a state still pending."""
+
+    __slots__ = ("task", "ran")
+
+    def __init__(self, task: int):
+        self.task, self.ran = task, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
+        for state in states:
+            state._backward_pending = False
+        _end_steps([(state.backward_roles, state.recipe) for state in states])
+
+    def __del__(self) -> None:
+        if self.ran:
+            return
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
+        for state in states:
+            state._backward_pending = False
+            for role in state.backward_roles.roles:
+                role._abandon_step()
 
 
 def _end_with_backward(state: Fp8LinearState) -> None:
     """Have ``state``'s gradient step end when this backward pass ends: one callback per
-    pass updates every state it used together (``_end_steps``).
-
-    A pass that raises never runs its callback: the engine frees it unrun, and the states
-    the pass used forget the gradient amaxes it recorded (``_abandon_backward_pass``), so
-    the next pass neither folds them into its step nor finds the state still pending."""
+    pass (``_PassEnd``) updates every state it used together."""
     state._backward_pending = True
     task = torch._C._current_graph_task_id()
     with _pending_lock:
         states = _pending.get(task)
         if states is None:
             states = _pending[task] = []
-            callback = functools.partial(_end_backward_pass, task)
-            weakref.finalize(callback, _abandon_backward_pass, task)
-            torch.autograd.Variable._execution_engine.queue_callback(callback)
+            torch.autograd.Variable._execution_engine.queue_callback(_PassEnd(task))
         states.append(state)
-
-
-def _end_backward_pass(task: int) -> None:
-    with _pending_lock:
-        states = _pending.pop(task, [])
-    for state in states:
-        state._backward_pending = False
-    _end_steps([(state.backward_roles, state.recipe) for state in states])
-
-
-def _abandon_backward_pass(task: int) -> None:
-    """The callback of ``task`` was freed: after it ran (nothing left to do) or unrun."""
-    with _pending_lock:
-        states = _pending.pop(task, [])
-    for state in states:
-        state._backward_pending = False
-        for role in state.backward_roles.roles:
-            role._abandon_step()
 
 
 def _fp8_capable(x, weight, bias) -> bool:

@@ -264,6 +264,11 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     captured, so each replay advances the state; it never regroups there (a captured copy
     would leave the state behind, as the roles' views would point at tensors written only
     on replay): groups not already batched together are then updated one by one."""
+    if len(pairs) == 1:  # one linear, or one backward pass through one: no grouping
+        group, recipe = pairs[0]
+        if isinstance(recipe, DelayedScaling):
+            _update(group, recipe, [group], current_runtime())
+        return
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
         if isinstance(recipe, DelayedScaling):
@@ -276,27 +281,34 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     if not buckets:
         return
     runtime = current_runtime()
-    for (recipe, fmt, device, _), groups in buckets.items():
-        graphing = capturing(device)
-        batch = groups[0]._batch
-        if len(groups) == 1:
-            parts = [(groups, groups[0].tensors, None)]
-        elif (batch is not None and len(batch.groups) == len(groups)
-              and all(a is b for a, b in zip(batch.groups, groups))):
-            parts = [(groups, batch.tensors, batch)]
-        elif graphing:
-            parts = [([group], group.tensors, None) for group in groups]
-        else:
-            batch = _Batch.stack(groups)
-            parts = [(groups, batch.tensors, batch)]
-        factor, most_recent = _factor(fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
-        for members, (hist, scale, scale_inv, pending), fold_batch in parts:
-            _fold_refs(members, pending, fold_batch)
-            fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime)
-        for group in groups:
-            group.graphed = group.graphed or graphing
-            for role in group.roles:
-                role._close_step()
+    for (recipe, _, _, _), groups in buckets.items():
+        _update(groups[0], recipe, groups, runtime)
+
+
+def _update(first: _RoleGroup, recipe: DelayedScaling, groups: list[_RoleGroup], runtime) -> None:
+    """The in-place update of ``groups`` (one bucket of ``_end_steps``; ``first`` is
+    ``groups[0]``)."""
+    graphing = capturing(first.device)
+    batch = first._batch
+    if len(groups) == 1:
+        parts = [(groups, first.tensors, None)]
+    elif (batch is not None and len(batch.groups) == len(groups)
+          and all(a is b for a, b in zip(batch.groups, groups))):
+        parts = [(groups, batch.tensors, batch)]
+    elif graphing:
+        parts = [([group], group.tensors, None) for group in groups]
+    else:
+        batch = _Batch.stack(groups)
+        parts = [(groups, batch.tensors, batch)]
+    factor, most_recent = _factor(first.fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
+    for members, (hist, scale, scale_inv, pending), fold_batch in parts:
+        _fold_refs(members, pending, fold_batch)
+        fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime)
+    for group in groups:
+        if graphing:
+            group.graphed = True
+        for role in group.roles:
+            role._close_step()
 
 
 def _role_views(values: torch.Tensor, roles: int) -> tuple[torch.Tensor, ...]:
@@ -311,16 +323,19 @@ def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor, batch: _Batch | 
     any (the cached weights' in inference), whatever the number of groups; one when
     ``batch`` (``pending`` is its own) folded the same tensors last step."""
     count = len(groups)
+    if count == 1:  # one kernel per role holding a kept amax
+        for role in groups[0].roles:
+            ref = role._ref
+            if ref is not None:
+                if role._recorded:
+                    torch.maximum(role._slot, ref, out=role._slot)
+                else:
+                    role._slot.copy_(ref)
+        return
     for i, role in enumerate(groups[0].roles):
         refs = [group.roles[i]._ref for group in groups]
         ids = tuple(map(id, refs))
         if ids == (_NONE_ID,) * count:
-            continue
-        if count == 1:
-            if role._recorded:
-                torch.maximum(role._slot, refs[0], out=role._slot)
-            else:
-                role._slot.copy_(refs[0])
             continue
         fold = None if batch is None else batch.folds.get(i)
         if fold is not None and fold[0] == ids:  # the same tensors (kept alive by fold[1])

@@ -470,13 +470,18 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
     """Delayed scaling's end of step, in place (``fp8_torch.scale_update``): one plugin
     kernel where the policy picks the plugin, else the torch ops."""
     if not torch.compiler.is_compiling():
-        device = probe_device(hist.device)
-        module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
+        derived = runtime.resolver.derived  # emptied with the resolver's decisions
+        key = ("scale_update", hist.device)  # the torch device: no probe on a repeated call
+        module = derived.get(key, _MISSING)
+        if module is _MISSING:
+            device = probe_device(hist.device)
+            module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
+            derived[key] = module
         if module is not None:
             try:
                 return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent)
             except RuntimeError:
-                if not _plugin_broken(runtime, "fp8_scale_update", device):
+                if not _plugin_broken(runtime, "fp8_scale_update", probe_device(hist.device)):
                     raise
     fp8_torch.scale_update(hist, pending, scale, scale_inv, factor, most_recent)
 
