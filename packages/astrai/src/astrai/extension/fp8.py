@@ -66,14 +66,16 @@ class _LinearMode(TorchFunctionMode):
     """Routes ``F.linear`` to the FP8 linear while the innermost region is enabled."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is F.linear:
-            stack = _stack()
+            stack = getattr(_local, "stack", None)
             if stack and stack[-1].enabled:
-                x, weight, bias = _linear_args(*args, **kwargs)
+                if kwargs or len(args) != 3:
+                    x, weight, bias = _linear_args(*args, **(kwargs or {}))
+                else:
+                    x, weight, bias = args
                 if _fp8_capable(x, weight, bias):
                     return _fp8_linear(x, weight, bias, stack[-1])
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 def _linear_args(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter names

@@ -94,58 +94,69 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = ctx.needs_input_grad[:2]
         k_major = plan.k_major
-        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, plan, cache,
-                                               save_x_t=k_major and need_dw,
-                                               save_w_t=k_major and need_dx, in_graphs=cache)
+        save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
+        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
+        wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
+        y = plan.gemm(xq, wq.t(), sx, sw, bias)
         if state.forward_roles.delayed and (need_dx or need_dw):
             # the region's update rewrites the live scales in place before the backward runs;
             # the copies sit _ROW apart, 16-byte aligned as cuBLASLt takes scale pointers
             zero = state.forward_roles._zero
             copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
             sx, sw = copies[0], copies[_ROW]
-        ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
+        ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
+                              (wq_t if save_w_t else wq) if need_dx else None, sw)
         ctx.state, ctx.plan = state, plan
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x_saved, sx, w_saved, sw = ctx.saved_tensors
-        state, plan = ctx.state, ctx.plan
-        k_major = plan.k_major
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if not grad_y.is_contiguous():
-            grad_y = grad_y.contiguous()
-        dx = dw = db = None
-        if need_dx or need_dw:
-            layout = (2 if need_dx else 1) if k_major and need_dw else 0
-            role = state.grad_output
-            gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
-                                        layout)
-            if not state._backward_pending:  # one history update per backward pass
-                _end_with_backward(state)
-            m, n = grad_y.shape
-            if need_dx:  # [M, N] @ [N, K]
-                w_op = w_saved.t() if k_major else w_saved
-                dgrad = plan.dgrad
-                if dgrad is None:
-                    dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
-                dx = dgrad(gq, w_op, sg, sw, None)
-                dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
-            if need_dw:  # [N, M] @ [M, K]
-                g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
-                wgrad = plan.wgrad
-                if wgrad is None:
-                    wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
-                dw = wgrad(g_op, x_op, sg, sx, None)
-                dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
-        if need_db:  # float32 accumulation without a float32 copy of dy
-            db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: once_differentiable's guard
+            return _backward_once_differentiable(ctx, grad_y)
+        return _backward(ctx, grad_y)  # what once_differentiable runs when grad is off
+
+
+def _backward(ctx, grad_y):
+    """``_Fp8Linear``'s backward: quantize ``dy``, the dgrad and wgrad GEMMs, the bias gradient."""
+    x_saved, sx, w_saved, sw = ctx.saved_tensors
+    state, plan = ctx.state, ctx.plan
+    k_major = plan.k_major
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if not grad_y.is_contiguous():
+        grad_y = grad_y.contiguous()
+    dx = dw = db = None
+    if need_dx or need_dw:
+        layout = (2 if need_dx else 1) if k_major and need_dw else 0
+        role = state.grad_output
+        gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
+                                    layout)
+        if not state._backward_pending:  # one history update per backward pass
+            _end_with_backward(state)
+        m, n = grad_y.shape
+        if need_dx:  # [M, N] @ [N, K]
+            w_op = w_saved.t() if k_major else w_saved
+            dgrad = plan.dgrad
+            if dgrad is None:
+                dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
+            dx = dgrad(gq, w_op, sg, sw, None)
+            dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
+        if need_dw:  # [N, M] @ [M, K]
+            g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
+            wgrad = plan.wgrad
+            if wgrad is None:
+                wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
+            dw = wgrad(g_op, x_op, sg, sx, None)
+            dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
+    if need_db:  # float32 accumulation without a float32 copy of dy
+        db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
+    return dx, dw, db, None, None, None, None
+
+
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
 
 
 def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):
