@@ -45,6 +45,7 @@ def dtype_code(tensor: torch.Tensor) -> int:
 # torch's own accessor of the raw current stream (what its generated kernels launch on):
 # one C call instead of building a torch.cuda.Stream object per launch.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def current_stream(index: int) -> int:
@@ -77,7 +78,9 @@ def launch(device: torch.device, fn, *args) -> None:
     current device, like torch's own kernels) and its current stream appended as the last
     argument; the device is looked up once, as this is every launch's host path."""
     index = device.index
-    current = torch.cuda.current_device()
+    # the C call behind torch.cuda.current_device(), without its lazy-init check: a CUDA
+    # tensor in hand means CUDA is initialized
+    current = _current_device() if _current_device is not None else torch.cuda.current_device()
     if index is None or index == current:
         fn(*args, _raw_stream(current) if _raw_stream is not None else stream_handle(device))
     else:

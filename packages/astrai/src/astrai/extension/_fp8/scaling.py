@@ -199,6 +199,7 @@ class _RoleGroup:
         batch's) and point the roles at their rows. Under dynamic scaling a role's
         ``scale`` is the last one used, made per call, and stays (1 until the first)."""
         self.tensors = (hist, scale, scale_inv, pending)
+        self.launch_args: dict = {}  # what the update's launch derives from these tensors
         views = zip(*(_role_views(t, len(self.roles)) for t in (scale, scale_inv, pending)))
         for role, (role_scale, role_inv, slot) in zip(self.roles, views):
             if self.delayed or role.scale is self._zero:
@@ -243,6 +244,7 @@ class _Batch:
     # folding them took (the pending column, the amaxes stacked), reused while the same
     # tensors come back (the cached weights', step after step)
     folds: dict[int, tuple[tuple[int, ...], list, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    launch_args: dict = field(default_factory=dict)  # as ``_RoleGroup.launch_args``
 
     @classmethod
     def stack(cls, groups: list[_RoleGroup]) -> _Batch:
@@ -291,19 +293,21 @@ def _update(first: _RoleGroup, recipe: DelayedScaling, groups: list[_RoleGroup],
     graphing = capturing(first.device)
     batch = first._batch
     if len(groups) == 1:
-        parts = [(groups, first.tensors, None)]
+        parts = [(groups, first, None)]
     elif (batch is not None and len(batch.groups) == len(groups)
           and all(a is b for a, b in zip(batch.groups, groups))):
-        parts = [(groups, batch.tensors, batch)]
+        parts = [(groups, batch, batch)]
     elif graphing:
-        parts = [([group], group.tensors, None) for group in groups]
+        parts = [([group], group, None) for group in groups]
     else:
         batch = _Batch.stack(groups)
-        parts = [(groups, batch.tensors, batch)]
+        parts = [(groups, batch, batch)]
     factor, most_recent = _factor(first.fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
-    for members, (hist, scale, scale_inv, pending), fold_batch in parts:
+    for members, owner, fold_batch in parts:  # owner: the group or batch whose tensors these are
+        hist, scale, scale_inv, pending = owner.tensors
         _fold_refs(members, pending, fold_batch)
-        fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime)
+        fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime,
+                                 owner.launch_args)
     for group in groups:
         if graphing:
             group.graphed = True

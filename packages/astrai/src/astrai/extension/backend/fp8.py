@@ -466,9 +466,11 @@ def choose_scale_update(device: DeviceInfo, *, runtime: Runtime | None = None) -
 
 
 def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
-                 factor: float, most_recent: bool, runtime: Runtime) -> None:
+                 factor: float, most_recent: bool, runtime: Runtime, launch_args: dict | None = None) -> None:
     """Delayed scaling's end of step, in place (``fp8_torch.scale_update``): one plugin
-    kernel where the policy picks the plugin, else the torch ops."""
+    kernel where the policy picks the plugin, else the torch ops. ``launch_args``: a dict
+    the caller keeps with these tensors (and empties when it swaps them) where the plugin
+    call keeps what it derives from them (``ops.fp8.scale_update``)."""
     if not torch.compiler.is_compiling():
         derived = runtime.resolver.derived  # emptied with the resolver's decisions
         key = ("scale_update", hist.device)  # the torch device: no probe on a repeated call
@@ -479,7 +481,8 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
             derived[key] = module
         if module is not None:
             try:
-                return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent)
+                return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent,
+                                            launch_args)
             except RuntimeError:
                 if not _plugin_broken(runtime, "fp8_scale_update", probe_device(hist.device)):
                     raise

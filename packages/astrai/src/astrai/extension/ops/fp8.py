@@ -244,13 +244,18 @@ def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: 
 
 # ---------------------------------------------------------------------------- scale update
 def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
-                 scale_inv: torch.Tensor, factor: float, most_recent: bool) -> None:
+                 scale_inv: torch.Tensor, factor: float, most_recent: bool, cache: dict | None = None) -> None:
     """Delayed scaling's end of step for ``rows`` amax histories at once, in place, one
     plugin kernel (``fp8_scale_update``; its contract in docs/plugins.md): ``hist``
     (float32, contiguous, ``[..., L]``) gains ``pending`` (one amax per row) as its newest
     slot, ``pending`` is zeroed, ``scale`` (read first, as the previous scales) and
     ``scale_inv`` receive the new scales. Arguments taken as valid (the FP8 linear's end
     of step made them; the binding still checks them before the launch), ``module`` from
-    ``_plugin.require``."""
-    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(scale),
-           tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent))
+    ``_plugin.require``. ``cache``: a dict kept with these very tensors (emptied by the
+    caller if it swaps them), holding their ABI arguments, so a step's update builds none."""
+    args = None if cache is None else cache.get("scale_update")
+    if args is None:
+        args = (tensor_arg(hist), tensor_arg(pending), tensor_arg(scale), tensor_arg(scale), tensor_arg(scale_inv))
+        if cache is not None:
+            cache["scale_update"] = args
+    launch(hist.device, module.scale_update, *args, float(factor), bool(most_recent))
