@@ -49,6 +49,7 @@ class TensorScaling:
         # keys, kept up to date per step instead of rebuilt from all L slots
         self._in_window: dict[int, int] = {}
         self._window_closed = False  # a first update always counts as a change
+        self.launch_args: dict = {}  # what the quantize launch derives from this role's tensors
 
     def __repr__(self) -> str:
         return (f"TensorScaling(fmt={self.fmt!r}, amax_history={self.amax_history!r}, "

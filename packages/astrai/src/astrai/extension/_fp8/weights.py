@@ -55,7 +55,7 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_lay
     own, recorded by reference)."""
     scale, multiplier = role.scale_for(x, recipe)
     slot = None if keep_amax else role.amax_slot()
-    q, q_t, amax = run(x, multiplier, out_layout, slot)
+    q, q_t, amax = run(x, multiplier, out_layout, slot, role.launch_args)
     if slot is None:
         role.record(amax, token, by_ref=keep_amax)
     else:

@@ -127,19 +127,22 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
 
 @functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax) -> (q, q_t)`` for one module and format: the
-    quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA device,
-    a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor, possibly a view into a larger
-    buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for the layout not asked for. What
-    does not change between calls (the output dtype and its code, the absent output's
-    argument, the entry point) is looked up once. For callers that checked once and call
-    often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
+    """``launch(x, scale, out_layout, amax, cache=None) -> (q, q_t)`` for one module and
+    format: the quantize call itself, arguments taken as valid (2-D row-major ``x`` on a
+    CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor, possibly a view
+    into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for the layout not
+    asked for. What does not change between calls (the output dtype and its code, the
+    absent output's argument, the entry point) is looked up once; ``cache``, a dict kept
+    by the caller with its ``scale`` and ``amax`` tensors, keeps their ABI arguments while
+    the same tensors come back. For callers that checked once and call often (the FP8
+    linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     code = DTYPE_CODES[dtype]
     absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
     entry = module.quantize
 
-    def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor):
+    def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor,
+                        cache: dict | None = None):
         rows, cols = x.shape
         device = x.device
         q = q_t = None
@@ -150,8 +153,15 @@ def quantize_launcher(module, fmt: str):
         if out_layout != 0:
             q_t = torch.empty((cols, rows), dtype=dtype, device=device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
+        kept = None if cache is None else cache.get("quantize")
+        if kept is not None and kept[0] is scale and kept[1] is amax:
+            scale_arg, amax_arg = kept[2], kept[3]
+        else:
+            scale_arg, amax_arg = tensor_arg(scale), tensor_arg(amax)
+            if cache is not None:  # the tensors are kept with their arguments: their addresses stay theirs
+                cache["quantize"] = (scale, amax, scale_arg, amax_arg)
         launch(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
-                         tensor_arg(scale), q_arg, qt_arg, tensor_arg(amax), out_layout)
+               scale_arg, q_arg, qt_arg, amax_arg, out_layout)
         return q, q_t
 
     return launch_quantize
