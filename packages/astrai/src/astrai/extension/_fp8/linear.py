@@ -73,14 +73,11 @@ def _plan_for(x2d: torch.Tensor, weight: torch.Tensor, state: Fp8LinearState,
     return plan
 
 
-def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, save_x_t: bool = False,
-             save_w_t: bool = False, in_graphs: bool = False):
-    """The forward GEMM; also returns the FP8 operands the backward will read (their
-    transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
-    xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, in_graphs)
-    y = plan.gemm(xq, wq.t(), sx, sw, bias)
-    return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
+def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, in_graphs: bool) -> torch.Tensor:
+    """The forward GEMM of a call recording no gradient (x's copy is read by it alone)."""
+    xq, _, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, reuse="x")
+    wq, _, sw = _quantize_weight(weight, state, plan.quantize_w, False, cache, in_graphs)
+    return plan.gemm(xq, wq.t(), sx, sw, bias)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -97,7 +94,9 @@ class _Fp8Linear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         k_major = plan.k_major
         save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
-        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
+        # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
+        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
+                                    reuse=None if need_dw and not save_x_t else "x")
         wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
         y = plan.gemm(xq, wq.t(), sx, sw, bias)
         if state.forward_roles.delayed and (need_dx or need_dw):
@@ -132,8 +131,9 @@ def _backward(ctx, grad_y):
     if need_dx or need_dw:
         layout = (2 if need_dx else 1) if k_major and need_dw else 0
         role = state.grad_output
+        # read by this backward's GEMMs alone
         gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
-                                    layout)
+                                    layout, reuse="g", reuse_t=True)
         if not state._backward_pending:  # one history update per backward pass
             _end_with_backward(state)
         m, n = grad_y.shape
@@ -251,7 +251,7 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
         plan = _plan_for(x2d, weight, state, None)
         with torch.no_grad() if grad_mode else contextlib.nullcontext():
             y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False,
-                         in_graphs=region.cache_weights is True)[0]
+                         region.cache_weights is True)
             if y.dtype != out_dtype:
                 y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

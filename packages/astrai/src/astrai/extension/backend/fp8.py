@@ -375,7 +375,8 @@ def _runner(runtime: Runtime, key: tuple, build, *args):
     return value
 
 
-def _quantize_checked(runtime: Runtime, fmt: str, x, multiplier, out_layout, amax=None, cache=None):
+def _quantize_checked(runtime: Runtime, fmt: str, x, multiplier, out_layout, amax=None, cache=None,
+                      reuse=None, reuse_t=False):
     """``quantize`` through the checked public path, ``max|x|`` copied into ``amax``."""
     q, q_t, got = quantize(x, multiplier, fmt, out_layout, runtime=runtime)
     if amax is None:
@@ -389,10 +390,14 @@ def _gemm_checked(runtime: Runtime, a, b, scale_a, scale_b, bias):
 
 
 def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
-    """``run(x, multiplier, out_layout, amax=None, cache=None) -> (q, q_t, amax)``:
-    ``quantize`` for these facts, ``max|x|`` written into ``amax`` when given (a 0-d
-    float32 tensor). ``cache``: a dict the caller keeps with its multiplier and amax
-    tensors, where the plugin call keeps what it derives from them between calls."""
+    """``run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False)
+    -> (q, q_t, amax)``: ``quantize`` for these facts, ``max|x|`` written into ``amax``
+    when given (a 0-d float32 tensor). ``cache``: a dict the caller keeps with its
+    multiplier and amax tensors, where the plugin call keeps what it derives from them
+    between calls. ``reuse`` (a tag naming the operand): the caller reads ``q`` (and
+    ``q_t`` if ``reuse_t``) only until its next call of this function with that tag on
+    this thread and stream, so the plugin call may write them into buffers it keeps
+    (``ops.fp8.QuantizeScratch``)."""
     if torch.compiler.is_compiling():
         return functools.partial(_quantize_checked, runtime, fmt)
     return _runner(runtime, ("quantize", device.key, x_dtype, fmt), _build_quantizer, device, x_dtype, fmt,
@@ -404,16 +409,19 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
     if choose_quantize(device, x_dtype, fmt, runtime=runtime) == "plugin":
         module = _usable_module("fp8_quantize", device, runtime)
     if module is None:
-        def run_torch(x, multiplier, out_layout, amax=None, cache=None):
+        def run_torch(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
 
         return run_torch
     launch = ops_fp8.quantize_launcher(module, fmt)
+    scratch = ops_fp8.QuantizeScratch(fmt)
 
-    def run(x, multiplier, out_layout, amax=None, cache=None):
+    def run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
+        x = x if x.is_contiguous() else x.contiguous()
+        kept = None if reuse is None else scratch.outputs(x, out_layout, reuse, reuse_t)
         try:
-            q, q_t = launch(x if x.is_contiguous() else x.contiguous(), multiplier, out_layout, out, cache)
+            q, q_t = launch(x, multiplier, out_layout, out, cache, kept)
         except RuntimeError:
             if not _plugin_broken(runtime, "fp8_quantize", device):
                 raise
