@@ -80,6 +80,19 @@ def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, in_graphs: bool
     return plan.gemm(xq, wq.t(), sx, sw, bias)
 
 
+def _scale_copies(group, sx: torch.Tensor, sw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the scales a training forward used, for its backward: the region's update
+    rewrites the live ones in place before the backward runs. They sit ``_ROW`` apart,
+    16-byte aligned as cuBLASLt takes scale pointers, as the group's live rows do: a copy
+    of those (one clone, two views) unless the weight's scale is a cached copy's own."""
+    if sx is group.roles[0].scale and sw is group.roles[1].scale:
+        copy = group.tensors[1].clone()
+        return copy[0], copy[_ROW]
+    zero = group._zero
+    copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
+    return copies[0], copies[_ROW]
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``y = x @ w.T + b`` with forward, dgrad and wgrad GEMMs in FP8.
 
@@ -100,11 +113,7 @@ class _Fp8Linear(torch.autograd.Function):
         wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
         y = plan.gemm(xq, wq.t(), sx, sw, bias)
         if state.forward_roles.delayed and (need_dx or need_dw):
-            # the region's update rewrites the live scales in place before the backward runs;
-            # the copies sit _ROW apart, 16-byte aligned as cuBLASLt takes scale pointers
-            zero = state.forward_roles._zero
-            copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
-            sx, sw = copies[0], copies[_ROW]
+            sx, sw = _scale_copies(state.forward_roles, sx, sw)
         ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
                               (wq_t if save_w_t else wq) if need_dx else None, sw)
         ctx.state, ctx.plan = state, plan
