@@ -270,7 +270,7 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     if len(pairs) == 1:  # one linear, or one backward pass through one: no grouping
         group, recipe = pairs[0]
         if isinstance(recipe, DelayedScaling):
-            _update(group, recipe, [group], current_runtime())
+            _update_group(group, recipe, current_runtime())
         return
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
@@ -288,15 +288,29 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
         _update(groups[0], recipe, groups, runtime)
 
 
+def _update_group(group: _RoleGroup, recipe: DelayedScaling, runtime) -> None:
+    """``_update`` of a single group (one linear's step): its own tensors, no batch."""
+    graphing = capturing(group.device)
+    hist, scale, scale_inv, pending = group.tensors
+    _fold_refs([group], pending)
+    fp8_backend.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
+                             recipe.amax_compute_algo == "most_recent", runtime, group.launch_args)
+    if graphing:
+        group.graphed = True
+    for role in group.roles:
+        role._close_step()
+
+
 def _update(first: _RoleGroup, recipe: DelayedScaling, groups: list[_RoleGroup], runtime) -> None:
     """The in-place update of ``groups`` (one bucket of ``_end_steps``; ``first`` is
     ``groups[0]``)."""
+    if len(groups) == 1:
+        _update_group(first, recipe, runtime)
+        return
     graphing = capturing(first.device)
     batch = first._batch
-    if len(groups) == 1:
-        parts = [(groups, first, None)]
-    elif (batch is not None and len(batch.groups) == len(groups)
-          and all(a is b for a, b in zip(batch.groups, groups))):
+    if (batch is not None and len(batch.groups) == len(groups)
+            and all(a is b for a, b in zip(batch.groups, groups))):
         parts = [(groups, batch, batch)]
     elif graphing:
         parts = [([group], group, None) for group in groups]
