@@ -587,3 +587,19 @@ def test_host_cost_script_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"infer-delayed", "infer-dynamic", "train-delayed", "bf16-train", "infer-delayed-8"}
     assert all(r["layer_us"] > 0 and r["kernels"] > 0 for r in rows.values())
+
+
+def test_gpu_path_host_script_runs(tmp_path):
+    """``ci/bench-fp8-host`` stubs the plugin's entry points and ``torch._scaled_mm`` at
+    the C boundary: a smoke run keeps its stubs in step with the launchers' signatures."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "ci" / "bench-fp8-host"
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    us = json.loads(out.read_text())["us"]
+    assert set(us) == {"floor step", "fp8 step", "fp8 forward"} and all(v > 0 for v in us.values())
