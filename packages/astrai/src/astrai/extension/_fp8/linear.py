@@ -3,7 +3,6 @@ and wgrad GEMMs in FP8, and the end of each backward pass's gradient step."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -258,9 +257,12 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
         y = _Fp8Linear.apply(x2d, weight, bias, state, plan, out_dtype, region.cache_weights is True)
     else:
         plan = _plan_for(x2d, weight, state, None)
-        with torch.no_grad() if grad_mode else contextlib.nullcontext():
-            y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False,
-                         region.cache_weights is True)
-            if y.dtype != out_dtype:
-                y = y.to(out_dtype)
+        cache, in_graphs = region.cache_weights is not False, region.cache_weights is True
+        if grad_mode:  # nothing requires a gradient: none recorded either
+            with torch.no_grad():
+                y = _forward(x2d, weight, bias, state, plan, cache, in_graphs)
+        else:
+            y = _forward(x2d, weight, bias, state, plan, cache, in_graphs)
+        if y.dtype != out_dtype:
+            y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
