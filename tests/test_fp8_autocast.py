@@ -470,3 +470,38 @@ def test_backward_inside_the_region_is_the_same():
         lin.zero_grad()
     assert torch.equal(grads[0], grads[1])
     assert fp8_state(lin).grad_output.fmt == "e5m2"
+
+
+def test_one_region_object_nests_serves_threads_and_decorates():
+    """``fp8_autocast(...)`` keeps nothing of an entry on itself: one object may be
+    entered nested, on two threads at once, or decorate a function; each entry is its
+    own region, and only a thread's outermost one ends the step."""
+    import threading
+
+    region = fp8_autocast(recipe=DelayedScaling(amax_history_len=2))
+    lin = torch.nn.Linear(8, 4)
+    with region:
+        with region:
+            lin(torch.randn(2, 8))
+            assert fp8_state(lin).input.updates == 0
+        assert is_fp8_autocast_enabled() and fp8_state(lin).input.updates == 0
+    assert not is_fp8_autocast_enabled() and fp8_state(lin).input.updates == 1
+
+    inside = threading.Barrier(2, timeout=30)
+    seen = []
+
+    @region
+    def work():
+        inside.wait()  # both threads in the region at once
+        seen.append(is_fp8_autocast_enabled())
+        inside.wait()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [True, True] and not is_fp8_autocast_enabled()
+    work_here = region(lambda: lin(torch.randn(2, 8)))
+    work_here()
+    assert fp8_state(lin).input.updates == 2

@@ -47,6 +47,7 @@ class _Region:
     recipe: Recipe
     touched: dict[int, Fp8LinearState]  # shared by a thread's nested regions
     cache_weights: bool | None = None
+    mode: _LinearMode | None = None  # the one an outermost region pushed
 
     def touch(self, state: Fp8LinearState) -> None:
         self.touched.setdefault(id(state), state)
@@ -118,36 +119,36 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
 
 class _Autocast(contextlib.ContextDecorator):
     """One ``fp8_autocast`` region: a plain context manager (no generator), as its enter
-    and exit are on the path of every step. The outermost region of a thread routes
-    ``F.linear`` (``_LinearMode``) and ends the forward step of every linear it ran."""
+    and exit are on the path of every step. What an entry made lives on the thread's
+    region stack, not here, so one object may be entered on several threads or nested.
+    The outermost region of a thread routes ``F.linear`` (``_LinearMode``) and ends the
+    forward step of every linear it ran."""
 
-    __slots__ = ("enabled", "recipe", "cache_weights", "_modes")
+    __slots__ = ("enabled", "recipe", "cache_weights")
 
     def __init__(self, enabled: bool, recipe: Recipe, cache_weights: bool | None):
         self.enabled, self.recipe, self.cache_weights = enabled, recipe, cache_weights
-        self._modes: list[_LinearMode | None] = []  # per entry: the mode an outermost one pushed
 
     def __enter__(self) -> None:
         stack = _stack()
-        outermost = not stack
-        stack.append(_Region(self.enabled, self.recipe, {} if outermost else stack[0].touched,
-                             self.cache_weights))
-        mode = _LinearMode() if outermost else None
-        self._modes.append(mode)
-        if mode is not None:
-            try:
-                mode.__enter__()
-            except BaseException:
-                self._modes.pop()
-                stack.pop()
-                raise
+        if stack:
+            stack.append(_Region(self.enabled, self.recipe, stack[0].touched, self.cache_weights))
+            return
+        region = _Region(self.enabled, self.recipe, {}, self.cache_weights, _LinearMode())
+        stack.append(region)
+        try:
+            region.mode.__enter__()
+        except BaseException:
+            stack.pop()
+            raise
 
     def __exit__(self, *exc) -> None:
-        mode = self._modes.pop()
+        stack = _stack()
+        mode = stack[-1].mode
         try:
             if mode is not None:
                 mode.__exit__(*exc)
         finally:
-            region = _stack().pop()
+            region = stack.pop()
             if mode is not None:
                 _end_steps([(state.forward_roles, state.recipe) for state in region.touched.values()])
