@@ -140,8 +140,10 @@ def _backward(ctx, grad_y):
         layout = (2 if need_dx else 1) if k_major and need_dw else 0
         role = state.grad_output
         # read by this backward's GEMMs alone
-        gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
-                                    layout, reuse="g", reuse_t=True)
+        run = plan.quantize_g if grad_y.dtype is plan.g_dtype else None
+        if run is None:
+            run = _grad_quantizer(plan, grad_y.dtype, role.fmt)
+        gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, run, layout, reuse="g", reuse_t=True)
         if not state._backward_pending:  # one history update per backward pass
             _end_with_backward(state)
         m, n = grad_y.shape

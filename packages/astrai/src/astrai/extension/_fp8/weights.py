@@ -54,7 +54,10 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_lay
     unless ``keep_amax`` (the caller keeps it beyond the step, so it gets a tensor of its
     own, recorded by reference). ``reuse`` / ``reuse_t``: ``q`` / ``q_t`` are read only
     until the next such call (as ``backend.fp8.quantizer`` says)."""
-    scale, multiplier = role.scale_for(x, recipe)
+    if isinstance(recipe, DelayedScaling):  # role.scale_for without the call
+        scale, multiplier = role.scale, role.scale_inv
+    else:
+        scale, multiplier = role.scale_for(x, recipe)
     slot = None if keep_amax else role.amax_slot()
     q, q_t, amax = run(x, multiplier, out_layout, slot, role.launch_args, reuse, reuse_t)
     if slot is None:

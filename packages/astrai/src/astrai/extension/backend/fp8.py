@@ -450,14 +450,7 @@ def _build_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, in
     if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
         return general
 
-    a_strides, b_strides = (k, 1), (1, k)  # a row-major, b column-major, dense
-
-    def run(a, b, scale_a, scale_b, bias):
-        if a.stride() != a_strides or b.stride() != b_strides:
-            return general(a, b, scale_a, scale_b, bias)
-        return fp8_torch.scaled_mm_dense(a, b, scale_a, scale_b, bias)
-
-    return run
+    return fp8_torch.scaled_mm_runner(k, general)
 
 
 def _run_emulated(a, b, scale_a, scale_b, bias):
