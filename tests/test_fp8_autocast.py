@@ -505,3 +505,20 @@ def test_one_region_object_nests_serves_threads_and_decorates():
     work_here = region(lambda: lin(torch.randn(2, 8)))
     work_here()
     assert fp8_state(lin).input.updates == 2
+
+
+def test_a_second_derivative_is_refused():
+    """The backward runs ``once_differentiable``'s guard only under ``create_graph=True``
+    (skipping its no_grad block otherwise): a second derivative still raises, and the
+    first derivative it returns is the one a plain backward computes."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    recipe = DynamicScaling()
+    with fp8_autocast(recipe=recipe):
+        y = lin(x)
+    (plain,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)
+    (first,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert first.requires_grad and torch.equal(first.detach(), plain)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first.sum().backward()

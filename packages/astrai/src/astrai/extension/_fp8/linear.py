@@ -92,42 +92,12 @@ def _scale_copies(group, sx: torch.Tensor, sw: torch.Tensor) -> tuple[torch.Tens
     return copies[0], copies[_ROW]
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """``y = x @ w.T + b`` with forward, dgrad and wgrad GEMMs in FP8.
-
-    Where the backward GEMM wants K-major operands (cuBLASLt, Hopper wgmma), the forward
-    quantizes ``x`` and ``W`` into both layouts (one pass in the plugin kernel) and saves
-    the transposed copy, so dgrad ``dy @ W`` and wgrad ``dy.T @ x`` read ``[K, N]`` /
-    ``[K, M]`` row-major operands without a transpose of their own.
-    """
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        k_major = plan.k_major
-        save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
-        # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
-        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
-                                    reuse=None if need_dw and not save_x_t else "x")
-        wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
-        y = plan.gemm(xq, wq.t(), sx, sw, bias)
-        if state.forward_roles.delayed and (need_dx or need_dw):
-            sx, sw = _scale_copies(state.forward_roles, sx, sw)
-        ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
-                              (wq_t if save_w_t else wq) if need_dx else None, sw)
-        ctx.state, ctx.plan = state, plan
-        ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y if y.dtype == out_dtype else y.to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        if torch.is_grad_enabled():  # create_graph=True: once_differentiable's guard
-            return _backward_once_differentiable(ctx, grad_y)
-        return _backward(ctx, grad_y)  # what once_differentiable runs when grad is off
-
-
 def _backward(ctx, grad_y):
-    """``_Fp8Linear``'s backward: quantize ``dy``, the dgrad and wgrad GEMMs, the bias gradient."""
+    """``_Fp8Linear``'s backward: quantize ``dy``, the dgrad and wgrad GEMMs, the bias
+    gradient. Under ``create_graph=True`` through ``once_differentiable`` (its guard
+    against a second derivative); otherwise what that runs, without its no_grad block."""
+    if torch.is_grad_enabled():
+        return _backward_once_differentiable(ctx, grad_y)
     x_saved, sx, w_saved, sw = ctx.saved_tensors
     state, plan = ctx.state, ctx.plan
     k_major = plan.k_major
@@ -167,6 +137,37 @@ def _backward(ctx, grad_y):
 
 
 _backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``y = x @ w.T + b`` with forward, dgrad and wgrad GEMMs in FP8.
+
+    Where the backward GEMM wants K-major operands (cuBLASLt, Hopper wgmma), the forward
+    quantizes ``x`` and ``W`` into both layouts (one pass in the plugin kernel) and saves
+    the transposed copy, so dgrad ``dy @ W`` and wgrad ``dy.T @ x`` read ``[K, N]`` /
+    ``[K, M]`` row-major operands without a transpose of their own.
+    """
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        k_major = plan.k_major
+        save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
+        # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
+        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
+                                    reuse=None if need_dw and not save_x_t else "x")
+        wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
+        y = plan.gemm(xq, wq.t(), sx, sw, bias)
+        if state.forward_roles.delayed and (need_dx or need_dw):
+            sx, sw = _scale_copies(state.forward_roles, sx, sw)
+        ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
+                              (wq_t if save_w_t else wq) if need_dx else None, sw)
+        ctx.state, ctx.plan = state, plan
+        ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    backward = staticmethod(_backward)
+
 
 
 def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):
