@@ -54,6 +54,7 @@ class _Region:
 
 
 _local = threading.local()
+_DEFAULT_RECIPE = DelayedScaling()
 
 
 def _stack() -> list[_Region]:
@@ -111,7 +112,7 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
     if cache_weights is not None and not isinstance(cache_weights, bool):
         raise TypeError(f"cache_weights must be a bool or None, got {type(cache_weights).__name__}")
     if recipe is None:
-        recipe = DelayedScaling()
+        recipe = _DEFAULT_RECIPE  # frozen: one object serves every region (an identity check per linear)
     elif not isinstance(recipe, (DelayedScaling, DynamicScaling)):
         raise TypeError(f"recipe must be a DelayedScaling or DynamicScaling, got {type(recipe).__name__}")
     return _Autocast(enabled, recipe, cache_weights)
