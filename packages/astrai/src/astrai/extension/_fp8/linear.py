@@ -133,7 +133,7 @@ def _backward(ctx, grad_y):
             dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
     if need_db:  # float32 accumulation without a float32 copy of dy
         db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
-    return dx, dw, db, None, None, None, None
+    return dx, dw, db, None
 
 
 _backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
@@ -149,7 +149,8 @@ class _Fp8Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
+    def forward(ctx, x2d, weight, bias, call):
+        state, plan, out_dtype, cache = call  # one argument: autograd walks each of them
         need_dx, need_dw = ctx.needs_input_grad[:2]
         k_major = plan.k_major
         save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
@@ -257,7 +258,7 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     grad_mode = torch.is_grad_enabled()
     if grad_mode and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         plan = _plan_for(x2d, weight, state, out_dtype)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, plan, out_dtype, region.cache_weights is True)
+        y = _Fp8Linear.apply(x2d, weight, bias, (state, plan, out_dtype, region.cache_weights is True))
     else:
         plan = _plan_for(x2d, weight, state, None)
         cache, in_graphs = region.cache_weights is not False, region.cache_weights is True

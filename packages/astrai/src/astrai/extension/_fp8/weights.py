@@ -58,12 +58,14 @@ def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_lay
         scale, multiplier = role.scale, role.scale_inv
     else:
         scale, multiplier = role.scale_for(x, recipe)
-    slot = None if keep_amax else role.amax_slot()
+    slot = None if keep_amax or role._recorded else role._slot  # role.amax_slot(), inline
     q, q_t, amax = run(x, multiplier, out_layout, slot, role.launch_args, reuse, reuse_t)
     if slot is None:
         role.record(amax, token, by_ref=keep_amax)
-    else:
-        role.recorded(token)
+    else:  # role.recorded(token), inline
+        role._recorded = True
+        if token is not None:
+            role._tokens.add(token)
     return q, q_t, scale, amax
 
 
