@@ -109,10 +109,10 @@ def _backward(ctx, grad_y):
     if need_dx or need_dw:
         layout = (2 if need_dx else 1) if k_major and need_dw else 0
         role = state.grad_output
-        # read by this backward's GEMMs alone
         run = plan.quantize_g if grad_y.dtype is plan.g_dtype else None
         if run is None:
             run = _grad_quantizer(plan, grad_y.dtype, role.fmt)
+        # both copies are read by this backward's GEMMs alone
         gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, run, layout, reuse="g", reuse_t=True)
         if not state._backward_pending:  # one history update per backward pass
             _end_with_backward(state)
@@ -168,7 +168,6 @@ class _Fp8Linear(torch.autograd.Function):
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     backward = staticmethod(_backward)
-
 
 
 def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):

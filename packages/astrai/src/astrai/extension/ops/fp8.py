@@ -128,15 +128,16 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
 
 @functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax, cache=None) -> (q, q_t)`` for one module and
-    format: the quantize call itself, arguments taken as valid (2-D row-major ``x`` on a
-    CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor, possibly a view
-    into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for the layout not
-    asked for. What does not change between calls (the output dtype and its code, the
-    absent output's argument, the entry point) is looked up once; ``cache``, a dict kept
-    by the caller with its ``scale`` and ``amax`` tensors, keeps their ABI arguments while
-    the same tensors come back. For callers that checked once and call often (the FP8
-    linear); everyone else goes through ``fp8_quantize``."""
+    """``launch(x, scale, out_layout, amax, cache=None, out=None) -> (q, q_t)`` for one
+    module and format: the quantize call itself, arguments taken as valid (2-D row-major
+    ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor,
+    possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for
+    the layout not asked for. What does not change between calls (the output dtype and its
+    code, the absent output's argument, the entry point) is looked up once; ``cache``, a
+    dict kept by the caller with its ``scale`` and ``amax`` tensors, keeps their ABI
+    arguments while the same tensors come back; ``out``, outputs a ``QuantizeScratch``
+    keeps (made here where it has none). For callers that checked once and call often
+    (the FP8 linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     code = DTYPE_CODES[dtype]
     absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
