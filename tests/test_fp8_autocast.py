@@ -470,3 +470,55 @@ def test_backward_inside_the_region_is_the_same():
         lin.zero_grad()
     assert torch.equal(grads[0], grads[1])
     assert fp8_state(lin).grad_output.fmt == "e5m2"
+
+
+def test_one_region_object_nests_serves_threads_and_decorates():
+    """``fp8_autocast(...)`` keeps nothing of an entry on itself: one object may be
+    entered nested, on two threads at once, or decorate a function; each entry is its
+    own region, and only a thread's outermost one ends the step."""
+    import threading
+
+    region = fp8_autocast(recipe=DelayedScaling(amax_history_len=2))
+    lin = torch.nn.Linear(8, 4)
+    with region:
+        with region:
+            lin(torch.randn(2, 8))
+            assert fp8_state(lin).input.updates == 0
+        assert is_fp8_autocast_enabled() and fp8_state(lin).input.updates == 0
+    assert not is_fp8_autocast_enabled() and fp8_state(lin).input.updates == 1
+
+    inside = threading.Barrier(2, timeout=30)
+    seen = []
+
+    @region
+    def work():
+        inside.wait()  # both threads in the region at once
+        seen.append(is_fp8_autocast_enabled())
+        inside.wait()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [True, True] and not is_fp8_autocast_enabled()
+    work_here = region(lambda: lin(torch.randn(2, 8)))
+    work_here()
+    assert fp8_state(lin).input.updates == 2
+
+
+def test_a_second_derivative_is_refused():
+    """The backward runs ``once_differentiable``'s guard only under ``create_graph=True``
+    (skipping its no_grad block otherwise): a second derivative still raises, and the
+    first derivative it returns is the one a plain backward computes."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    recipe = DynamicScaling()
+    with fp8_autocast(recipe=recipe):
+        y = lin(x)
+    (plain,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)
+    (first,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert first.requires_grad and torch.equal(first.detach(), plain)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first.sum().backward()

@@ -159,13 +159,19 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
             for label, fn in steps_of.items():
                 print(f"{label + (', backward on its own thread' if threaded else ', one thread'):<58} "
                       f"{host_us(fn, calls=30):8.1f}")
+    from astrai.extension._fp8 import scaling as scaling_mod
+    from astrai.extension._fp8 import weights as weights_mod
+
     names = ["_fp8_linear", "_plan_for", "_forward", "_quantize", "_quantize_weight", "_end_steps",
-             "_end_with_backward", "_end_backward_pass", "_fold_refs", "_role_views"]
-    saved = {name: getattr(fp8_mod, name) for name in names}
+             "_end_with_backward", "_update_group", "_fold_refs"]
+    # each function in every module that calls it by name, one timer per function
+    saved = [(mod, name, getattr(mod, name)) for mod in (fp8_mod, weights_mod, scaling_mod)
+             for name in names if hasattr(mod, name)]
     fwd, bwd = fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward
     try:
-        for name in names:
-            setattr(fp8_mod, name, timed(name, saved[name]))
+        timers: dict = {}
+        for mod, name, fn in saved:
+            setattr(mod, name, timers.setdefault(name, timed(name, fn)))
         fp8_mod._Fp8Linear.forward = staticmethod(timed("_Fp8Linear.forward", fwd))
         fp8_mod._Fp8Linear.backward = staticmethod(timed("_Fp8Linear.backward", bwd))
         fp8_mod.fp8_backend.scale_update = timed("backend.scale_update", saved_update := fp8_mod.fp8_backend.scale_update)
@@ -192,8 +198,8 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
                 parts[key] += dt
         torch.cuda.synchronize()
     finally:
-        for name, fn in saved.items():
-            setattr(fp8_mod, name, fn)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
         fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward = staticmethod(fwd), staticmethod(bwd)
         fp8_mod.fp8_backend.scale_update = saved_update
     for label, total in list(parts.items()) + sorted(spent.items(), key=lambda kv: -kv[1]):

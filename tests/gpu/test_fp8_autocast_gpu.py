@@ -126,6 +126,47 @@ def test_autocast_linear_forward_backward(recipe):
     assert chosen <= {"plugin", "scaled_mm"}
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), DynamicScaling()], ids=["delayed", "dynamic"])
+def test_reused_quantize_outputs_change_no_value(require_plugin, monkeypatch, recipe):
+    """The activation and gradient copies the FP8 linear writes into buffers it keeps
+    between calls (``ops.fp8.QuantizeScratch``), with two linears of one shape and
+    another of the same input, through training steps and an inference call: outputs and
+    gradients bit-identical to fresh allocations."""
+    from astrai.extension.ops import fp8 as ops_fp8
+
+    require_plugin("fp8_quantize")
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                    torch.nn.GELU(), torch.nn.Linear(512, 1024)).cuda().to(torch.bfloat16)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        outs = []
+        for step in range(3):
+            x = (torch.randn(256, 512, device="cuda", generator=gen) * (step + 1)).to(torch.bfloat16)
+            x.requires_grad_()
+            with fp8_autocast(recipe=recipe):
+                y = model(x)
+            y.float().square().sum().backward()
+            outs += [y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad(set_to_none=True)
+        with torch.no_grad(), fp8_autocast(recipe=recipe):
+            outs += [model(x.detach()), model(x.detach()[:100])]
+        return outs
+
+    kept = []
+    outputs = ops_fp8.QuantizeScratch.outputs
+    monkeypatch.setattr(ops_fp8.QuantizeScratch, "outputs",
+                        lambda self, *args: kept.append(outputs(self, *args)) or kept[-1])
+    reused = run()
+    assert kept and all(out is not None for out in kept)  # every activation / gradient copy reused
+    monkeypatch.setattr(ops_fp8.QuantizeScratch, "outputs", lambda self, *args: None)
+    fresh = run()
+    assert len(reused) == len(fresh)
+    for a, b in zip(reused, fresh):
+        assert torch.equal(a, b)
+
+
 def test_mlp_loss_tracks_bf16_on_gpu():
     def train(enabled: bool) -> torch.Tensor:
         torch.manual_seed(0)

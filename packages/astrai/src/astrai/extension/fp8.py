@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -48,12 +47,14 @@ class _Region:
     recipe: Recipe
     touched: dict[int, Fp8LinearState]  # shared by a thread's nested regions
     cache_weights: bool | None = None
+    mode: _LinearMode | None = None  # the one an outermost region pushed
 
     def touch(self, state: Fp8LinearState) -> None:
         self.touched.setdefault(id(state), state)
 
 
 _local = threading.local()
+_DEFAULT_RECIPE = DelayedScaling()
 
 
 def _stack() -> list[_Region]:
@@ -67,14 +68,16 @@ class _LinearMode(TorchFunctionMode):
     """Routes ``F.linear`` to the FP8 linear while the innermost region is enabled."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is F.linear:
-            stack = _stack()
+            stack = getattr(_local, "stack", None)
             if stack and stack[-1].enabled:
-                x, weight, bias = _linear_args(*args, **kwargs)
+                if kwargs or len(args) != 3:
+                    x, weight, bias = _linear_args(*args, **(kwargs or {}))
+                else:
+                    x, weight, bias = args
                 if _fp8_capable(x, weight, bias):
                     return _fp8_linear(x, weight, bias, stack[-1])
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 def _linear_args(input, weight, bias=None):  # noqa: A002 - F.linear's own parameter names
@@ -87,9 +90,8 @@ def is_fp8_autocast_enabled() -> bool:
     return bool(stack) and stack[-1].enabled
 
 
-@contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
-                 cache_weights: bool | None = None) -> Iterator[None]:
+                 cache_weights: bool | None = None) -> _Autocast:
     """Run ``F.linear`` / ``nn.Linear`` in FP8 inside the block (see the module docstring).
 
     Regions nest: the innermost decides (``enabled=False`` inside switches FP8 off for
@@ -110,21 +112,44 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, *,
     if cache_weights is not None and not isinstance(cache_weights, bool):
         raise TypeError(f"cache_weights must be a bool or None, got {type(cache_weights).__name__}")
     if recipe is None:
-        recipe = DelayedScaling()
+        recipe = _DEFAULT_RECIPE  # frozen: one object serves every region (an identity check per linear)
     elif not isinstance(recipe, (DelayedScaling, DynamicScaling)):
         raise TypeError(f"recipe must be a DelayedScaling or DynamicScaling, got {type(recipe).__name__}")
-    stack = _stack()
-    outermost = not stack
-    touched = {} if outermost else stack[0].touched
-    stack.append(_Region(enabled, recipe, touched, cache_weights))
-    mode = _LinearMode() if outermost else None
-    try:
-        if mode is not None:
-            with mode:
-                yield
-        else:
-            yield
-    finally:
-        stack.pop()
-        if outermost:
-            _end_steps([(state.forward_roles, state.recipe) for state in touched.values()])
+    return _Autocast(enabled, recipe, cache_weights)
+
+
+class _Autocast(contextlib.ContextDecorator):
+    """One ``fp8_autocast`` region: a plain context manager (no generator), as its enter
+    and exit are on the path of every step. What an entry made lives on the thread's
+    region stack, not here, so one object may be entered on several threads or nested.
+    The outermost region of a thread routes ``F.linear`` (``_LinearMode``) and ends the
+    forward step of every linear it ran."""
+
+    __slots__ = ("enabled", "recipe", "cache_weights")
+
+    def __init__(self, enabled: bool, recipe: Recipe, cache_weights: bool | None):
+        self.enabled, self.recipe, self.cache_weights = enabled, recipe, cache_weights
+
+    def __enter__(self) -> None:
+        stack = _stack()
+        if stack:
+            stack.append(_Region(self.enabled, self.recipe, stack[0].touched, self.cache_weights))
+            return
+        region = _Region(self.enabled, self.recipe, {}, self.cache_weights, _LinearMode())
+        stack.append(region)
+        try:
+            region.mode.__enter__()
+        except BaseException:
+            stack.pop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        stack = _stack()
+        mode = stack[-1].mode
+        try:
+            if mode is not None:
+                mode.__exit__(*exc)
+        finally:
+            region = stack.pop()
+            if mode is not None:
+                _end_steps([(state.forward_roles, state.recipe) for state in region.touched.values()])

@@ -3,10 +3,7 @@ and wgrad GEMMs in FP8, and the end of each backward pass's gradient step."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -75,14 +72,71 @@ def _plan_for(x2d: torch.Tensor, weight: torch.Tensor, state: Fp8LinearState,
     return plan
 
 
-def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, save_x_t: bool = False,
-             save_w_t: bool = False, in_graphs: bool = False):
-    """The forward GEMM; also returns the FP8 operands the backward will read (their
-    transposes when the backward GEMM wants K-major operands: see ``_Fp8Linear``)."""
-    xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0)
-    wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, in_graphs)
-    y = plan.gemm(xq, wq.t(), sx, sw, bias)
-    return y, (xq_t if save_x_t else xq), sx, (wq_t if save_w_t else wq), sw
+def _forward(x2d, weight, bias, state, plan: _Plan, cache: bool, in_graphs: bool) -> torch.Tensor:
+    """The forward GEMM of a call recording no gradient (x's copy is read by it alone)."""
+    xq, _, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, reuse="x")
+    wq, _, sw = _quantize_weight(weight, state, plan.quantize_w, False, cache, in_graphs)
+    return plan.gemm(xq, wq.t(), sx, sw, bias)
+
+
+def _scale_copies(group, sx: torch.Tensor, sw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the scales a training forward used, for its backward: the region's update
+    rewrites the live ones in place before the backward runs. They sit ``_ROW`` apart,
+    16-byte aligned as cuBLASLt takes scale pointers, as the group's live rows do: a copy
+    of those (one clone, two views) unless the weight's scale is a cached copy's own."""
+    if sx is group.roles[0].scale and sw is group.roles[1].scale:
+        copy = group.tensors[1].clone()
+        return copy[0], copy[_ROW]
+    zero = group._zero
+    copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
+    return copies[0], copies[_ROW]
+
+
+def _backward(ctx, grad_y):
+    """``_Fp8Linear``'s backward: quantize ``dy``, the dgrad and wgrad GEMMs, the bias
+    gradient. Under ``create_graph=True`` through ``once_differentiable`` (its guard
+    against a second derivative); otherwise what that runs, without its no_grad block."""
+    if torch.is_grad_enabled():
+        return _backward_once_differentiable(ctx, grad_y)
+    x_saved, sx, w_saved, sw = ctx.saved_tensors
+    state, plan = ctx.state, ctx.plan
+    k_major = plan.k_major
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if not grad_y.is_contiguous():
+        grad_y = grad_y.contiguous()
+    dx = dw = db = None
+    if need_dx or need_dw:
+        layout = (2 if need_dx else 1) if k_major and need_dw else 0
+        role = state.grad_output
+        run = plan.quantize_g if grad_y.dtype is plan.g_dtype else None
+        if run is None:
+            run = _grad_quantizer(plan, grad_y.dtype, role.fmt)
+        # both copies are read by this backward's GEMMs alone
+        gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, run, layout, reuse="g", reuse_t=True)
+        if not state._backward_pending:  # one history update per backward pass
+            _end_with_backward(state)
+        m, n = grad_y.shape
+        if need_dx:  # [M, N] @ [N, K]
+            w_op = w_saved.t() if k_major else w_saved
+            dgrad = plan.dgrad
+            if dgrad is None:
+                dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
+            dx = dgrad(gq, w_op, sg, sw, None)
+            dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
+        if need_dw:  # [N, M] @ [M, K]
+            g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
+            wgrad = plan.wgrad
+            if wgrad is None:
+                wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
+            dw = wgrad(g_op, x_op, sg, sx, None)
+            dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
+    if need_db:  # float32 accumulation without a float32 copy of dy
+        db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
+    return dx, dw, db, None
+
+
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -95,59 +149,25 @@ class _Fp8Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, state, plan, out_dtype, cache):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, x2d, weight, bias, call):
+        state, plan, out_dtype, cache = call  # one argument: autograd walks each of them
+        need_dx, need_dw = ctx.needs_input_grad[:2]
         k_major = plan.k_major
-        y, x_saved, sx, w_saved, sw = _forward(x2d, weight, bias, state, plan, cache,
-                                               save_x_t=k_major and need_dw,
-                                               save_w_t=k_major and need_dx, in_graphs=cache)
+        save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
+        # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
+        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
+                                    reuse=None if need_dw and not save_x_t else "x")
+        wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
+        y = plan.gemm(xq, wq.t(), sx, sw, bias)
         if state.forward_roles.delayed and (need_dx or need_dw):
-            # the region's update rewrites the live scales in place before the backward runs;
-            # the copies sit _ROW apart, 16-byte aligned as cuBLASLt takes scale pointers
-            zero = state.forward_roles._zero
-            copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
-            sx, sw = copies[0], copies[_ROW]
-        ctx.save_for_backward(x_saved if need_dw else None, sx, w_saved if need_dx else None, sw)
+            sx, sw = _scale_copies(state.forward_roles, sx, sw)
+        ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
+                              (wq_t if save_w_t else wq) if need_dx else None, sw)
         ctx.state, ctx.plan = state, plan
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y):
-        x_saved, sx, w_saved, sw = ctx.saved_tensors
-        state, plan = ctx.state, ctx.plan
-        k_major = plan.k_major
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if not grad_y.is_contiguous():
-            grad_y = grad_y.contiguous()
-        dx = dw = db = None
-        if need_dx or need_dw:
-            layout = (2 if need_dx else 1) if k_major and need_dw else 0
-            role = state.grad_output
-            gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, _grad_quantizer(plan, grad_y.dtype, role.fmt),
-                                        layout)
-            if not state._backward_pending:  # one history update per backward pass
-                _end_with_backward(state)
-            m, n = grad_y.shape
-            if need_dx:  # [M, N] @ [N, K]
-                w_op = w_saved.t() if k_major else w_saved
-                dgrad = plan.dgrad
-                if dgrad is None:
-                    dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
-                dx = dgrad(gq, w_op, sg, sw, None)
-                dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
-            if need_dw:  # [N, M] @ [M, K]
-                g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
-                wgrad = plan.wgrad
-                if wgrad is None:
-                    wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
-                dw = wgrad(g_op, x_op, sg, sx, None)
-                dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
-        if need_db:  # float32 accumulation without a float32 copy of dy
-            db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+    backward = staticmethod(_backward)
 
 
 def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):
@@ -167,44 +187,51 @@ def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, in
 
 
 _pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
-_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its callback is freed
+_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its end is freed
+
+
+class _PassEnd:
+    """The callback ending one backward pass's gradient step, held by the engine alone:
+    called when the pass finishes, it updates every state the pass used together
+    (``_end_steps``). Freed unrun (the pass raised), it has those states forget the
+    gradient amaxes the pass recorded, so the next pass neither folds them into its step
+    nor finds a state still pending."""
+
+    __slots__ = ("task", "ran")
+
+    def __init__(self, task: int):
+        self.task, self.ran = task, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
+        for state in states:
+            state._backward_pending = False
+        _end_steps([(state.backward_roles, state.recipe) for state in states])
+
+    def __del__(self) -> None:
+        if self.ran:
+            return
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
+        for state in states:
+            state._backward_pending = False
+            for role in state.backward_roles.roles:
+                role._abandon_step()
 
 
 def _end_with_backward(state: Fp8LinearState) -> None:
     """Have ``state``'s gradient step end when this backward pass ends: one callback per
-    pass updates every state it used together (``_end_steps``).
-
-    A pass that raises never runs its callback: the engine frees it unrun, and the states
-    the pass used forget the gradient amaxes it recorded (``_abandon_backward_pass``), so
-    the next pass neither folds them into its step nor finds the state still pending."""
+    pass (``_PassEnd``) updates every state it used together."""
     state._backward_pending = True
     task = torch._C._current_graph_task_id()
     with _pending_lock:
         states = _pending.get(task)
         if states is None:
             states = _pending[task] = []
-            callback = functools.partial(_end_backward_pass, task)
-            weakref.finalize(callback, _abandon_backward_pass, task)
-            torch.autograd.Variable._execution_engine.queue_callback(callback)
+            torch.autograd.Variable._execution_engine.queue_callback(_PassEnd(task))
         states.append(state)
-
-
-def _end_backward_pass(task: int) -> None:
-    with _pending_lock:
-        states = _pending.pop(task, [])
-    for state in states:
-        state._backward_pending = False
-    _end_steps([(state.backward_roles, state.recipe) for state in states])
-
-
-def _abandon_backward_pass(task: int) -> None:
-    """The callback of ``task`` was freed: after it ran (nothing left to do) or unrun."""
-    with _pending_lock:
-        states = _pending.pop(task, [])
-    for state in states:
-        state._backward_pending = False
-        for role in state.backward_roles.roles:
-            role._abandon_step()
 
 
 def _fp8_capable(x, weight, bias) -> bool:
@@ -230,12 +257,15 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     grad_mode = torch.is_grad_enabled()
     if grad_mode and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         plan = _plan_for(x2d, weight, state, out_dtype)
-        y = _Fp8Linear.apply(x2d, weight, bias, state, plan, out_dtype, region.cache_weights is True)
+        y = _Fp8Linear.apply(x2d, weight, bias, (state, plan, out_dtype, region.cache_weights is True))
     else:
         plan = _plan_for(x2d, weight, state, None)
-        with torch.no_grad() if grad_mode else contextlib.nullcontext():
-            y = _forward(x2d, weight, bias, state, plan, region.cache_weights is not False,
-                         in_graphs=region.cache_weights is True)[0]
-            if y.dtype != out_dtype:
-                y = y.to(out_dtype)
+        cache, in_graphs = region.cache_weights is not False, region.cache_weights is True
+        if grad_mode:  # nothing requires a gradient: none recorded either
+            with torch.no_grad():
+                y = _forward(x2d, weight, bias, state, plan, cache, in_graphs)
+        else:
+            y = _forward(x2d, weight, bias, state, plan, cache, in_graphs)
+        if y.dtype != out_dtype:
+            y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

@@ -49,6 +49,7 @@ class TensorScaling:
         # keys, kept up to date per step instead of rebuilt from all L slots
         self._in_window: dict[int, int] = {}
         self._window_closed = False  # a first update always counts as a change
+        self.launch_args: dict = {}  # what the quantize launch derives from this role's tensors
 
     def __repr__(self) -> str:
         return (f"TensorScaling(fmt={self.fmt!r}, amax_history={self.amax_history!r}, "
@@ -199,6 +200,7 @@ class _RoleGroup:
         batch's) and point the roles at their rows. Under dynamic scaling a role's
         ``scale`` is the last one used, made per call, and stays (1 until the first)."""
         self.tensors = (hist, scale, scale_inv, pending)
+        self.launch_args: dict = {}  # what the update's launch derives from these tensors
         views = zip(*(_role_views(t, len(self.roles)) for t in (scale, scale_inv, pending)))
         for role, (role_scale, role_inv, slot) in zip(self.roles, views):
             if self.delayed or role.scale is self._zero:
@@ -243,6 +245,7 @@ class _Batch:
     # folding them took (the pending column, the amaxes stacked), reused while the same
     # tensors come back (the cached weights', step after step)
     folds: dict[int, tuple[tuple[int, ...], list, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    launch_args: dict = field(default_factory=dict)  # as ``_RoleGroup.launch_args``
 
     @classmethod
     def stack(cls, groups: list[_RoleGroup]) -> _Batch:
@@ -264,6 +267,11 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     captured, so each replay advances the state; it never regroups there (a captured copy
     would leave the state behind, as the roles' views would point at tensors written only
     on replay): groups not already batched together are then updated one by one."""
+    if len(pairs) == 1:  # one linear, or one backward pass through one: no grouping
+        group, recipe = pairs[0]
+        if isinstance(recipe, DelayedScaling):
+            _update_group(group, recipe, current_runtime())
+        return
     buckets: dict[tuple, list[_RoleGroup]] = {}
     for group, recipe in pairs:
         if isinstance(recipe, DelayedScaling):
@@ -276,27 +284,50 @@ def _end_steps(pairs: list[tuple[_RoleGroup, Recipe]]) -> None:
     if not buckets:
         return
     runtime = current_runtime()
-    for (recipe, fmt, device, _), groups in buckets.items():
-        graphing = capturing(device)
-        batch = groups[0]._batch
-        if len(groups) == 1:
-            parts = [(groups, groups[0].tensors, None)]
-        elif (batch is not None and len(batch.groups) == len(groups)
-              and all(a is b for a, b in zip(batch.groups, groups))):
-            parts = [(groups, batch.tensors, batch)]
-        elif graphing:
-            parts = [([group], group.tensors, None) for group in groups]
-        else:
-            batch = _Batch.stack(groups)
-            parts = [(groups, batch.tensors, batch)]
-        factor, most_recent = _factor(fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
-        for members, (hist, scale, scale_inv, pending), fold_batch in parts:
-            _fold_refs(members, pending, fold_batch)
-            fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime)
-        for group in groups:
-            group.graphed = group.graphed or graphing
-            for role in group.roles:
-                role._close_step()
+    for (recipe, _, _, _), groups in buckets.items():
+        _update(groups[0], recipe, groups, runtime)
+
+
+def _update_group(group: _RoleGroup, recipe: DelayedScaling, runtime) -> None:
+    """``_update`` of a single group (one linear's step): its own tensors, no batch."""
+    graphing = capturing(group.device)
+    hist, scale, scale_inv, pending = group.tensors
+    _fold_refs([group], pending)
+    fp8_backend.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
+                             recipe.amax_compute_algo == "most_recent", runtime, group.launch_args)
+    if graphing:
+        group.graphed = True
+    for role in group.roles:
+        role._close_step()
+
+
+def _update(first: _RoleGroup, recipe: DelayedScaling, groups: list[_RoleGroup], runtime) -> None:
+    """The in-place update of ``groups`` (one bucket of ``_end_steps``; ``first`` is
+    ``groups[0]``)."""
+    if len(groups) == 1:
+        _update_group(first, recipe, runtime)
+        return
+    graphing = capturing(first.device)
+    batch = first._batch
+    if (batch is not None and len(batch.groups) == len(groups)
+            and all(a is b for a, b in zip(batch.groups, groups))):
+        parts = [(groups, batch, batch)]
+    elif graphing:
+        parts = [([group], group, None) for group in groups]
+    else:
+        batch = _Batch.stack(groups)
+        parts = [(groups, batch, batch)]
+    factor, most_recent = _factor(first.fmt, recipe.margin), recipe.amax_compute_algo == "most_recent"
+    for members, owner, fold_batch in parts:  # owner: the group or batch whose tensors these are
+        hist, scale, scale_inv, pending = owner.tensors
+        _fold_refs(members, pending, fold_batch)
+        fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime,
+                                 owner.launch_args)
+    for group in groups:
+        if graphing:
+            group.graphed = True
+        for role in group.roles:
+            role._close_step()
 
 
 def _role_views(values: torch.Tensor, roles: int) -> tuple[torch.Tensor, ...]:
@@ -311,16 +342,19 @@ def _fold_refs(groups: list[_RoleGroup], pending: torch.Tensor, batch: _Batch | 
     any (the cached weights' in inference), whatever the number of groups; one when
     ``batch`` (``pending`` is its own) folded the same tensors last step."""
     count = len(groups)
+    if count == 1:  # one kernel per role holding a kept amax
+        for role in groups[0].roles:
+            ref = role._ref
+            if ref is not None:
+                if role._recorded:
+                    torch.maximum(role._slot, ref, out=role._slot)
+                else:
+                    role._slot.copy_(ref)
+        return
     for i, role in enumerate(groups[0].roles):
         refs = [group.roles[i]._ref for group in groups]
         ids = tuple(map(id, refs))
         if ids == (_NONE_ID,) * count:
-            continue
-        if count == 1:
-            if role._recorded:
-                torch.maximum(role._slot, refs[0], out=role._slot)
-            else:
-                role._slot.copy_(refs[0])
             continue
         fold = None if batch is None else batch.folds.get(i)
         if fold is not None and fold[0] == ids:  # the same tensors (kept alive by fold[1])

@@ -47,19 +47,25 @@ def _weight_key(weight: torch.Tensor) -> tuple:
 
 
 def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_layout: int = 0,
-              token: int | None = None, keep_amax: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              token: int | None = None, keep_amax: bool = False, reuse: str | None = None,
+              reuse_t: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, q_t, scale, amax)`` by ``run`` (a ``backend.fp8.quantizer`` function); the amax
     is recorded in ``role``: written straight into its slot when the step has none yet,
     unless ``keep_amax`` (the caller keeps it beyond the step, so it gets a tensor of its
-    own, recorded by reference)."""
-    scale, multiplier = role.scale_for(x, recipe)
-    slot = None if keep_amax else role.amax_slot()
-    q, q_t, amax = run(x, multiplier, out_layout, slot)
+    own, recorded by reference). ``reuse`` / ``reuse_t``: ``q`` / ``q_t`` are read only
+    until the next such call (as ``backend.fp8.quantizer`` says)."""
+    if isinstance(recipe, DelayedScaling):  # role.scale_for without the call
+        scale, multiplier = role.scale, role.scale_inv
+    else:
+        scale, multiplier = role.scale_for(x, recipe)
+    slot = None if keep_amax or role._recorded else role._slot  # role.amax_slot(), inline
+    q, q_t, amax = run(x, multiplier, out_layout, slot, role.launch_args, reuse, reuse_t)
     if slot is None:
         role.record(amax, token, by_ref=keep_amax)
-    else:
-        role.recorded(token)
+    else:  # role.recorded(token), inline
+        role._recorded = True
+        if token is not None:
+            role._tokens.add(token)
     return q, q_t, scale, amax
 
 

@@ -375,7 +375,8 @@ def _runner(runtime: Runtime, key: tuple, build, *args):
     return value
 
 
-def _quantize_checked(runtime: Runtime, fmt: str, x, multiplier, out_layout, amax=None):
+def _quantize_checked(runtime: Runtime, fmt: str, x, multiplier, out_layout, amax=None, cache=None,
+                      reuse=None, reuse_t=False):
     """``quantize`` through the checked public path, ``max|x|`` copied into ``amax``."""
     q, q_t, got = quantize(x, multiplier, fmt, out_layout, runtime=runtime)
     if amax is None:
@@ -389,8 +390,14 @@ def _gemm_checked(runtime: Runtime, a, b, scale_a, scale_b, bias):
 
 
 def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
-    """``run(x, multiplier, out_layout, amax=None) -> (q, q_t, amax)``: ``quantize`` for
-    these facts, ``max|x|`` written into ``amax`` when given (a 0-d float32 tensor)."""
+    """``run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False)
+    -> (q, q_t, amax)``: ``quantize`` for these facts, ``max|x|`` written into ``amax``
+    when given (a 0-d float32 tensor). ``cache``: a dict the caller keeps with its
+    multiplier and amax tensors, where the plugin call keeps what it derives from them
+    between calls. ``reuse`` (a tag naming the operand): the caller reads ``q`` (and
+    ``q_t`` if ``reuse_t``) only until its next call of this function with that tag on
+    this thread and stream, so the plugin call may write them into buffers it keeps
+    (``ops.fp8.QuantizeScratch``)."""
     if torch.compiler.is_compiling():
         return functools.partial(_quantize_checked, runtime, fmt)
     return _runner(runtime, ("quantize", device.key, x_dtype, fmt), _build_quantizer, device, x_dtype, fmt,
@@ -402,16 +409,19 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
     if choose_quantize(device, x_dtype, fmt, runtime=runtime) == "plugin":
         module = _usable_module("fp8_quantize", device, runtime)
     if module is None:
-        def run_torch(x, multiplier, out_layout, amax=None):
+        def run_torch(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
 
         return run_torch
     launch = ops_fp8.quantize_launcher(module, fmt)
+    scratch = ops_fp8.QuantizeScratch(fmt)
 
-    def run(x, multiplier, out_layout, amax=None):
+    def run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
+        x = x if x.is_contiguous() else x.contiguous()
+        kept = None if reuse is None else scratch.outputs(x, out_layout, reuse, reuse_t)
         try:
-            q, q_t = launch(x if x.is_contiguous() else x.contiguous(), multiplier, out_layout, out)
+            q, q_t = launch(x, multiplier, out_layout, out, cache, kept)
         except RuntimeError:
             if not _plugin_broken(runtime, "fp8_quantize", device):
                 raise
@@ -440,12 +450,7 @@ def _build_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, shape: tuple[int, in
     if chosen != "scaled_mm" or k % _SCALED_MM_ALIGN or n % _SCALED_MM_ALIGN:
         return general
 
-    def run(a, b, scale_a, scale_b, bias):
-        if a.stride(1) != 1 or a.stride(0) != k or b.stride(0) != 1 or b.stride(1) != k:
-            return general(a, b, scale_a, scale_b, bias)
-        return fp8_torch.scaled_mm_dense(a, b, scale_a, scale_b, bias)
-
-    return run
+    return fp8_torch.scaled_mm_runner(k, general)
 
 
 def _run_emulated(a, b, scale_a, scale_b, bias):
@@ -466,17 +471,25 @@ def choose_scale_update(device: DeviceInfo, *, runtime: Runtime | None = None) -
 
 
 def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
-                 factor: float, most_recent: bool, runtime: Runtime) -> None:
+                 factor: float, most_recent: bool, runtime: Runtime, launch_args: dict | None = None) -> None:
     """Delayed scaling's end of step, in place (``fp8_torch.scale_update``): one plugin
-    kernel where the policy picks the plugin, else the torch ops."""
+    kernel where the policy picks the plugin, else the torch ops. ``launch_args``: a dict
+    the caller keeps with these tensors (and empties when it swaps them) where the plugin
+    call keeps what it derives from them (``ops.fp8.scale_update``)."""
     if not torch.compiler.is_compiling():
-        device = probe_device(hist.device)
-        module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
+        derived = runtime.resolver.derived  # emptied with the resolver's decisions
+        key = ("scale_update", hist.device)  # the torch device: no probe on a repeated call
+        module = derived.get(key, _MISSING)
+        if module is _MISSING:
+            device = probe_device(hist.device)
+            module = _runner(runtime, ("scale_update", device.key), _scale_update_module, device, runtime)
+            derived[key] = module
         if module is not None:
             try:
-                return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent)
+                return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent,
+                                            launch_args)
             except RuntimeError:
-                if not _plugin_broken(runtime, "fp8_scale_update", device):
+                if not _plugin_broken(runtime, "fp8_scale_update", probe_device(hist.device)):
                     raise
     fp8_torch.scale_update(hist, pending, scale, scale_inv, factor, most_recent)
 

@@ -118,17 +118,27 @@ def _one(device: torch.device) -> torch.Tensor:
     return one
 
 
-def scaled_mm_dense(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``bf16(scale_a * scale_b * (a @ b) + bias)`` through cuBLASLt for operands already in
-    its form (``a`` row-major, ``b`` column-major, dense, K and N multiples of 16; the
-    caller checked). cuBLASLt takes scale pointers only 16-byte aligned
-    (``CUBLAS_STATUS_NOT_SUPPORTED`` otherwise): an unaligned pair goes as its product."""
-    if bias is not None and bias.dtype != torch.bfloat16:
-        bias = bias.to(torch.bfloat16)
-    if scale_a.data_ptr() % 16 or scale_b.data_ptr() % 16:
-        scale_a, scale_b = scale_a * scale_b, _one(a.device)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16)
+def scaled_mm_runner(k: int, otherwise):
+    """``run(a, b, scale_a, scale_b, bias) -> bf16(scale_a * scale_b * (a @ b) + bias)``
+    through cuBLASLt for operands already in its form (``a`` row-major ``[M, k]``, ``b``
+    column-major ``[k, N]``, dense; the caller checked that K and N are multiples of 16),
+    ``otherwise(...)`` for any other layout: one Python call per GEMM. cuBLASLt takes
+    scale pointers only 16-byte aligned (``CUBLAS_STATUS_NOT_SUPPORTED`` otherwise): an
+    unaligned pair goes as its product."""
+    a_strides, b_strides = (k, 1), (1, k)
+    bf16 = torch.bfloat16
+
+    def run(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+        if a.stride() != a_strides or b.stride() != b_strides:
+            return otherwise(a, b, scale_a, scale_b, bias)
+        if bias is not None and bias.dtype != bf16:
+            bias = bias.to(bf16)
+        if scale_a.data_ptr() % 16 or scale_b.data_ptr() % 16:
+            scale_a, scale_b = scale_a * scale_b, _one(a.device)
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=bf16)
+
+    return run
 
 
 def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,

@@ -33,10 +33,11 @@ Call convention (ABI 1) of ``astrai_fp8._fp8_ops``:
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
-from ..abi import DTYPE_CODES, launch, tensor_arg
+from ..abi import DTYPE_CODES, current_stream, launch, tensor_arg
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -127,34 +128,87 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
 
 @functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax) -> (q, q_t)`` for one module and format: the
-    quantize call itself, arguments taken as valid (2-D row-major ``x`` on a CUDA device,
-    a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor, possibly a view into a larger
-    buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for the layout not asked for. What
-    does not change between calls (the output dtype and its code, the absent output's
-    argument, the entry point) is looked up once. For callers that checked once and call
-    often (the FP8 linear); everyone else goes through ``fp8_quantize``."""
+    """``launch(x, scale, out_layout, amax, cache=None, out=None) -> (q, q_t)`` for one
+    module and format: the quantize call itself, arguments taken as valid (2-D row-major
+    ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor,
+    possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for
+    the layout not asked for. What does not change between calls (the output dtype and its
+    code, the absent output's argument, the entry point) is looked up once; ``cache``, a
+    dict kept by the caller with its ``scale`` and ``amax`` tensors, keeps their ABI
+    arguments while the same tensors come back; ``out``, outputs a ``QuantizeScratch``
+    keeps (made here where it has none). For callers that checked once and call often
+    (the FP8 linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     code = DTYPE_CODES[dtype]
     absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
     entry = module.quantize
 
-    def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor):
+    def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor,
+                        cache: dict | None = None, out: tuple | None = None):
         rows, cols = x.shape
         device = x.device
-        q = q_t = None
-        q_arg = qt_arg = absent
-        if out_layout != 1:
+        if out is None:
+            q = q_t = None
+        else:  # from a QuantizeScratch: (q, q_t) kept with their arguments, None where fresh
+            q, q_t, q_arg, qt_arg = out
+        if out_layout != 1 and q is None:
             q = torch.empty((rows, cols), dtype=dtype, device=device)
             q_arg = (q.data_ptr(), (rows, cols), (cols, 1), code)
-        if out_layout != 0:
+        elif out_layout == 1:
+            q_arg = absent
+        if out_layout != 0 and q_t is None:
             q_t = torch.empty((cols, rows), dtype=dtype, device=device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
+        elif out_layout == 0:
+            qt_arg = absent
+        kept = None if cache is None else cache.get("quantize")
+        if kept is not None and kept[0] is scale and kept[1] is amax:
+            scale_arg, amax_arg = kept[2], kept[3]
+        else:
+            scale_arg, amax_arg = tensor_arg(scale), tensor_arg(amax)
+            if cache is not None:  # the tensors are kept with their arguments: their addresses stay theirs
+                cache["quantize"] = (scale, amax, scale_arg, amax_arg)
         launch(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
-                         tensor_arg(scale), q_arg, qt_arg, tensor_arg(amax), out_layout)
+               scale_arg, q_arg, qt_arg, amax_arg, out_layout)
         return q, q_t
 
     return launch_quantize
+
+
+class QuantizeScratch:
+    """Quantize outputs kept by one call site and written again on its next call, for
+    outputs read only until then (the FP8 linear's activation and gradient copies, dead
+    after its GEMMs): a call then allocates nothing. Safe as CUDA orders the next call's
+    quantize after the reads on the same stream, so buffers are per thread and stream;
+    none during a CUDA graph capture (its allocations belong to the graph). At most
+    ``kept`` shapes are kept (token counts vary between calls), the oldest dropped first."""
+
+    def __init__(self, fmt: str, kept: int = 4):
+        self.dtype, self.code, self.kept = _FORMATS[fmt], DTYPE_CODES[_FORMATS[fmt]], kept
+        self.buffers: dict[tuple, tuple] = {}
+
+    def outputs(self, x: torch.Tensor, out_layout: int, tag: str, with_t: bool) -> tuple | None:
+        """``out`` for ``quantize_launcher``'s launch: ``q`` kept (``q_t`` too if ``with_t``,
+        else made fresh by the launch, as a caller that keeps it needs), tagged ``tag`` so
+        two operands of one call never share a buffer; None while a graph is captured."""
+        device = x.device
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        rows, cols = x.shape
+        key = (threading.get_ident(), current_stream(device.index), tag, rows, cols, out_layout, with_t)
+        out = self.buffers.get(key)
+        if out is None:
+            if len(self.buffers) >= self.kept:
+                del self.buffers[next(iter(self.buffers))]
+            q = q_t = q_arg = qt_arg = None
+            if out_layout != 1:
+                q = torch.empty((rows, cols), dtype=self.dtype, device=device)
+                q_arg = (q.data_ptr(), (rows, cols), (cols, 1), self.code)
+            if out_layout != 0 and with_t:
+                q_t = torch.empty((cols, rows), dtype=self.dtype, device=device)
+                qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), self.code)
+            out = self.buffers[key] = (q, q_t, q_arg, qt_arg)
+        return out
 
 
 @_fp8_quantize_op.op.register_fake
@@ -244,13 +298,18 @@ def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: 
 
 # ---------------------------------------------------------------------------- scale update
 def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
-                 scale_inv: torch.Tensor, factor: float, most_recent: bool) -> None:
+                 scale_inv: torch.Tensor, factor: float, most_recent: bool, cache: dict | None = None) -> None:
     """Delayed scaling's end of step for ``rows`` amax histories at once, in place, one
     plugin kernel (``fp8_scale_update``; its contract in docs/plugins.md): ``hist``
     (float32, contiguous, ``[..., L]``) gains ``pending`` (one amax per row) as its newest
     slot, ``pending`` is zeroed, ``scale`` (read first, as the previous scales) and
     ``scale_inv`` receive the new scales. Arguments taken as valid (the FP8 linear's end
     of step made them; the binding still checks them before the launch), ``module`` from
-    ``_plugin.require``."""
-    launch(hist.device, module.scale_update, tensor_arg(hist), tensor_arg(pending), tensor_arg(scale),
-           tensor_arg(scale), tensor_arg(scale_inv), float(factor), bool(most_recent))
+    ``_plugin.require``. ``cache``: a dict kept with these very tensors (emptied by the
+    caller if it swaps them), holding their ABI arguments, so a step's update builds none."""
+    args = None if cache is None else cache.get("scale_update")
+    if args is None:
+        args = (tensor_arg(hist), tensor_arg(pending), tensor_arg(scale), tensor_arg(scale), tensor_arg(scale_inv))
+        if cache is not None:
+            cache["scale_update"] = args
+    launch(hist.device, module.scale_update, *args, float(factor), bool(most_recent))
