@@ -191,7 +191,7 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     cache.plan(dummies, [n * ps - 2 for n in pages])
     cache.plan(dummies, [1] * 4)
     captured = cache.plan(dummies, [1] * 4)
-    _ = captured.write_index  # derived before the refill, as inside a capture
+    kept_slots = captured.write_index  # derived before the refill (the decode launch keeps it)
     for d in dummies:
         cache.release(d)
     real_ids = ["a", "b", "c"]  # 3 requests: one pad row
@@ -206,6 +206,7 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     fresh = dataclasses.replace(captured, kv_lens_host=(*real.kv_lens_host, 1), q_lens_host=(1,) * 4)
     assert fresh.write_index[:3].tolist() == real.write_index.tolist()
     assert fresh.write_index[3].item() == pad_page * ps
+    assert kept_slots.tolist() == fresh.write_index.tolist()  # refreshed in place
     slots, valid = fresh.padded_index
     real_slots, real_valid = real.padded_index
     width = real_slots.shape[1]
@@ -219,6 +220,7 @@ def test_graph_plan_is_refilled_in_place_with_pad_rows():
     fresh = dataclasses.replace(captured, kv_lens_host=(*wide.kv_lens_host, 1, 1), q_lens_host=(1,) * 4)
     assert fresh.write_index[:2].tolist() == wide.write_index.tolist()
     assert fresh.write_index[2:].tolist() == [pad_page * ps] * 2
+    assert kept_slots.tolist() == fresh.write_index.tolist()
     slots, valid = fresh.padded_index
     wide_slots, wide_valid = wide.padded_index
     assert torch.equal(slots[:2, :wide_slots.shape[1]][wide_valid], wide_slots[wide_valid])

@@ -82,6 +82,11 @@ def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
     target.kv_indptr.copy_(starts)
     target.kv_lens[:n].copy_(plan.kv_lens)
     target.kv_lens[n:].fill_(1)
+    # The write slots, once derived, are a tensor of their own that the decode launch keeps
+    # (its fused KV append reads them): derive them again from the refilled table, in place.
+    slots = target.__dict__.get("write_index")
+    if slots is not None:
+        slots.copy_(BatchPlan.write_index.func(target))
 
 
 class _Graph:
