@@ -53,6 +53,8 @@ struct PanelTile {
 //                       address arithmetic was a third of all issued instructions), paged
 //                       (page 16) 458 / 560 / 262 against 391 / 454 / 238: on
 //   3 stages at d128    (room made by one Q slot) 541 / 658 / 297: no gain, 2 kept
+//   TMA-only producer   (contiguous K/V, producer 40 / consumers 232 registers) 1-3 % slower
+//                       at every head dim than 104 / 200 (216 at d256): not kept
 //   (K/V tiles of 192 rows at d64 and 80 at d256 spilled, and serialized the wgmma at d64)
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
