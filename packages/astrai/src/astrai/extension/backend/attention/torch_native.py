@@ -52,9 +52,11 @@ def _finite_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
     return math.isfinite(q.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item())
 
 
-def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
-    """``[B, H, L, D]`` layout; ``is_causal`` only when Lq == Lkv (top-left == bottom-right)."""
-    if not _finite_on_cpu(q, k):
+def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, finite: bool) -> torch.Tensor:
+    """``[B, H, L, D]`` layout; ``is_causal`` only when Lq == Lkv (top-left == bottom-right);
+    ``finite``: what :func:`_finite_on_cpu` said of q and k (asked before the transposes:
+    sums over the caller's contiguous tensors are cheaper than over the views)."""
+    if not finite:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # plain softmax: NaN stays NaN
@@ -99,11 +101,12 @@ def sdpa(
     """
     b, lq, _, _ = q.shape
     lkv = k.shape[1]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     causal = is_causal and lq > 1
     if mask is None and (not causal or lq == lkv):
-        out = _sdpa_no_mask(qt, kt, vt, causal)
+        finite = _finite_on_cpu(q, k)
+        out = _sdpa_no_mask(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, finite)
     else:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keep = torch.ones(b, lq, lkv, dtype=torch.bool, device=q.device)
         if mask is not None:
             keep = keep & (mask[:, None, :] if mask.dim() == 2 else mask)
