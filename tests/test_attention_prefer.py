@@ -151,3 +151,12 @@ def test_dense_prefill_without_a_table_for_the_arch_keeps_torch(runtime, monkeyp
 def test_dense_calls_the_plugin_does_not_take(runtime, call, why):
     assert _policy().select(call).name == "torch_native"
     assert why in _trace(runtime)["cuda"].reason
+
+
+def test_an_unreadable_table_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    (tmp_path / "prefill_table.json").write_text("{not json")
+    monkeypatch.setattr(prefill_table, "files", lambda package: tmp_path)
+    value = prefill_table.load()
+    assert isinstance(value, str) and "prefill_table.json unreadable: JSONDecodeError" in value
+    v = prefer.verdict({"90": value}, 90, (16384, 4096, 128), "causal")
+    assert not v.plugin_faster and "unreadable" in v.reason

@@ -60,12 +60,18 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
     }
 
 
-def load() -> dict[str, Any] | None:
-    """The shipped table, or None when this build carries none."""
+def load() -> Any:
+    """The shipped table as the manifest's value: None when this build carries none; if the
+    file is unreadable or not JSON, a string saying so (the core treats a non-table as
+    malformed and keeps the torch path, with that string as the reason). Never raises:
+    discovery must not fail over a table."""
     path = files(__package__).joinpath(TABLE_FILE)
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{TABLE_FILE} unreadable: {type(exc).__name__}: {exc}"
 
 
 def main(argv: list[str] | None = None) -> None:
