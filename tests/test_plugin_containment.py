@@ -16,6 +16,7 @@ from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
 from reference import rotary_ref, rotary_tables, tolerance
 
 from astrai.extension.backend import fp8 as fp8_policy
+from astrai.extension.backend import fp8_runners
 from astrai.extension.backend import rotary
 from astrai.extension.ops import _plugin
 from astrai.extension.registry import PluginRejectedWarning, Registry
@@ -180,7 +181,7 @@ def test_fp8_quantizer_survives_a_plugin_module_that_exits(on_h200):
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     multiplier = torch.tensor(8.0)
     with use_runtime(runtime), pytest.warns(PluginRejectedWarning, match="SystemExit: 3"):
-        run = fp8_policy.quantizer(H200, torch.bfloat16, "e4m3", runtime)
+        run = fp8_runners.quantizer(H200, torch.bfloat16, "e4m3", runtime)
         q, _, amax = run(x, multiplier, 0)
     expected = (x.float() * 8.0).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))

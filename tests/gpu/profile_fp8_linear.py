@@ -174,7 +174,7 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
             setattr(mod, name, timers.setdefault(name, timed(name, fn)))
         fp8_mod._Fp8Linear.forward = staticmethod(timed("_Fp8Linear.forward", fwd))
         fp8_mod._Fp8Linear.backward = staticmethod(timed("_Fp8Linear.backward", bwd))
-        fp8_mod.fp8_backend.scale_update = timed("backend.scale_update", saved_update := fp8_mod.fp8_backend.scale_update)
+        fp8_mod.fp8_runners.scale_update = timed("backend.scale_update", saved_update := fp8_mod.fp8_runners.scale_update)
         parts = {"region enter": 0.0, "F.linear in region": 0.0, "region exit": 0.0, "backward()": 0.0}
         for _ in range(5):
             fp8_step()
@@ -201,7 +201,7 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
         fp8_mod._Fp8Linear.forward, fp8_mod._Fp8Linear.backward = staticmethod(fwd), staticmethod(bwd)
-        fp8_mod.fp8_backend.scale_update = saved_update
+        fp8_mod.fp8_runners.scale_update = saved_update
     for label, total in list(parts.items()) + sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {label:<40} {total / steps * 1e6:8.1f}")
 

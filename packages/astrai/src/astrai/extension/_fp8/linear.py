@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..backend import fp8 as fp8_backend
+from ..backend import fp8_runners
 from ..backend.fp8_torch import QUANTIZE_INPUT_DTYPES
 from ..device import DeviceInfo, probe_device
 from ..runtime import Runtime, current_runtime
@@ -42,9 +43,9 @@ class _Plan:
                  shape: tuple[int, int, int], out_dtype: torch.dtype | None):
         device, runtime = call.device, call.runtime
         self.call = call
-        self.quantize_x = fp8_backend.quantizer(device, x_dtype, fmt, runtime)
-        self.quantize_w = fp8_backend.quantizer(device, w_dtype, fmt, runtime)
-        self.gemm = fp8_backend.gemm_runner(device, fmt, fmt, shape, runtime)
+        self.quantize_x = fp8_runners.quantizer(device, x_dtype, fmt, runtime)
+        self.quantize_w = fp8_runners.quantizer(device, w_dtype, fmt, runtime)
+        self.gemm = fp8_runners.gemm_runner(device, fmt, fmt, shape, runtime)
         self.g_dtype = out_dtype  # the gradient's dtype (the output's); None: no backward
         self.k_major = out_dtype is not None and fp8_backend.wants_k_major(device, g_fmt, fmt, runtime=runtime)
         self.quantize_g = self.dgrad = self.wgrad = None
@@ -173,17 +174,17 @@ class _Fp8Linear(torch.autograd.Function):
 def _grad_quantizer(plan: _Plan, dtype: torch.dtype, fmt: str):
     """The plan's quantize function for the gradient (made on the first backward)."""
     if dtype is not plan.g_dtype:  # not the output's dtype: asked for this call
-        return fp8_backend.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
+        return fp8_runners.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
     run = plan.quantize_g
     if run is None:
-        run = plan.quantize_g = fp8_backend.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
+        run = plan.quantize_g = fp8_runners.quantizer(plan.call.device, dtype, fmt, plan.call.runtime)
     return run
 
 
 def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, int]):
     """dgrad / wgrad (the gradient's format times the forward's) for ``shape``."""
     call = plan.call
-    return fp8_backend.gemm_runner(call.device, state.grad_output.fmt, state.input.fmt, shape, call.runtime)
+    return fp8_runners.gemm_runner(call.device, state.grad_output.fmt, state.input.fmt, shape, call.runtime)
 
 
 _pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import fp8 as fp8_backend
+from ..backend import fp8_runners
 from ..backend.fp8_torch import FP8_MAX, capturing
 from ..runtime import current_runtime
 from .recipes import DelayedScaling, Recipe, DynamicScaling
@@ -230,7 +230,7 @@ class _RoleGroup:
                 role._ref = role._ref.to(device)
 
     def end_step(self, recipe: DelayedScaling) -> None:
-        """Roll the histories and compute the next scales (``backend.fp8.scale_update``)."""
+        """Roll the histories and compute the next scales (``backend.fp8_runners.scale_update``)."""
         _end_steps([(self, recipe)])
 
 
@@ -293,7 +293,7 @@ def _update_group(group: _RoleGroup, recipe: DelayedScaling, runtime) -> None:
     graphing = capturing(group.device)
     hist, scale, scale_inv, pending = group.tensors
     _fold_refs([group], pending)
-    fp8_backend.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
+    fp8_runners.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
                              recipe.amax_compute_algo == "most_recent", runtime, group.launch_args)
     if graphing:
         group.graphed = True
@@ -321,7 +321,7 @@ def _update(first: _RoleGroup, recipe: DelayedScaling, groups: list[_RoleGroup],
     for members, owner, fold_batch in parts:  # owner: the group or batch whose tensors these are
         hist, scale, scale_inv, pending = owner.tensors
         _fold_refs(members, pending, fold_batch)
-        fp8_backend.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime,
+        fp8_runners.scale_update(hist, pending, scale, scale_inv, factor, most_recent, runtime,
                                  owner.launch_args)
     for group in groups:
         if graphing:

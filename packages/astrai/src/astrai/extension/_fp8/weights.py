@@ -49,11 +49,11 @@ def _weight_key(weight: torch.Tensor) -> tuple:
 def _quantize(x: torch.Tensor, role: TensorScaling, recipe: Recipe, run, out_layout: int = 0,
               token: int | None = None, keep_amax: bool = False, reuse: str | None = None,
               reuse_t: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, q_t, scale, amax)`` by ``run`` (a ``backend.fp8.quantizer`` function); the amax
+    """``(q, q_t, scale, amax)`` by ``run`` (a ``backend.fp8_runners.quantizer`` function); the amax
     is recorded in ``role``: written straight into its slot when the step has none yet,
     unless ``keep_amax`` (the caller keeps it beyond the step, so it gets a tensor of its
     own, recorded by reference). ``reuse`` / ``reuse_t``: ``q`` / ``q_t`` are read only
-    until the next such call (as ``backend.fp8.quantizer`` says)."""
+    until the next such call (as ``backend.fp8_runners.quantizer`` says)."""
     if isinstance(recipe, DelayedScaling):  # role.scale_for without the call
         scale, multiplier = role.scale, role.scale_inv
     else:
