@@ -47,6 +47,9 @@ struct AttentionParams {
     bool causal = false;  // bottom-right aligned: row i sees kv j <= i + kv_len - q_len
     // Persistent prefill: the logical grid (x, y) its blocks walk as work items, x fastest.
     int work_grid_x = 0, work_grid_y = 0, num_work = 0;
+    // Dynamic persistent prefill: {next work item, blocks finished}, 0 at launch and left 0
+    // (the last block to finish resets them).
+    int* work_counter = nullptr;
     float scale_log2 = 0.f;  // softmax scale * log2(e)
 
     // Paged K/V.
@@ -62,6 +65,7 @@ struct AttentionParams {
     const int32_t* q_tile_to_batch = nullptr;
     const int32_t* q_tile_to_index = nullptr;
     int num_q_tiles = 0;
+    int q_total_rows = 0;  // rows of the packed Q tensor (0: unknown; its TMA map needs it)
 
     // Split-K decode: partial outputs [num_splits][batch*q_heads][head_dim] and their
     // log2-sum-exp [num_splits][batch*q_heads]; unused when num_splits == 1.

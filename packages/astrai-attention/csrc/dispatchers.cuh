@@ -131,9 +131,22 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
         p.work_grid_y = int(grid.y);
         p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
         grid = dim3(unsigned(std::min(p.num_work, device_attribute<cudaDevAttrMultiProcessorCount>())));
+        if (p.work_counter == nullptr) {
+            // build-knob experiments only: one zeroed counter pair per process, one stream
+            static int* counter = [] {
+                int* c = nullptr;
+                ASTRAI_CUDA_CHECK(cudaMalloc(&c, 2 * sizeof(int)));
+                ASTRAI_CUDA_CHECK(cudaMemset(c, 0, 2 * sizeof(int)));
+                return c;
+            }();
+            p.work_counter = counter;
+        }
     }
-    KvTensorMaps maps;
-    if constexpr (ASTRAI_PREFILL_TMA) maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
+    PrefillTensorMaps maps;
+    if constexpr (ASTRAI_PREFILL_TMA) {
+        maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
+        maps.q_tma = encode_q_map(&maps.q, p, D, QSched::kPacked);
+    }
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);
     prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);

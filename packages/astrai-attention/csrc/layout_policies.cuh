@@ -41,6 +41,7 @@ __device__ __forceinline__ int q_block_index(const AttentionParams& p, const Blo
 }
 
 struct DenseQSchedule {
+    static constexpr bool kPacked = false;
     __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
         const int bpt = p.blocks_per_tile;
         const int bx = q_block_index(p, c);
@@ -56,6 +57,7 @@ struct DenseQSchedule {
 };
 
 struct PackedQSchedule {
+    static constexpr bool kPacked = true;
     __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
         const int bpt = p.blocks_per_tile;
         const int bx = q_block_index(p, c);

@@ -58,6 +58,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     p.q_tile_to_batch = tb.data<const int32_t>();
     p.q_tile_to_index = ti.data<const int32_t>();
     p.num_q_tiles = int(tb.size(0));
+    p.q_total_rows = int(total_q);
     p.batch = int(B);
     p.causal = is_causal;
     p.head_block = prefill_head_block(p.group);

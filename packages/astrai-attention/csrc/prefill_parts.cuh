@@ -154,6 +154,22 @@ template <int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionParams& p, const QWork& qw,
                                             const PrefillSpan& sp, int col0, int row0, const uint8_t* mask) {
     const int lane = threadIdx.x % 32;
+    if (mask == nullptr) {
+        // Without a user mask each row keeps a prefix of the tile: one compare per score
+        // against the row's limit, relative to this thread's first column.
+        int limit[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int end = p.causal ? min(sp.kv_len, row0 + 8 * h + sp.diag + 1) : sp.kv_len;
+            limit[h] = end - col0 - 2 * (lane & 3);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (8 * j + (e & 1) >= limit[e >> 1]) s[j][e] = -INFINITY;
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll

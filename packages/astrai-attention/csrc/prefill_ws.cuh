@@ -24,7 +24,7 @@
 #pragma once
 
 #include "astrai/sm90.cuh"
-#include "kv_tensor_maps.h"
+#include "prefill_tensor_maps.h"
 #include "prefill_parts.cuh"
 #include "wgmma_ops.cuh"
 #include "wgmma_utils.cuh"
@@ -56,14 +56,33 @@ struct PanelTile {
 //   TMA-only producer   (contiguous K/V, producer 40 / consumers 232 registers) 1-3 % slower
 //                       at every head dim than 104 / 200 (216 at d256): not kept
 //   (K/V tiles of 192 rows at d64 and 80 at d256 spilled, and serialized the wgmma at d64)
+//   Q by TMA + causal mask as a per-row limit (default since 2026-12-01): d128 602 / 602-635
+//                       / 386 against 538 / 654 / 293 (the mask alone: 577 / 608 / 345)
+//   persistent, dynamic (atomic counter, producer one item ahead, Q by TMA): 567 / 609 /
+//                       401 against 602 / 602 / 386: the per-item gap shrinks (2.5k -> 2.0k
+//                       cycles) but steady-state tiles run ~8 % slower (2.9k against 2.7k
+//                       cycles; cause not found): off
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
 #endif
 #ifndef ASTRAI_PREFILL_TMA
 #define ASTRAI_PREFILL_TMA 1
 #endif
+// 1: one block per SM taking work items from an atomic counter (p.work_counter; a build-knob
+// launch allocates one per process: one stream) in launch order; 0: one block per work item
 #ifndef ASTRAI_PREFILL_PERSISTENT
 #define ASTRAI_PREFILL_PERSISTENT 0
+#endif
+
+#ifdef ASTRAI_PREFILL_TRACE
+// Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
+// [sm | tiles << 32, item start, Q ready, K_0 ready, tile 0 done, last P V done, stored,
+// block entry].
+__device__ unsigned long long* g_prefill_trace;
+#define PREFILL_TRACE(item, i, value) \
+    if (threadIdx.x == 128 && g_prefill_trace) g_prefill_trace[size_t(item) * 8 + (i)] = (value)
+#else
+#define PREFILL_TRACE(item, i, value)
 #endif
 
 template <int D_>
@@ -75,25 +94,27 @@ struct PrefillWsConfig {
     static constexpr int kBN = D <= 128 ? 128 : 64;
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kThreads = 3 * 128;
+    // One block per SM walking the work items (d256's consumers have no registers to spare
+    // for the loop: one block per item there).
+    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128;
     // The block starts with 168 registers a thread (64K / 384, rounded down to 8), and the
     // consumers' setmaxnreg.inc waits until the producer's .dec left that much in the pool:
     // 128 x producer + 256 x consumer <= 384 x 168. Neither role spills (the producer keeps
     // its page ids and copy offsets; d256's O alone takes 128 registers a thread).
-    static constexpr int kProducerRegs = D == 256 ? 64 : 104;
-    static constexpr int kConsumerRegs = D == 256 ? 216 : 200;
+    // (A persistent block's consumers keep the item loop's state too: 208 at d128.)
+    static constexpr int kProducerRegs = D == 256 ? 72 : kPersistent && D == 128 ? 88 : 104;
+    static constexpr int kConsumerRegs = D == 256 ? 216 : kPersistent && D == 128 ? 208 : 200;
     static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "register pool overcommitted");
     static constexpr bool kPingPong = ASTRAI_PREFILL_PINGPONG != 0 && D <= 128;  // measured slower at d256
-    // One block per SM walking the work items (d256's consumers have no registers to spare
-    // for the loop: one block per item there).
-    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128;
     static constexpr int kTileBytes = kBN * D * 2;
     static constexpr int kQBytes = kRows * D * 2;
-    // Q slots: a persistent block loads the next work item's Q while it finishes this one
-    // (d256's 64 KB Q leaves room for one).
-    static constexpr int kQBuffers = kPersistent && D <= 128 ? 2 : 1;
+    // Q slots: a persistent block loads the next work item's Q when it starts this one's
+    // K/V, into the slot the item before this one released
+    static constexpr int kQBuffers = kPersistent ? 3 : 1;
     // full K, full V, empty K, empty V per stage; full and empty per Q slot
     static constexpr int kBarriers = 4 * kStages + 2 * kQBuffers;
-    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBuffers * kQBytes + 8 * kBarriers;
+    // + the work item of each Q slot (persistent)
+    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBuffers * kQBytes + 8 * kBarriers + 16;
     static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
 };
 
@@ -116,6 +137,7 @@ struct PrefillWsSmem {
     __device__ uint32_t empty_v(int s) const { return bars + 8 * (3 * C::kStages + s); }
     __device__ uint32_t q_full(int s) const { return bars + 8 * (4 * C::kStages + s); }
     __device__ uint32_t q_empty(int s) const { return bars + 8 * (4 * C::kStages + C::kQBuffers + s); }
+    __device__ uint32_t item_slot(int s) const { return bars + 8 * C::kBarriers + 4 * s; }
 };
 
 // Where a block is in its rings: `tiles` K/V tiles and `items` work items (Q loads) so far.
@@ -129,7 +151,7 @@ struct RingPos {
 // barrier expecting the tile's bytes. Rows past kv_len arrive as zeros; rows past a causal
 // kv_end are real K/V that the consumers mask.
 template <class C>
-__device__ __forceinline__ void produce_kv_tma(const KvTensorMaps& maps, const QWork& qw, const PrefillSpan& sp,
+__device__ __forceinline__ void produce_kv_tma(const PrefillTensorMaps& maps, const QWork& qw, const PrefillSpan& sp,
                                                const PrefillWsSmem<C>& sm, RingPos& pos) {
     using namespace sm90;
     constexpr int kPanels = C::D / 64;
@@ -148,72 +170,63 @@ __device__ __forceinline__ void produce_kv_tma(const KvTensorMaps& maps, const Q
     }
 }
 
-// kTmaWholeTiles (paged K/V), from all 128 producer threads, each arriving once per stage
-// use: a tile inside kv_len goes by TMA, lane i of warp 0 loading page box i (box_rows
-// slots of one page, landing at row i * box_rows: whole 8-row swizzle atoms) and thread 0
-// arriving with the tile's byte count; a tile that ends past kv_len goes by cp.async, which
-// zero-fills the rows a page holds past the request (stale slots, possibly NaN).
-template <typename T, class C, class KV>
-__device__ __forceinline__ void produce_kv_paged_tma(const AttentionParams& p, const KvTensorMaps& maps,
+// kTmaWholeTiles (paged K/V), from warp 0: lane i loads page box i of a tile (box_rows slots
+// of one page, landing at row i * box_rows: whole 8-row swizzle atoms), for the boxes that
+// hold a position below kv_len, and lane 0 arms the stage's full barrier with their bytes.
+// Slots past kv_len (stale, possibly NaN; or left from an earlier tile) are masked in S and
+// zeroed in V by the consumers (zero_stale_v).
+template <class C, class KV>
+__device__ __forceinline__ void produce_kv_paged_tma(const AttentionParams& p, const PrefillTensorMaps& maps,
                                                      const QWork& qw, const PrefillSpan& sp,
                                                      const PrefillWsSmem<C>& sm, RingPos& pos) {
     using namespace sm90;
     constexpr int kPanels = C::D / 64;
-    KvTileLoader<T, KV, PanelTile<C::kBN>, C::D, C::kBN, 128> kv(p, qw, sp);
+    const int lane = threadIdx.x;
     const typename KV::Request req = KV::request(p, qw.b);
-    const int box = int(threadIdx.x) < C::kBN / maps.box_rows ? int(threadIdx.x) : -1;
-    auto stage_tile = [&](bool whole, int page, int slot, const CUtensorMap* map, uint32_t dst, uint32_t bar,
-                          auto&& copy) {
-        if (!whole) {
-            copy();
-            mbar_arrive_on_cp_async(bar);
-            return;
-        }
-        if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, C::kTileBytes);
-        if (box >= 0) {
+    const int box_bytes = maps.box_rows * 128;
+    auto stage_tile = [&](int boxes, int page, int slot, const CUtensorMap* map, uint32_t dst, uint32_t bar) {
+        if (lane == 0) mbar_arrive_expect_tx(bar, boxes * box_bytes * kPanels);
+        __syncwarp();  // the byte count is armed before any box completes
+        if (lane < boxes) {
 #pragma unroll
             for (int c = 0; c < kPanels; ++c)
-                tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes + box * maps.box_rows * 128, map, bar, c * 64,
-                            sp.kvh, slot, page);
+                tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes + lane * box_bytes, map, bar, c * 64, sp.kvh,
+                            slot, page);
         }
-        if (threadIdx.x != 0) mbar_arrive(bar);
     };
     for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
         const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
-        const bool whole = (t + 1) * C::kBN <= sp.kv_len;
+        const int rows = min(C::kBN, sp.kv_len - t * C::kBN);
+        const int boxes = (rows + maps.box_rows - 1) / maps.box_rows;
         int page = 0, slot = 0;
-        if (whole && box >= 0) {
-            const int first = t * C::kBN + box * maps.box_rows, page_index = KV::page_of(req, first);
+        if (lane < boxes) {
+            const int first = t * C::kBN + lane * maps.box_rows, page_index = KV::page_of(req, first);
             page = __ldg(req.pages + page_index);
             slot = first - page_index * p.page_size;
         }
-        if (!whole) kv.fetch(t);
         if (use > 0) mbar_wait(sm.empty_k(s), (use - 1) & 1);
-        stage_tile(whole, page, slot, &maps.k, sm.k_stage(s), sm.full_k(s), [&] { kv.load_k(t, sm.k_stage(s)); });
+        stage_tile(boxes, page, slot, &maps.k, sm.k_stage(s), sm.full_k(s));
         if (use > 0) mbar_wait(sm.empty_v(s), (use - 1) & 1);
-        stage_tile(whole, page, slot, &maps.v, sm.v_stage(s), sm.full_v(s), [&] { kv.load_v(t, sm.v_stage(s)); });
+        stage_tile(boxes, page, slot, &maps.v, sm.v_stage(s), sm.full_v(s));
     }
 }
 
-// Warpgroup 0, one work item: Q into its slot, then K_t / V_t into their ring stages, each
-// once the consumers released the slot's previous use (by TMA per maps.mode, else cp.async
-// from all 128 threads).
+// The K/V tiles of one work item into their ring stages, each once the consumers released
+// the stage's previous use: by TMA per maps.mode, else cp.async from all 128 threads.
 template <typename T, class C, class KV>
-__device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const KvTensorMaps& maps, const QWork& qw,
-                                                   const PrefillSpan& sp, const PrefillWsSmem<C>& sm, RingPos& pos) {
+__device__ __forceinline__ void produce_kv(const AttentionParams& p, const PrefillTensorMaps& maps, const QWork& qw,
+                                           const PrefillSpan& sp, const PrefillWsSmem<C>& sm, RingPos& pos) {
     using sm90::mbar_arrive_on_cp_async;
     using sm90::mbar_wait;
-    const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
-    if (q_use > 0) mbar_wait(sm.q_empty(qs), (q_use - 1) & 1);
-    load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
-    mbar_arrive_on_cp_async(sm.q_full(qs));
-    ++pos.items;
-    if (maps.mode == KvTensorMaps::kTma) {
+    if (maps.mode == PrefillTensorMaps::kTma) {
         if (threadIdx.x == 0) produce_kv_tma<C>(maps, qw, sp, sm, pos);
         return;
     }
     if constexpr (KV::kPaged) {
-        if (maps.mode == KvTensorMaps::kTmaWholeTiles) return produce_kv_paged_tma<T, C, KV>(p, maps, qw, sp, sm, pos);
+        if (maps.mode == PrefillTensorMaps::kTmaWholeTiles) {
+            if (threadIdx.x < 32) produce_kv_paged_tma<C, KV>(p, maps, qw, sp, sm, pos);
+            return;
+        }
     }
     KvTileLoader<T, KV, PanelTile<C::kBN>, C::D, C::kBN, 128> kv(p, qw, sp);
     if (sp.n_tiles > 0) kv.fetch(0);
@@ -227,6 +240,37 @@ __device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, con
         mbar_arrive_on_cp_async(sm.full_v(s));
         if (t + 1 < sp.n_tiles) kv.fetch(t + 1);
     }
+}
+
+// The block's Q tile into slot qs, completing its full barrier: by TMA from thread 0 (D / 64
+// boxes of head_block heads x rows_blk rows, the barrier expecting the tile's bytes), else
+// by cp.async from all 128 producer threads.
+template <typename T, class C, class QSched>
+__device__ __forceinline__ void produce_q(const AttentionParams& p, const PrefillTensorMaps& maps, const QWork& qw,
+                                          const PrefillSpan& sp, const PrefillWsSmem<C>& sm, int qs) {
+    using namespace sm90;
+    if (!maps.q_tma) {
+        load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
+        mbar_arrive_on_cp_async(sm.q_full(qs));
+        return;
+    }
+    if (threadIdx.x != 0) return;
+    const int row = qw.row_base + (QSched::kPacked ? __ldg(p.qo_indptr + qw.b) : 0);
+    const int outer = QSched::kPacked ? 0 : qw.b;
+    mbar_arrive_expect_tx(sm.q_full(qs), C::kQBytes);
+#pragma unroll
+    for (int c = 0; c < C::D / 64; ++c)
+        tma_load_4d(sm.q_slot(qs) + c * PanelTile<C::kRows>::kPanelBytes, &maps.q, sm.q_full(qs), c * 64, row,
+                    sp.head0, outer);
+}
+
+// Warpgroup 0 of a block per work item: Q, then the K/V tiles.
+template <typename T, class C, class QSched, class KV>
+__device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const PrefillTensorMaps& maps,
+                                                   const QWork& qw, const PrefillSpan& sp, const PrefillWsSmem<C>& sm,
+                                                   RingPos& pos) {
+    produce_q<T, C, QSched>(p, maps, qw, sp, sm, 0);
+    produce_kv<T, C, KV>(p, maps, qw, sp, sm, pos);
 }
 
 // S = Q K^T for this warpgroup's 64 rows: D / 16 k-steps over the Q and K panels.
@@ -254,9 +298,26 @@ __device__ __forceinline__ void issue_pv(float (&o)[C::D / 8][4], const uint32_t
 }
 
 // Warpgroups 1 and 2.
+// Zeroes V rows [rows, kBN) of a tile staged by whole page boxes (kTmaWholeTiles): slots past
+// the request's kv_len hold stale data, possibly NaN, and 0 x NaN would poison P V. Each
+// consumer warpgroup zeroes them itself before its P V (the other's identical stores race
+// harmlessly) and orders them before its wgmma reads.
+template <class C>
+__device__ __forceinline__ void zero_stale_v(uint32_t v_st, int rows, int wg) {
+    constexpr int kChunks = C::D / 8;
+    const int tid = threadIdx.x % 128;
+    for (int i = tid; i < (C::kBN - rows) * kChunks; i += 128) {
+        const uint32_t dst = v_st + PanelTile<C::kBN>::offset(rows + i / kChunks, i % kChunks);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0) : "memory");
+    }
+    sm90::fence_proxy_async();
+    sm90::named_barrier_sync(4 + wg, 128);
+}
+
 template <typename T, class C, class KV>
 __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
-                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
+                                                   const PrefillWsSmem<C>& sm, RingPos& pos, bool stale_tail,
+                                                   int item = 0) {
     using namespace sm90;
     constexpr int NT = C::kBN / 8;
     const int cw = threadIdx.x / 32 - 4;  // consumer warp 0..7: block rows 16 cw .. 16 cw + 15
@@ -284,7 +345,9 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     uint32_t pa[NT / 2][4];
 
     const int n = sp.n_tiles;
+    PREFILL_TRACE(item, 1, clock64());
     mbar_wait(sm.q_full(qs), q_use & 1);
+    PREFILL_TRACE(item, 2, clock64());
     if (n > 0) {
         if (wg == 1) your_turn();  // warpgroup 0 issues first
         float s[NT][4];
@@ -298,6 +361,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         auto parity = [&](int t) { return uint32_t((pos.tiles + t) / C::kStages) & 1; };
         // Tile 0: S_0 alone.
         mbar_wait(sm.full_k(stage(0)), parity(0));
+        PREFILL_TRACE(item, 3, clock64());
         fence_proxy_async();
         my_turn();
         wgmma_fence();
@@ -310,6 +374,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         float alpha[2];
         softmax_tile(0, alpha);
         pack_probs<T>(s, pa);
+        PREFILL_TRACE(item, 4, clock64());
 
         for (int t = 1; t < n; ++t) {
             const int sk = stage(t), sv = stage(t - 1);
@@ -343,6 +408,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         const int sv = stage(n - 1);
         mbar_wait(sm.full_v(sv), parity(n - 1));
         fence_proxy_async();
+        if (stale_tail && n * C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - (n - 1) * C::kBN, wg);
         my_turn();
         fence_accumulators(o);
         fence_fragments(pa);
@@ -353,68 +419,167 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         wgmma_wait<0>();
         fence_accumulators(o);
         mbar_arrive(sm.empty_v(sv));
+        PREFILL_TRACE(item, 5, clock64());
         pos.tiles += n;
     } else {
         mbar_arrive(sm.q_empty(qs));
     }
     if (slot < sp.nslots) store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
+#ifdef ASTRAI_PREFILL_TRACE
+    uint32_t smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    PREFILL_TRACE(item, 0, smid | (uint64_t(n) << 32));
+    PREFILL_TRACE(item, 6, clock64());
+#endif
 }
 #endif
 
-// One block per launch coordinate, or (C::kPersistent) a persistent grid whose blocks walk
-// the work items blockIdx.x, blockIdx.x + gridDim.x, ... of the logical grid
-// (work_grid_x, work_grid_y, *) x fastest: the producer runs ahead into the next item's Q and
-// K/V while the consumers finish this one.
+// Work item w of the logical grid (work_grid_x, work_grid_y, *), x fastest.
+__device__ __forceinline__ BlockCoord work_coord(const AttentionParams& p, int w) {
+    const int gxy = p.work_grid_x * p.work_grid_y;
+    return BlockCoord{w % p.work_grid_x, (w % gxy) / p.work_grid_x, w / gxy, p.work_grid_x};
+}
+
+#if ASTRAI_ATTN_SM90
+// C::kPersistent producer: takes work items from p.work_counter (thread 0) and publishes
+// each in its Q slot, whose full barrier counts thread 0's arrival (a release) besides the
+// Q copy arrivals (none with Q by TMA: thread 0's arrival arms the byte count). It runs one
+// item ahead: item i + 1 is taken and its Q loaded before item i's K/V tiles are issued.
+// With Q and K/V by TMA thread 0 alone works. An item past the grid ends both roles; an item
+// without rows is published without a Q load.
+template <typename T, class C, class QSched, class KV>
+__device__ __forceinline__ void produce_persistent(const AttentionParams& p, const PrefillTensorMaps& maps,
+                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
+    using namespace sm90;
+    const bool solo = maps.mode == PrefillTensorMaps::kTma && maps.q_tma;
+    if (solo && threadIdx.x != 0) return;
+    auto take = [&](int i) {
+        const int qs = i % C::kQBuffers, use = i / C::kQBuffers;
+        if (use > 0) mbar_wait(sm.q_empty(qs), (use - 1) & 1);
+        int w = 0;
+        if (threadIdx.x == 0) {
+            w = atomicAdd(p.work_counter, 1);
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.item_slot(qs)), "r"(w) : "memory");
+        }
+        if (!solo) {
+            named_barrier_sync(3, 128);
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(sm.item_slot(qs)) : "memory");
+        }
+        bool live = false;
+        if (w < p.num_work) {
+            const BlockCoord c = work_coord(p, w);
+            const QWork qw = QSched::get(p, c);
+            live = qw.row_base < qw.q_len;
+            if (live) {
+                if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
+                produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, qs);
+            }
+        }
+        if (!live && (threadIdx.x == 0 || !maps.q_tma)) {
+            if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
+            mbar_arrive(sm.q_full(qs));
+        }
+        return w;
+    };
+    int w = take(0);
+    for (int i = 1; w < p.num_work; ++i) {
+        const int next = take(i);
+        const BlockCoord c = work_coord(p, w);
+        const QWork qw = QSched::get(p, c);
+        if (qw.row_base < qw.q_len) produce_kv<T, C, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+        // With K/V by TMA, lanes 1-31 wait here for lane 0's tiles: a warp whose other lanes
+        // spin on an mbarrier can be suspended with lane 0 (measured: ~30k cycles per item).
+        if (!solo && maps.mode == PrefillTensorMaps::kTma) __syncwarp();
+        w = next;
+    }
+    // Every block took one item past the grid: the last to get here resets the counters.
+    if (threadIdx.x == 0 && atomicAdd(p.work_counter + 1, 1) == int(gridDim.x) - 1) {
+        atomicExch(p.work_counter, 0);
+        atomicExch(p.work_counter + 1, 0);
+    }
+}
+
+template <typename T, class C, class QSched, class KV>
+__device__ __forceinline__ void consume_persistent(const AttentionParams& p, const PrefillWsSmem<C>& sm,
+                                                   RingPos& pos, bool stale_tail) {
+    using namespace sm90;
+    for (;;) {
+        const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
+        mbar_wait(sm.q_full(qs), q_use & 1);
+        int w;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(sm.item_slot(qs)) : "memory");
+        if (w >= p.num_work) break;
+        const BlockCoord c = work_coord(p, w);
+        const QWork qw = QSched::get(p, c);
+        if (qw.row_base >= qw.q_len) {
+            mbar_arrive(sm.q_empty(qs));
+            ++pos.items;
+            continue;
+        }
+        prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos, stale_tail, w);
+    }
+}
+#endif
+
+// One block per work item (launch coordinate), or (C::kPersistent) one block per SM taking
+// the items of the logical grid (work_grid_x, work_grid_y, *) from an atomic counter, its
+// producer running ahead into the next item's Q and K/V while the consumers finish this one.
 template <typename T, int D, class QSched, class KV>
 __global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1)
-    prefill_ws_kernel(const AttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+    prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
     using C = PrefillWsConfig<D>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
     if (threadIdx.x == 0) {
         for (int s = 0; s < C::kStages; ++s) {
-            // one arrival per producer thread, or (kTma) the TMA thread's alone
-            const uint32_t producers = maps.mode == KvTensorMaps::kTma ? 1 : 128;
+            // one arrival per producer thread (cp.async), or the TMA thread's alone
+            const uint32_t producers = maps.mode == PrefillTensorMaps::kCpAsync ? 128 : 1;
             sm90::mbar_init(sm.full_k(s), producers);
             sm90::mbar_init(sm.full_v(s), producers);
             sm90::mbar_init(sm.empty_k(s), 256);  // every consumer thread releases
             sm90::mbar_init(sm.empty_v(s), 256);
         }
+        // Q arrivals: thread 0's (TMA, and the persistent producer's publishing one) and the
+        // 128 producer threads' copies (cp.async)
+        const uint32_t q_loaders = maps.q_tma ? 1 : C::kPersistent ? 129 : 128;
         for (int s = 0; s < C::kQBuffers; ++s) {
-            sm90::mbar_init(sm.q_full(s), 128);
+            sm90::mbar_init(sm.q_full(s), q_loaders);
             sm90::mbar_init(sm.q_empty(s), 256);
         }
         sm90::mbar_init_fence();
     }
+#ifdef ASTRAI_PREFILL_TRACE
+    const long long entry = clock64();
+#endif
     __syncthreads();
-    // Work item w of this block, read after setmaxnreg (no value lives across it: each role
-    // gets its register file anew).
-    auto for_each_item = [&](auto&& body) {
-        if constexpr (C::kPersistent) {
-            const int gxy = p.work_grid_x * p.work_grid_y;
-            for (int w = blockIdx.x; w < p.num_work; w += gridDim.x)
-                body(BlockCoord{w % p.work_grid_x, (w % gxy) / p.work_grid_x, w / gxy, p.work_grid_x});
-        } else {
-            body(BlockCoord::of_launch());
-        }
-    };
+    // The work item is read after setmaxnreg (no value lives across it: each role gets its
+    // register file anew).
     RingPos pos;
     if (threadIdx.x < 128) {
         sm90::setmaxnreg_dec<C::kProducerRegs>();
-        for_each_item([&](const BlockCoord& c) {
+        if constexpr (C::kPersistent) {
+            produce_persistent<T, C, QSched, KV>(p, maps, sm, pos);
+        } else {
+            const BlockCoord c = BlockCoord::of_launch();
             const QWork qw = QSched::get(p, c);
-            if (qw.row_base >= qw.q_len) return;  // the same items are skipped by every role
-            prefill_ws_produce<T, C, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
-        });
+            if (qw.row_base < qw.q_len)  // the same items are skipped by every role
+                prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+        }
         cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {
         sm90::setmaxnreg_inc<C::kConsumerRegs>();
-        for_each_item([&](const BlockCoord& c) {
+        if constexpr (C::kPersistent) {
+            consume_persistent<T, C, QSched, KV>(p, sm, pos, maps.mode == PrefillTensorMaps::kTmaWholeTiles);
+        } else {
+            const BlockCoord c = BlockCoord::of_launch();
             const QWork qw = QSched::get(p, c);
             if (qw.row_base >= qw.q_len) return;
-            prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
-        });
+            const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+            PREFILL_TRACE(item, 7, entry);
+            prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos,
+                                         maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
+        }
     }
 #else
     __trap();  // only sm_90a code exists; the launcher never selects it elsewhere

@@ -49,8 +49,18 @@ struct PagedCache {
         const size_t n = size_t(num_pages) * page * hkv * d;
         k.random(n, g_rng, bf16);
         v.random(n, g_rng, bf16);
-        dk.reset(new DeviceBuffer<uint16_t>(n)); dk->upload(k.bits);
-        dv.reset(new DeviceBuffer<uint16_t>(n)); dv->upload(v.bits);
+        // Slots past each request's length are NaN on the device (stale slots must never
+        // reach an output: 0 x NaN would poison P V); the reference never reads them.
+        std::vector<uint16_t> kd = k.bits, vd = v.bits;
+        for (size_t b = 0; b < lens.size(); ++b)
+            for (int pos = lens[b]; pos < (kv_indptr[b + 1] - kv_indptr[b]) * page; ++pos)
+                for (int h = 0; h < hkv; ++h) {
+                    const size_t o = offset(int(b), pos, h);
+                    std::fill(kd.begin() + o, kd.begin() + o + d, uint16_t(0xffff));
+                    std::fill(vd.begin() + o, vd.begin() + o + d, uint16_t(0xffff));
+                }
+        dk.reset(new DeviceBuffer<uint16_t>(n)); dk->upload(kd);
+        dv.reset(new DeviceBuffer<uint16_t>(n)); dv->upload(vd);
         d_indptr.reset(new DeviceBuffer<int>(kv_indptr.size())); d_indptr->upload(kv_indptr);
         d_indices.reset(new DeviceBuffer<int>(kv_indices.size())); d_indices->upload(kv_indices);
         d_lens.reset(new DeviceBuffer<int>(lens.size())); d_lens->upload(lens);
@@ -155,6 +165,7 @@ bool prefill_case(const std::vector<int>& q_lens, const std::vector<int>& prefix
     p.scale_log2 = scale_log2(D);
     p.qo_indptr = d_qo.ptr; p.q_tile_to_batch = d_tb.ptr; p.q_tile_to_index = d_ti.ptr;
     p.num_q_tiles = int(tile_b.size());
+    p.q_total_rows = total_q;
     std::vector<double> ref(size_t(total_q) * Hq * D);
     for (int b = 0; b < B; ++b) {
 #pragma omp parallel for collapse(2)
@@ -241,6 +252,7 @@ void bench_prefill_d() {
         p.scale_log2 = scale_log2(D);
         p.qo_indptr = d_qo.ptr; p.q_tile_to_batch = d_tb.ptr; p.q_tile_to_index = d_ti.ptr;
         p.num_q_tiles = int(tb.size());
+        p.q_total_rows = B * L;
         for (bool causal : {true, false}) {
             p.causal = causal;
             for (int warps : {prefill_warps(p.group, D), kPrefillWgmma}) {

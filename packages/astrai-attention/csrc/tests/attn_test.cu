@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../dispatchers.cuh"
 #include "test_utils.cuh"
@@ -182,6 +183,58 @@ bool run_case(const Case& c, Impl impl, bool decode) {
     return ok;
 }
 
+#ifdef ASTRAI_PREFILL_TRACE
+// Runs `launch` once with the kernel's per-item clocks recorded and prints where a work
+// item's time goes, in thousands of cycles and in steady-state tiles.
+void trace_report(const char* label, size_t max_items, const std::function<void()>& launch) {
+    DeviceBuffer<unsigned long long> buf(max_items * 8);
+    CK(cudaMemset(buf.ptr, 0, max_items * 8 * sizeof(unsigned long long)));
+    unsigned long long* ptr = buf.ptr;
+    CK(cudaMemcpyToSymbol(g_prefill_trace, &ptr, sizeof(ptr)));
+    launch();
+    CK(cudaDeviceSynchronize());
+    std::vector<unsigned long long> h(max_items * 8);
+    CK(cudaMemcpy(h.data(), buf.ptr, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+    unsigned long long* none = nullptr;
+    CK(cudaMemcpyToSymbol(g_prefill_trace, &none, sizeof(none)));
+    struct Rec { int sm, n; double start, q, k0, first, lastpv, end, entry; };
+    std::vector<Rec> recs;
+    for (size_t i = 0; i < max_items; ++i) {
+        const unsigned long long* v = &h[i * 8];
+        if (v[6] == 0) continue;
+        recs.push_back({int(v[0] & 0xffffffffu), int(v[0] >> 32), double(v[1]), double(v[2]), double(v[3]),
+                        double(v[4]), double(v[5]), double(v[6]), double(v[7])});
+    }
+    double loop = 0, loop_tiles = 0, q = 0, k0 = 0, first = 0, epi = 0, pre = 0, tiles = 0;
+    int pre_n = 0;
+    for (const Rec& r : recs) {
+        if (r.n > 1) { loop += r.lastpv - r.first; loop_tiles += r.n - 1; }
+        q += r.q - r.start; k0 += r.k0 - r.q; first += r.first - r.k0; epi += r.end - r.lastpv; tiles += r.n;
+        if (r.entry != 0) { pre += r.start - r.entry; ++pre_n; }
+    }
+    std::sort(recs.begin(), recs.end(), [](const Rec& a, const Rec& b) { return a.sm != b.sm ? a.sm < b.sm : a.start < b.start; });
+    double gap = 0, busy = 0, span = 0;
+    int gaps = 0;
+    for (size_t i = 0; i < recs.size(); ++i) {
+        busy += recs[i].end - recs[i].start;
+        const bool last = i + 1 == recs.size() || recs[i + 1].sm != recs[i].sm;
+        if (!last) { gap += recs[i + 1].start - recs[i].end; ++gaps; }
+        size_t j = i;
+        while (j > 0 && recs[j - 1].sm == recs[i].sm) --j;
+        if (last) span += recs[i].end - (recs[j].entry != 0 ? recs[j].entry : recs[j].start);
+    }
+    const double n = double(recs.size()), tile = loop_tiles > 0 ? loop / loop_tiles : 1;
+    auto show = [&](const char* what, double total, double count) {
+        std::printf("  %s %.1fk (%.2f tiles)", what, total / count / 1e3, total / count / tile);
+    };
+    std::printf("trace %s: %zu items, %.1f tiles each, tile %.1fk cycles; per item:", label, recs.size(), tiles / n, tile / 1e3);
+    show("block start", pre, std::max(pre_n, 1));
+    show("Q wait", q, n); show("K0 wait", k0, n); show("tile 0", first, n); show("last PV -> stored", epi, n);
+    show("gap to next item", gap, std::max(gaps, 1));
+    std::printf("; busy %.1f %% of the SMs' spans\n", 100.0 * busy / span);
+}
+#endif
+
 void bench() {
     std::printf("\n-- timings (median of 50, us; prefill layout: 4 / 8 mma.sync warps, 90 warp-specialized wgmma) --\n");
     const int Hq = 32, Hkv = 8, D = 128;
@@ -241,6 +294,17 @@ void bench() {
                     const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
                     std::printf("prefill bf16 GQA 32/8 d%-3d %2dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", D, B,
                                 L, causal ? "causal" : "noncausal", layout, us, flops / us * 1e-6);
+#ifdef ASTRAI_PREFILL_TRACE
+                    if (layout == kPrefillWgmma) {
+                        char label[64];
+                        std::snprintf(label, sizeof label, "d%d %dx%d %s", D, B, L, causal ? "causal" : "noncausal");
+                        trace_report(label, size_t(num_q_tiles(L)) * 8 * Hkv * p.head_groups * B, [&] {
+                            if (D == 64) run(std::integral_constant<int, 64>{});
+                            if (D == 128) run(std::integral_constant<int, 128>{});
+                            if (D == 256) run(std::integral_constant<int, 256>{});
+                        });
+                    }
+#endif
                 }
             }
         }
