@@ -62,6 +62,9 @@ struct PanelTile {
 //                       401 against 602 / 602 / 386: the per-item gap shrinks (2.5k -> 2.0k
 //                       cycles) but steady-state tiles run ~8 % slower (2.9k against 2.7k
 //                       cycles; cause not found): off
+//   O through the Q slot (16-byte global stores) d128 607 / 624 / 397, paged 513 / 548 / 346,
+//                       d256 16x1024 468 against 589-602 / 602-635 / 377-386, 510-515 /
+//                       555-575 / 325-333 and 427-437 with 4-byte stores: kept
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
 #endif
@@ -314,6 +317,44 @@ __device__ __forceinline__ void zero_stale_v(uint32_t v_st, int rows, int wg) {
     sm90::named_barrier_sync(4 + wg, 128);
 }
 
+// This warpgroup's 64 rows of O, normalized, through its rows of the Q slot (no longer read)
+// to global memory in whole 16-byte chunks (8 threads per 128-byte line) instead of 4-byte
+// stores spread over 8 rows per warp instruction. The slot keeps the 128-byte swizzle, so
+// neither the fragment writes nor the chunk reads conflict in shared memory.
+template <typename T, class C>
+__device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4], RowState& st,
+                                                  const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
+                                                  uint32_t q_slot, int wg) {
+    using Tile = PanelTile<C::kRows>;
+    constexpr int kChunks = C::D / 8;
+    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4;
+    float inv_l[2];
+    finalize_rows(st, inv_l);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * cw + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) {
+            const uint32_t v = Elem<T>::pack2(o[j][2 * h] * inv_l[h], o[j][2 * h + 1] * inv_l[h]);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(q_slot + Tile::offset(r, j) + 4 * (lane & 3)), "r"(v)
+                         : "memory");
+        }
+    }
+    sm90::named_barrier_sync(4 + wg, 128);
+    T* out = static_cast<T*>(p.o) + qw.o_off;
+    for (int i = threadIdx.x % 128; i < 64 * kChunks; i += 128) {
+        const int r = 64 * wg + i / kChunks, c = i % kChunks;
+        const int slot = r / sp.rows_blk, row = qw.row_base + r % sp.rows_blk;
+        if (slot >= sp.nslots || row >= qw.q_len) continue;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(q_slot + Tile::offset(r, c)));
+        *reinterpret_cast<uint4*>(out + int64_t(row) * p.o_stride_l + int64_t(sp.head0 + slot) * p.o_stride_h + c * 8) =
+            v;
+    }
+}
+
 template <typename T, class C, class KV>
 __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
                                                    const PrefillWsSmem<C>& sm, RingPos& pos, bool stale_tail,
@@ -402,8 +443,6 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             rescale_rows(o, alpha);
             pack_probs<T>(s, pa);
         }
-        // Q is no longer read: its slot may take a later item's Q.
-        mbar_arrive(sm.q_empty(qs));
         // The last P V.
         const int sv = stage(n - 1);
         mbar_wait(sm.full_v(sv), parity(n - 1));
@@ -421,10 +460,16 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         mbar_arrive(sm.empty_v(sv));
         PREFILL_TRACE(item, 5, clock64());
         pos.tiles += n;
-    } else {
-        mbar_arrive(sm.q_empty(qs));
     }
-    if (slot < sp.nslots) store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
+    // O leaves through the Q slot where every row start is 16-byte aligned.
+    const bool aligned = reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && (qw.o_off | p.o_stride_l | p.o_stride_h) % 8 == 0;
+    if (aligned) {
+        store_rows_staged<T, C>(o, st, p, qw, sp, sm.q_slot(qs), wg);
+    } else if (slot < sp.nslots) {
+        store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
+    }
+    // The slot may take a later item's Q.
+    mbar_arrive(sm.q_empty(qs));
 #ifdef ASTRAI_PREFILL_TRACE
     uint32_t smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
