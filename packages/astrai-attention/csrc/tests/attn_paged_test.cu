@@ -25,6 +25,7 @@ namespace {
 bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
 bool g_check = true;     // --bench-only: skip the correctness cases
 int g_dim = 0;           // --dim D: time head dim D alone (0: all)
+int g_page = 16;         // --page P: the prefill timings' page size
 
 int g_sms = 132;
 std::mt19937 g_rng(4321);
@@ -238,7 +239,7 @@ void bench_prefill_d() {
             qo.push_back(qo.back() + L);
             for (int t = 0; t < L / kQTileRows; ++t) { tb.push_back(b); ti.push_back(t); }
         }
-        PagedCache cache(lens, 16, Hkv, D, true);
+        PagedCache cache(lens, g_page, Hkv, D, true);
         DeviceBuffer<uint16_t> dq(size_t(B) * L * Hq * D), dout(size_t(B) * L * Hq * D);
         HostTensor q; q.random(dq.n, g_rng, true); dq.upload(q.bits);
         DeviceBuffer<int> d_qo(qo.size()), d_tb(tb.size()), d_ti(ti.size());
@@ -261,8 +262,8 @@ void bench_prefill_d() {
                     launch_prefill_d<__nv_bfloat16, D, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
                 }, 10);
                 const double flops = 4.0 * B * Hq * double(L) * (causal ? (L + 1) / 2.0 : L) * D;
-                std::printf("paged prefill bf16 32/8 d%-3d page=16 %2dx%-5d %-9s layout=%-2d %9.1f us %6.1f TFLOP/s\n",
-                            D, B, L, causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
+                std::printf("paged prefill bf16 32/8 d%-3d page=%-3d %2dx%-5d %-9s layout=%-2d %9.1f us %6.1f TFLOP/s\n",
+                            D, g_page, B, L, causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
             }
         }
     }
@@ -283,6 +284,7 @@ int main(int argc, char** argv) {
         if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
         if (std::string(argv[i]) == "--bench-only") g_check = false;
         if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
+        if (std::string(argv[i]) == "--page" && i + 1 < argc) g_page = std::atoi(argv[++i]);
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
     if (!g_check) {
