@@ -21,7 +21,8 @@ import torch
 pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
-    from attention_cases import abi, assert_close, module, paged_inputs, poisoned_like, reference, seed_of
+    from attention_cases import (abi, assert_close, direct_paged_decode_appending, last_rows, module, paged_inputs,
+                                 poisoned_like, reference, seed_of, take_new_tokens)
 
     from astrai.extension.abi import stream_handle
 
@@ -32,43 +33,6 @@ LENS = {  # the new token at: a lone token, the end of a tile, the start of one,
     17: [33, 1, 65, 128, 7, 300, 96, 2, 191, 64, 17, 256, 45, 129, 250, 31, 400],
 }
 HEADS = [(4, 4), (16, 2), (64, 2)]  # GQA groups 1, 8 and 32 (two blocks of query heads per kv head)
-
-
-def last_rows(cache) -> torch.Tensor:
-    """int64 ``[B]``: the cache row (page * page_size + slot) of each request's last position."""
-    pos = cache.kv_lens.long() - 1
-    pages = cache.kv_indices.long()[cache.kv_indptr.long()[:-1] + torch.div(pos, cache.page, rounding_mode="floor")]
-    return pages * cache.page + pos % cache.page
-
-
-def take_new_tokens(cache):
-    """Moves each request's last key/value out of the cache into ``[B, 1, Hkv, D]`` tensors
-    and poisons those rows; returns (k_new, v_new, full k_cache, full v_cache)."""
-    full = cache.k_cache.clone(), cache.v_cache.clone()
-    rows = last_rows(cache)
-    k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
-    v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
-    k_new, v_new = k_flat[rows].unsqueeze(1), v_flat[rows].unsqueeze(1)
-    k_flat[rows] = float("nan")
-    v_flat[rows] = float("nan")
-    return k_new, v_new, *full
-
-
-def decode_appending(q, cache, k_new, v_new, splits=1, in_kernel_merge=False):
-    """One fused call into a NaN-poisoned out."""
-    batch, hq, d = q.shape[0], q.shape[2], q.shape[3]
-    out = poisoned_like(q)
-    ws_o = ws_lse = ws_count = None
-    if splits > 1:
-        ws_o = torch.empty(splits * batch * hq * d, dtype=torch.float32, device=q.device)
-        ws_lse = torch.empty(splits * batch * hq, dtype=torch.float32, device=q.device)
-        if in_kernel_merge:
-            ws_count = torch.zeros(batch * hq, dtype=torch.int32, device=q.device)
-    module("attn_paged_decode").attn_paged_decode(
-        abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(cache.kv_indptr), abi(cache.kv_indices),
-        abi(cache.kv_lens), splits, abi(ws_o), abi(ws_lse), stream_handle(q.device), abi(ws_count), False,
-        abi(k_new), abi(v_new), None, True)
-    return out, ws_count
 
 
 def assert_same(got, want, what):
@@ -97,7 +61,7 @@ def test_append_last_equals_the_full_cache(batch, page, d, hq, hkv, dtype):
     for splits, merge in ((1, False), (SPLITS, False), (SPLITS, True)):
         cache.k_cache.copy_(poisoned[0])
         cache.v_cache.copy_(poisoned[1])
-        out, ws_count = decode_appending(q, cache, k_new, v_new, splits, merge)
+        out, ws_count = direct_paged_decode_appending(q, cache, k_new, v_new, splits, merge)
         torch.cuda.synchronize()
         check_step(q, cache, out, full_k, full_v, dtype, f"splits={splits} in_kernel_merge={merge}")
         if ws_count is not None:
@@ -129,7 +93,7 @@ def test_append_last_layouts_and_the_kv_append_fallback(layout, splits):
         wide[1, ..., 1:] = v_new
         k_new, v_new = wide[0, ..., 1:], wide[1, ..., 1:]
         assert (k_new.data_ptr() % 16) != 0
-    out, _ = decode_appending(q, cache, k_new, v_new, splits)
+    out, _ = direct_paged_decode_appending(q, cache, k_new, v_new, splits)
     torch.cuda.synchronize()
     check_step(q, cache, out, full_k, full_v, dtype, layout)
 
@@ -143,7 +107,7 @@ def test_a_request_of_length_zero_appends_nothing(splits):
     cache.kv_lens[0] = 0  # request 0 now holds nothing: its k_new has no row to go to
     for full in (full_k, full_v):
         full.view(-1, hkv, d)[empty_row] = float("nan")  # its poisoned row stays so
-    out, _ = decode_appending(q, cache, k_new, v_new, splits)
+    out, _ = direct_paged_decode_appending(q, cache, k_new, v_new, splits)
     torch.cuda.synchronize()
     assert_same(cache.k_cache, full_k, "k_cache")
     assert_same(cache.v_cache, full_v, "v_cache")

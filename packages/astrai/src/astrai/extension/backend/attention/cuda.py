@@ -94,7 +94,8 @@ class CudaBackend(AttentionBackend):
 
     def _decode_step(self, q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
         """An eager decode call, validated by the policy layer: the step's keys/values are
-        written by the decode launch itself (one binding call) where the compiled module can."""
+        written by the decode launch itself where the compiled module can (one binding call;
+        with ``append_last``, one kernel launch)."""
         plan = kv_cache.active_plan
         launch = self._launch(kv_cache, plan, q.shape[2], True)
         cache_args = _layer_args(kv_cache, layer_id)
