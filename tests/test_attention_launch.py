@@ -178,3 +178,94 @@ def test_plan_rejects_slots_that_are_not_one_int64_row_per_request(fake):
         attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ, kv_heads=HKV,
                                          head_dim=D, max_kv_len=plan.max_kv_len, page_size=PAGE,
                                          num_pages=cache.num_pages, slots=plan.write_index.int())
+
+
+class FakeLastAppendingModule(FakeAppendingModule):
+    """A compiled module whose decode kernel appends each request's last position itself (``append_last``)."""
+
+    APPEND_LAST = True
+
+
+def fake_module(monkeypatch, module):
+    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
+    monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
+    monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
+    return module
+
+
+def test_a_decode_step_appends_inside_the_decode_kernel_through_the_page_table(monkeypatch):
+    module = fake_module(monkeypatch, FakeLastAppendingModule())
+    cache, plan = decode_cache([6, 3])
+    before = cache.k_pages.clone()
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    v = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    for layer, q in enumerate((torch.randn(2, 1, HQ, D).bfloat16(), torch.randn(1, 2, HQ, D).bfloat16())):
+        CudaBackend().forward(call_of(cache, "decode"), q, k.reshape(q.shape[:2] + k.shape[2:]),
+                              v.reshape(q.shape[:2] + v.shape[2:]), kv_cache=cache, layer_id=layer, is_causal=True)
+        args = module.launches[-1]
+        assert args[4][0] == plan.kv_indptr.data_ptr() and args[6][0] == plan.kv_lens.data_ptr()
+        k_new, v_new, slots, append_last = args[-4:]
+        assert k_new[0] == k.data_ptr() and v_new[0] == v.data_ptr()
+        assert slots is None and append_last is True  # rows from the page table the launch reads
+    assert torch.equal(cache.k_pages, before)  # no index_copy_: the launch wrote (here: nothing)
+    launch = plan.launches[("cuda", "decode", HQ)]
+    assert launch.appends and launch.append_last and launch.slots is None
+    assert "write_index" not in plan.__dict__  # never derived: a graph replay has no stale slots to read
+
+
+def test_append_last_is_asked_for_only_when_every_request_appends_its_last_position(monkeypatch):
+    """The backend vouches for append_last only for a decode step (one new token per request,
+    its last position); a module without append_last keeps the slots path for a decode step."""
+    from astrai.extension.backend.attention import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "plan_paged_decode", lambda *a, **kw: asked.append(kw))
+    cache, step = decode_cache([6, 3])
+    cuda._plan_launch(cache, step, HQ, True)
+    mixed = cache.plan([0, 1], [2, 1])  # request 0 adds two tokens: not only its last position
+    cuda._plan_launch(cache, mixed, HQ, True)
+    assert [kw["append_last"] for kw in asked] == [True, False]
+    monkeypatch.undo()
+
+    fake_module(monkeypatch, FakeAppendingModule())  # built before append_last
+    step = cache.plan([0, 1], [1, 1])
+    launch = cuda._plan_launch(cache, step, HQ, True)
+    assert not launch.append_last and launch.slots is step.write_index
+    assert launch._append_args == ((step.write_index.data_ptr(), (2,), (1,), 6),)
+
+
+def test_plan_calls_a_slots_callable_only_when_the_launch_needs_slots(monkeypatch):
+    cache, plan = decode_cache([6, 3])
+    calls = []
+
+    def slots():
+        calls.append(1)
+        return plan.write_index
+
+    kwargs = dict(q_heads=HQ, kv_heads=HKV, head_dim=D, max_kv_len=plan.max_kv_len, page_size=PAGE,
+                  num_pages=cache.num_pages, slots=slots)
+    fake_module(monkeypatch, FakeLastAppendingModule())
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, append_last=True,
+                                              **kwargs)
+    assert launch.append_last and launch._append_args == (None, True) and calls == []
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, **kwargs)
+    assert not launch.append_last and launch.slots is plan.write_index and calls == [1]
+    fake_module(monkeypatch, FakeDecodeModule())  # no fused append at all: slots are not needed
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, append_last=True,
+                                              **kwargs)
+    assert not launch.appends and calls == [1]
+
+
+def test_a_launch_with_append_last_passes_the_page_table_mode_only_with_k_new(monkeypatch):
+    module = fake_module(monkeypatch, FakeLastAppendingModule())
+    cache, plan = decode_cache([5])
+    launch = attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ,
+                                              kv_heads=HKV, head_dim=D, max_kv_len=plan.max_kv_len,
+                                              page_size=PAGE, num_pages=cache.num_pages, append_last=True)
+    k = torch.randn(1, 1, HKV, D).bfloat16()
+    launch(torch.randn(1, 1, HQ, D).bfloat16(), cache.k_cache(0), cache.v_cache(0), k, -k)
+    assert module.launches[-1][-2:] == (None, True)
+    launch(torch.randn(1, 1, HQ, D).bfloat16(), cache.k_cache(0), cache.v_cache(0))
+    assert module.launches[-1][-2:] == (None, False)  # no k_new: ws_count, pdl, nothing appended

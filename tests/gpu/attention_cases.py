@@ -99,6 +99,45 @@ def direct_paged_decode(q, cache: Paged):
     return out, splits
 
 
+def last_rows(cache) -> torch.Tensor:
+    """int64 ``[B]``: the cache row (page * page_size + slot) of each request's last position."""
+    pos = cache.kv_lens.long() - 1
+    pages = cache.kv_indices.long()[cache.kv_indptr.long()[:-1] + torch.div(pos, cache.page, rounding_mode="floor")]
+    return pages * cache.page + pos % cache.page
+
+
+def take_new_tokens(cache):
+    """Moves each request's last key/value out of the cache into ``[B, 1, Hkv, D]`` tensors
+    and poisons those rows; returns (k_new, v_new, full k_cache, full v_cache)."""
+    full = cache.k_cache.clone(), cache.v_cache.clone()
+    rows = last_rows(cache)
+    k_flat = cache.k_cache.view(-1, *cache.k_cache.shape[2:])
+    v_flat = cache.v_cache.view(-1, *cache.v_cache.shape[2:])
+    k_new, v_new = k_flat[rows].unsqueeze(1), v_flat[rows].unsqueeze(1)
+    k_flat[rows] = float("nan")
+    v_flat[rows] = float("nan")
+    return k_new, v_new, *full
+
+
+def direct_paged_decode_appending(q, cache, k_new, v_new, splits=1, in_kernel_merge=False):
+    """``attn_paged_decode`` with ``append_last`` (k_new / v_new ``[B, 1, Hkv, D]``) into a
+    NaN-poisoned out, with ``splits`` splits (merged in the kernel with ``in_kernel_merge``);
+    returns (out, the merge's counters or None)."""
+    batch, hq, d = q.shape[0], q.shape[2], q.shape[3]
+    out = poisoned_like(q)
+    ws_o = ws_lse = ws_count = None
+    if splits > 1:
+        ws_o = torch.empty(splits * batch * hq * d, dtype=torch.float32, device=q.device)
+        ws_lse = torch.empty(splits * batch * hq, dtype=torch.float32, device=q.device)
+        if in_kernel_merge:
+            ws_count = torch.zeros(batch * hq, dtype=torch.int32, device=q.device)
+    module("attn_paged_decode").attn_paged_decode(
+        abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(cache.kv_indptr), abi(cache.kv_indices),
+        abi(cache.kv_lens), splits, abi(ws_o), abi(ws_lse), stream_handle(q.device), abi(ws_count), False,
+        abi(k_new), abi(v_new), None, True)
+    return out, ws_count
+
+
 def direct_paged_prefill(q, cache: Paged, q_lens, causal=True):
     mod = module("attn_paged_prefill")
     out = poisoned_like(q)

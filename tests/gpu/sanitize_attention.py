@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_cases import (Paged, assert_close, direct_decode, direct_paged_decode,  # noqa: E402
-                             direct_paged_prefill, direct_prefill, rand, reference)
+                             direct_paged_decode_appending, direct_paged_prefill, direct_prefill, rand, reference,
+                             take_new_tokens)
 
 
 def main() -> None:
@@ -42,6 +43,15 @@ def main() -> None:
                 for b in range(3):
                     kb, vb = cache.gather(b)
                     assert_close(out[b:b + 1], reference(q[b:b + 1], kb[None], vb[None]), dtype, "paged decode")
+                # the decode kernel appending each request's last token itself (append_last)
+                k_new, v_new, full_k, full_v = take_new_tokens(cache)
+                for splits, merge in ((1, False), (4, True)):
+                    out, _ = direct_paged_decode_appending(q, cache, k_new, v_new, splits, merge)
+                    assert torch.equal(cache.k_cache.isnan(), full_k.isnan()), "append_last: k rows"
+                    for b in range(3):
+                        kb, vb = cache.gather(b)
+                        assert_close(out[b:b + 1], reference(q[b:b + 1], kb[None], vb[None]), dtype,
+                                     f"paged decode append_last splits={splits}")
                 q_lens = [70, 1, 130]
                 cache = Paged([70, 5, 150], page, 4, D, dtype)
                 qr = rand((sum(q_lens), 16, D), dtype)

@@ -76,6 +76,14 @@ struct AttentionParams {
     // at launch and left 0: with them the mma decode kernel merges its own splits (the
     // last block of a unit does) and no combine kernel runs.
     int* ws_count = nullptr;
+
+    // Paged decode's in-kernel append (decode_mma_kernel<PagedKV>; null: none): request b's
+    // new key / value, the token at its last position kv_lens[b] - 1, are the rows
+    // k_new + b * k_new_stride_b + h * k_new_stride_h (v_new alike; 16-byte aligned rows).
+    const void* k_new = nullptr;
+    const void* v_new = nullptr;
+    int64_t k_new_stride_b = 0, k_new_stride_h = 0;
+    int64_t v_new_stride_b = 0, v_new_stride_h = 0;
 };
 
 }  // namespace astrai::attn

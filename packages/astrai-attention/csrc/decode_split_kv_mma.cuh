@@ -14,6 +14,21 @@
 // launch. The in-kernel merge measured slower on an H200 (one SM reads all of a unit's
 // partials after a fence and an atomic round trip, where the combine grid spreads them
 // over B x Hq blocks), so it is an option of the modules, not the default.
+//
+// The in-kernel append (paged, p.k_new set): a decode step's new key/value of request b is
+// the token at its last position L - 1 (L = kv_lens[b]), stored at page
+// kv_indices[kv_indptr[b] + (L - 1) / page], slot (L - 1) % page. Race-free by construction,
+// because no block of the launch reads that cache row:
+// - every block whose tiles cover position L - 1 copies that row into its K/V tile from
+//   k_new / v_new instead of from the cache (the only change to the loads);
+// - exactly one block per (request, kv head) writes it to the cache: head group 0 of the
+//   split holding the request's last tile, after its main loop, from the tile row it has
+//   in shared memory (already waited on and barrier-synchronized for the scores);
+// - other requests never read the row: it is the append target of request b alone (the
+//   caller's contract, as with kv_append's distinct slots).
+// Nothing in the launch depends on the written bytes, so no fence or ordering is needed;
+// the stream's next kernel sees them as it sees the output. A request with kv_lens[b] == 0
+// has no position to write and appends nothing.
 #pragma once
 
 #include "common.h"
@@ -169,6 +184,8 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     const int t_begin = min(n_tiles, split * per_split);
     const int t_end = min(n_tiles, t_begin + per_split);
     const int my_tiles = t_end - t_begin;
+    // The in-kernel append's position (the header explains the scheme); -1 matches none.
+    const int new_pos = KV::kPaged && p.k_new != nullptr ? kv_len - 1 : -1;
 
     const T* q = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b;
     for (int i = tid; i < C::kHeads * C::kChunks; i += C::kThreads) {
@@ -206,9 +223,17 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
             ko = ok ? ko : 0;
             vo = ok ? vo : 0;
+            const T* k_src = kg + ko;
+            const T* v_src = vg + vo;
+            if constexpr (KV::kPaged) {
+                if (pos == new_pos) {  // this step's token: from k_new / v_new, not the cache
+                    k_src = static_cast<const T*>(p.k_new) + int64_t(b) * p.k_new_stride_b + kvh * p.k_new_stride_h;
+                    v_src = static_cast<const T*>(p.v_new) + int64_t(b) * p.v_new_stride_b + kvh * p.v_new_stride_h;
+                }
+            }
             const uint32_t off = Tile::offset(r, ld_c);
-            cp_async_16(sK + stage * C::kTileBytes + off, kg + ko + ld_c * 8, ok);
-            cp_async_16(sV + stage * C::kTileBytes + off, vg + vo + ld_c * 8, ok);
+            cp_async_16(sK + stage * C::kTileBytes + off, k_src + ld_c * 8, ok);
+            cp_async_16(sV + stage * C::kTileBytes + off, v_src + ld_c * 8, ok);
         }
     };
     // After the copies of tile j - 1: make hnd the ids of tile j (relative indices).
@@ -320,6 +345,23 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     // it waits in griddepcontrol.wait until this grid has completed.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+    if constexpr (KV::kPaged) {
+        // The in-kernel append's one writer: the new row is row r of the last tile, whose
+        // stage the loop's last barrier made visible and which no later copy overwrote.
+        const bool writer = new_pos >= 0 && hgrp == 0 && my_tiles > 0 && t_end == n_tiles;
+        if (writer && tid < 2 * C::kChunks) {
+            const int c = tid % C::kChunks;
+            const bool is_v = tid >= C::kChunks;
+            const int r = new_pos - (n_tiles - 1) * C::kBN;
+            const int stage = (my_tiles - 1) % C::kStages;
+            const uint4 row = *reinterpret_cast<const uint4*>(
+                smem + (is_v ? C::kStages : 0) * C::kTileBytes + stage * C::kTileBytes + Tile::offset(r, c));
+            int64_t ko, vo;
+            KV::offsets(p, req, KV::fetch(p, req, new_pos), new_pos, kvh, ko, vo);
+            T* dst = const_cast<T*>(is_v ? vg + vo : kg + ko) + c * 8;  // the caller's mutable cache
+            *reinterpret_cast<uint4*>(dst) = row;
+        }
+    }
     cp_async_wait<0>();
     __syncthreads();  // the ring is reused for the warp merge below
 

@@ -76,6 +76,14 @@ void launch_pdl(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t str
     ASTRAI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+// Whether the decode kernel appends a decode step's token itself (p.k_new): the mma kernel
+// does; the scalar fallback doesn't, and its callers launch kv_append first.
+#ifdef ASTRAI_NO_MMA
+constexpr bool kDecodeAppendsInKernel = false;
+#else
+constexpr bool kDecodeAppendsInKernel = true;
+#endif
+
 // pdl: also launch the split grid with programmatic dependent launch on sm_90+ (the
 // combine grid always is). Off by default: measured on an H200 in CUDA graphs of
 // back-to-back decode calls, an early-scheduled split grid cost 0.9-1.1 us at batch 1 and

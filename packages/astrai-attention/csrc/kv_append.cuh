@@ -6,9 +6,15 @@
 //   each other, viewed as rows [num_pages * page_size, Hkv, D]; slots int64 [T]: token t goes
 //   to row slots[t]. A slot outside the rows is skipped (the plan's slots never are).
 //
-// check_kv_append validates everything on the host (ValueError naming the argument) and
-// fills the params; launch_kv_append then only launches. Copies move 16 bytes per thread
-// when every pointer, stride and row allows it, else one element.
+// A decode step's append needs no slots: with the page table instead (check_kv_append_last),
+// request b's one new token k_new[b] goes to its last position kv_lens[b] - 1, the row
+// kv_indices[kv_indptr[b] + (L - 1) / page_size] * page_size + (L - 1) % page_size
+// (nothing for L = 0). The paged decode kernel can do this append itself
+// (decode_split_kv_mma.cuh); this kernel serves the cases it can't.
+//
+// check_kv_append / check_kv_append_last validate everything on the host (ValueError naming
+// the argument) and fill the params; launch_kv_append then only launches. Copies move 16
+// bytes per thread when every pointer, stride and row allows it, else one element.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,13 +32,25 @@ struct KvAppendParams {
     char* dst[2] = {};        // k_cache, v_cache rows
     int64_t src_stride_b[2] = {}, src_stride_l[2] = {}, src_stride_h[2] = {};  // bytes
     int64_t dst_stride_row[2] = {}, dst_stride_h[2] = {};                      // bytes
-    const int64_t* slots = nullptr;
+    const int64_t* slots = nullptr;  // null: the page table's last positions (below)
+    const int32_t* kv_indptr = nullptr;
+    const int32_t* kv_indices = nullptr;
+    const int32_t* kv_lens = nullptr;
+    int64_t page_size = 1;
     int64_t rows = 0;     // num_pages * page_size
     int64_t tokens = 0;   // T
     int64_t seq_len = 1;  // L of a [B, L, H, D] input (T for [T, H, D])
     int64_t heads = 0;
     int64_t units = 0;    // copy units per head row
 };
+
+// The cache row of token t: slots[t], or the last position of request t (-1: none).
+__device__ __forceinline__ int64_t kv_append_row(const KvAppendParams& p, int64_t t) {
+    if (p.slots != nullptr) return p.slots[t];
+    const int64_t pos = int64_t(p.kv_lens[t]) - 1;
+    if (pos < 0) return -1;
+    return int64_t(p.kv_indices[p.kv_indptr[t] + pos / p.page_size]) * p.page_size + pos % p.page_size;
+}
 
 template <typename Unit>
 __global__ void kv_append_kernel(KvAppendParams p) {
@@ -44,7 +62,7 @@ __global__ void kv_append_kernel(KvAppendParams p) {
         const int64_t u = j % p.units;
         const int64_t h = (j / p.units) % p.heads;
         const int64_t t = j / (p.units * p.heads);
-        const int64_t row = p.slots[t];
+        const int64_t row = kv_append_row(p, t);
         if (row < 0 || row >= p.rows) continue;
         const int64_t b = t / p.seq_len, l = t - b * p.seq_len;
         const Unit* src = reinterpret_cast<const Unit*>(p.src[which] + b * p.src_stride_b[which] +
@@ -54,13 +72,11 @@ __global__ void kv_append_kernel(KvAppendParams p) {
     }
 }
 
-// Checks the append's arguments against each other (ValueError naming the argument) and
-// returns its params; `unit` is set to the copy width in bytes (16, or the element size).
-inline KvAppendParams check_kv_append(const TensorArg& k_new, const TensorArg& v_new, const TensorArg& k_cache,
-                                      const TensorArg& v_cache, const TensorArg& slots, int* unit) {
-    ASTRAI_CHECK(k_new.ndim() == 3 || k_new.ndim() == 4, k_new.name,
-                 ": expected [T, kv_heads, head_dim] or [B, L, kv_heads, head_dim], got shape ",
-                 shape_str(k_new.shape));
+// Checks k_new / v_new against each other and the caches, and fills what both append
+// modes share: pointers, head strides, rows, heads and copy units (`unit`: the copy width
+// in bytes, 16 or the element size); the callers set the token strides and the rows' source.
+inline KvAppendParams check_kv_rows(const TensorArg& k_new, const TensorArg& v_new, const TensorArg& k_cache,
+                                    const TensorArg& v_cache, int* unit) {
     ASTRAI_CHECK(v_new.shape == k_new.shape && v_new.dtype == k_new.dtype, v_new.name, ": expected ",
                  dtype_name(k_new.dtype), " ", shape_str(k_new.shape), " like ", k_new.name, ", got ",
                  dtype_name(v_new.dtype), " ", shape_str(v_new.shape));
@@ -76,13 +92,6 @@ inline KvAppendParams check_kv_append(const TensorArg& k_new, const TensorArg& v
     }
     ASTRAI_CHECK(v_cache.shape == k_cache.shape, v_cache.name, ": shape ", shape_str(v_cache.shape),
                  " differs from ", k_cache.name, "'s ", shape_str(k_cache.shape));
-    const int64_t tokens = k_new.ndim() == 3 ? k_new.size(0) : k_new.size(0) * k_new.size(1);
-    expect_ndim(slots, 1);
-    expect_dtype(slots, DType::Int64);
-    ASTRAI_CHECK(slots.size(0) == tokens, slots.name, ": expected one slot per new token [", tokens, "], got shape ",
-                 shape_str(slots.shape));
-    ASTRAI_CHECK(slots.size(0) <= 1 || slots.stride(0) == 1, slots.name, ": must be contiguous");
-    expect_data(slots, 8);
 
     const int64_t esize = dtype_size(k_new.dtype);
     const TensorArg* all[4] = {&k_new, &v_new, &k_cache, &v_cache};
@@ -99,21 +108,81 @@ inline KvAppendParams check_kv_append(const TensorArg& k_new, const TensorArg& v
     const TensorArg* src[2] = {&k_new, &v_new};
     const TensorArg* dst[2] = {&k_cache, &v_cache};
     for (int i = 0; i < 2; ++i) {
-        const TensorArg& s = *src[i];
-        p.src[i] = reinterpret_cast<const char*>(s.ptr);
-        p.src_stride_b[i] = s.ndim() == 4 ? s.stride(0) * esize : 0;
-        p.src_stride_l[i] = s.stride(-3) * esize;
-        p.src_stride_h[i] = s.stride(-2) * esize;
+        p.src[i] = reinterpret_cast<const char*>(src[i]->ptr);
+        p.src_stride_h[i] = src[i]->stride(-2) * esize;
         p.dst[i] = reinterpret_cast<char*>(dst[i]->ptr);
         p.dst_stride_row[i] = dst[i]->stride(1) * esize;
         p.dst_stride_h[i] = dst[i]->stride(2) * esize;
     }
-    p.slots = slots.data<const int64_t>();
     p.rows = k_cache.size(0) * k_cache.size(1);
-    p.tokens = tokens;
-    p.seq_len = k_new.ndim() == 4 ? k_new.size(1) : (tokens > 0 ? tokens : 1);
     p.heads = heads;
     p.units = dim * esize / *unit;
+    return p;
+}
+
+// Checks the append's arguments against each other (ValueError naming the argument) and
+// returns its params; `unit` is set to the copy width in bytes (16, or the element size).
+inline KvAppendParams check_kv_append(const TensorArg& k_new, const TensorArg& v_new, const TensorArg& k_cache,
+                                      const TensorArg& v_cache, const TensorArg& slots, int* unit) {
+    ASTRAI_CHECK(k_new.ndim() == 3 || k_new.ndim() == 4, k_new.name,
+                 ": expected [T, kv_heads, head_dim] or [B, L, kv_heads, head_dim], got shape ",
+                 shape_str(k_new.shape));
+    KvAppendParams p = check_kv_rows(k_new, v_new, k_cache, v_cache, unit);
+    const int64_t tokens = k_new.ndim() == 3 ? k_new.size(0) : k_new.size(0) * k_new.size(1);
+    expect_ndim(slots, 1);
+    expect_dtype(slots, DType::Int64);
+    ASTRAI_CHECK(slots.size(0) == tokens, slots.name, ": expected one slot per new token [", tokens, "], got shape ",
+                 shape_str(slots.shape));
+    ASTRAI_CHECK(slots.size(0) <= 1 || slots.stride(0) == 1, slots.name, ": must be contiguous");
+    expect_data(slots, 8);
+    const int64_t esize = dtype_size(k_new.dtype);
+    const TensorArg* src[2] = {&k_new, &v_new};
+    for (int i = 0; i < 2; ++i) {
+        p.src_stride_b[i] = src[i]->ndim() == 4 ? src[i]->stride(0) * esize : 0;
+        p.src_stride_l[i] = src[i]->stride(-3) * esize;
+    }
+    p.slots = slots.data<const int64_t>();
+    p.tokens = tokens;
+    p.seq_len = k_new.ndim() == 4 ? k_new.size(1) : (tokens > 0 ? tokens : 1);
+    return p;
+}
+
+// The dim of k_new that runs over the batch's requests, once k_new is checked to be one new
+// token per request, [B, 1, Hkv, D], [1, B, Hkv, D] or [B, Hkv, D], of the cache's dtype,
+// kv heads and head dim.
+inline int request_dim(const TensorArg& k_new, int64_t batch, const TensorArg& k_cache) {
+    expect_ndim(k_cache, 4);
+    const int64_t heads = k_cache.size(2), dim = k_cache.size(3);
+    const int n = k_new.ndim();
+    const bool rows_ok = n >= 3 && k_new.size(-2) == heads && k_new.size(-1) == dim;
+    const bool lead_ok = (n == 3 && k_new.size(0) == batch) ||
+                         (n == 4 && ((k_new.size(0) == batch && k_new.size(1) == 1) ||
+                                     (k_new.size(0) == 1 && k_new.size(1) == batch)));
+    ASTRAI_CHECK(rows_ok && lead_ok, k_new.name, ": append_last takes one new token per request, [", batch, ", 1, ",
+                 heads, ", ", dim, "], [1, ", batch, ", ", heads, ", ", dim, "] or [", batch, ", ", heads, ", ", dim,
+                 "] (the cache's kv_heads and head_dim); got shape ", shape_str(k_new.shape));
+    ASTRAI_CHECK(k_new.dtype == k_cache.dtype, k_new.name, ": dtype ", dtype_name(k_new.dtype), " differs from ",
+                 k_cache.name, "'s ", dtype_name(k_cache.dtype));
+    return n == 4 && k_new.size(0) == 1 && k_new.size(1) == batch ? 1 : 0;
+}
+
+// The append of a decode step (append_last): request b's one new token k_new[b] / v_new[b]
+// to its last position kv_lens[b] - 1 through the page table (kv_indptr [B + 1],
+// kv_indices, kv_lens [B] int32 device pointers, checked by the caller), no slots.
+inline KvAppendParams check_kv_append_last(const TensorArg& k_new, const TensorArg& v_new, const TensorArg& k_cache,
+                                           const TensorArg& v_cache, int64_t batch, const int32_t* kv_indptr,
+                                           const int32_t* kv_indices, const int32_t* kv_lens, int* unit) {
+    const int dim = request_dim(k_new, batch, k_cache);
+    KvAppendParams p = check_kv_rows(k_new, v_new, k_cache, v_cache, unit);
+    const int64_t esize = dtype_size(k_new.dtype);
+    const TensorArg* src[2] = {&k_new, &v_new};
+    for (int i = 0; i < 2; ++i) p.src_stride_b[i] = src[i]->stride(dim) * esize;
+    p.kv_indptr = kv_indptr;
+    p.kv_indices = kv_indices;
+    p.kv_lens = kv_lens;
+    p.page_size = k_cache.size(1);
+    p.tokens = batch;
+    p.seq_len = 1;
     return p;
 }
 

@@ -2,7 +2,7 @@
 //
 //   attn_paged_decode(q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_lens,
 //                     num_splits=1, ws_o=None, ws_lse=None, stream=0, ws_count=None,
-//                     pdl=False)
+//                     pdl=False, k_new=None, v_new=None, slots=None, append_last=False)
 //     q, out [B, 1, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; kv_indptr int32 [B+1];
 //     kv_indices int32 [nnz_pages]; kv_lens int32 [B] (tokens; the caller guarantees
 //     kv_lens[b] <= (kv_indptr[b+1] - kv_indptr[b]) * page)
@@ -14,6 +14,12 @@
 //   k_new, v_new, slots: optional, together: this step's keys/values are first written to
 //     rows slots of the caches (kv_append's arguments; checked with the rest, before either
 //     launch), so a decode step's append and attention cost one call
+//   append_last: with k_new, v_new [B, 1, Hkv, D] ([1, B, Hkv, D] or [B, Hkv, D]) and no
+//     slots: they are the keys/values of each request's last position kv_lens[b] - 1 (a
+//     decode step's one new token each), and the decode kernel writes them to the cache
+//     rows the page table gives that position itself: one launch per step (the scheme and
+//     why it is race-free: decode_split_kv_mma.cuh). Where it can't (rows not 16-byte
+//     aligned, a scalar-kernel build) kv_append writes them first, rows from the page table.
 //   kv_append(k_new, v_new, k_cache, v_cache, slots, stream): the append alone (kv_append.cuh)
 //   decode_plan(...) as in _attn_decode
 #include <pybind11/pybind11.h>
@@ -29,7 +35,7 @@ namespace py = pybind11;
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
                        py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
-                       py::handle k_new_a, py::handle v_new_a, py::handle slots_a) {
+                       py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -55,7 +61,27 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
-    if (!k_new_a.is_none() || !v_new_a.is_none() || !slots_a.is_none()) {
+    if (append_last) {
+        ASTRAI_CHECK(slots_a.is_none(), "slots: append_last derives each request's row from the page table; "
+                     "pass slots=None");
+        ASTRAI_CHECK(!k_new_a.is_none() && !v_new_a.is_none(), "k_new: append_last needs k_new and v_new, "
+                     "one new token per request [B, 1, kv_heads, head_dim]");
+        int unit = 0;
+        const KvAppendParams ap =
+            check_kv_append_last(bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a), k, v, B,
+                                 p.kv_indptr, p.kv_indices, p.kv_lens, &unit);
+        if (kDecodeAppendsInKernel && unit == 16) {
+            const int64_t esize = dtype_size(q.dtype);
+            p.k_new = ap.src[0];
+            p.v_new = ap.src[1];
+            p.k_new_stride_b = ap.src_stride_b[0] / esize;
+            p.k_new_stride_h = ap.src_stride_h[0] / esize;
+            p.v_new_stride_b = ap.src_stride_b[1] / esize;
+            p.v_new_stride_h = ap.src_stride_h[1] / esize;
+        } else {
+            launch_kv_append(ap, unit, stream);
+        }
+    } else if (!k_new_a.is_none() || !v_new_a.is_none() || !slots_a.is_none()) {
         ASTRAI_CHECK(!k_new_a.is_none() && !v_new_a.is_none() && !slots_a.is_none(),
                      "k_new: the append needs k_new, v_new and slots together");
         int unit = 0;
@@ -87,8 +113,10 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
           py::arg("stream") = 0, py::arg("ws_count") = py::none(), py::arg("pdl") = false,
           py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
+          py::arg("append_last") = false,
           "Decode attention over a paged KV cache into out (split-KV), after writing k_new / v_new\n"
-          "to rows slots of the caches when given.");
+          "to rows slots of the caches when given, or (append_last) to each request's last position\n"
+          "in the same launch.");
     m.def("kv_append", &astrai::attn::kv_append, py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("slots"), py::arg("stream"),
           "Write k_new / v_new [T, Hkv, D] or [B, L, Hkv, D] to rows slots (int64 [T]) of k_cache /\n"
@@ -97,4 +125,5 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
           "Split count of a decode launch (pure function of shapes).");
     m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
+    m.attr("APPEND_LAST") = true;  // attn_paged_decode takes append_last
 }

@@ -82,8 +82,10 @@ def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
     target.kv_indptr.copy_(starts)
     target.kv_lens[:n].copy_(plan.kv_lens)
     target.kv_lens[n:].fill_(1)
-    # The write slots, once derived, are a tensor of their own that the decode launch keeps
-    # (its fused KV append reads them): derive them again from the refilled table, in place.
+    # The write slots, once derived, are a tensor of their own that launches may keep (a
+    # decode module without the in-kernel append appends to them; the fused rotary append
+    # reads them): derive them again from the refilled table, in place. The in-kernel append
+    # needs nothing here: it reads the refilled kv_indptr / kv_indices / kv_lens.
     slots = target.__dict__.get("write_index")
     if slots is not None:
         slots.copy_(BatchPlan.write_index.func(target))

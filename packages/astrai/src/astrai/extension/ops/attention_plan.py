@@ -24,6 +24,7 @@ With ``ASTRAI_DEBUG=1`` the plan checks its page table on the device once, when 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,11 @@ def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
 class PagedDecodeLaunch:
     """One batch's paged decode launch; call it with ``(q [B, 1, Hq, D], k_cache, v_cache)``.
 
-    ``slots`` (int64 ``[B]``, the plan's ``write_index``): given when the compiled module
-    writes the step's keys/values itself; :attr:`appends` then says so, and a call with
-    ``k_new`` / ``v_new`` (``[B, 1, Hkv, D]`` or ``[1, B, Hkv, D]``) writes them to the caches
-    in the same binding call, before attending.
+    When the compiled module writes the step's keys/values itself, :attr:`appends` says so,
+    and a call with ``k_new`` / ``v_new`` (``[B, 1, Hkv, D]`` or ``[1, B, Hkv, D]``) writes
+    them to the caches in the same binding call: with :attr:`append_last`, inside the decode
+    launch, to each request's last position through the page table; else first, to rows
+    ``slots`` (int64 ``[B]``, the plan's ``write_index``).
     """
 
     kv_indptr: torch.Tensor
@@ -69,12 +71,13 @@ class PagedDecodeLaunch:
     _table_args: tuple  # kv_indptr .. ws_lse in the binding's order
     _tail_args: tuple  # ws_count, pdl (after the stream)
     slots: torch.Tensor | None = None
-    _slots_arg: tuple | None = None
+    append_last: bool = False
+    _append_args: tuple | None = None  # the binding's (slots) or (slots=None, append_last=True)
 
     @property
     def appends(self) -> bool:
         """True when a call can write the step's keys/values (the module has the fused append)."""
-        return self._slots_arg is not None
+        return self._append_args is not None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
@@ -85,7 +88,7 @@ class PagedDecodeLaunch:
                 raise ValueError("k_new: the fused append runs in eager mode only (append first)")
             return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
                                      num_splits=self.num_splits)
-        if k_new is not None and self._slots_arg is None:
+        if k_new is not None and self._append_args is None:
             raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
         return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new)
 
@@ -96,7 +99,7 @@ class PagedDecodeLaunch:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper to call than torch.empty
         head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
         tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
-                                                      self._slots_arg)
+                                                      *self._append_args)
         _run(self._device_index, self._entry, head, tail)
         return out
 
@@ -137,15 +140,23 @@ def _device_index(t: torch.Tensor) -> int:
 def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor, *,
                       q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
                       num_pages: int, in_kernel_merge: bool = False, pdl: bool = False,
-                      slots: torch.Tensor | None = None) -> PagedDecodeLaunch:
+                      slots: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                      append_last: bool = False) -> PagedDecodeLaunch:
     """Plan a batch's paged decode (see the module docstring).
 
     ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
     every split. ``in_kernel_merge`` / ``pdl``: the compiled module's alternatives to the
     combine kernel and to a plain launch, off by default (measured slower:
     docs/kernels/attention.md). ``page_size`` / ``num_pages``: the cache's, for the page-table
-    checks. ``slots``: the plan's ``write_index`` (int64 ``[B]``), to append in the launch
-    where the compiled module can (``PagedDecodeLaunch.appends``).
+    checks.
+
+    Appending in the launch, where the compiled module can (``PagedDecodeLaunch.appends``):
+    ``append_last`` is the caller's word that every request adds exactly one token, at its
+    last position ``kv_lens[b] - 1`` (a decode step); the decode kernel then writes it to the
+    row the page table gives that position (what the table holds when the launch runs, so a
+    CUDA graph replay writes its own step's rows). Otherwise, or with a module built before
+    that, ``slots``: the plan's ``write_index`` (int64 ``[B]``), or a callable returning it,
+    called only when the launch needs it.
     """
     batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
     check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
@@ -163,15 +174,23 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
                 if in_kernel_merge and splits > 1 else None)
     table = (tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o),
              tensor_arg(ws_lse))
-    if slots is not None:
-        if slots.dtype != torch.int64 or slots.shape != (batch,) or slots.device != device:
-            raise ValueError(f"slots must be int64 [{batch}] on {device} (one cache row per request), got "
-                             f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
-        if getattr(module, "kv_append", None) is None:  # a module built before the fused append
-            slots = None
+    append_last = bool(append_last) and bool(getattr(module, "APPEND_LAST", False))
+    slots = None if append_last else _checked_slots(slots, batch, device, module)
+    append_args = (None, True) if append_last else None if slots is None else (tensor_arg(slots),)
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
                              module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
-                             None if slots is None else tensor_arg(slots))
+                             append_last, append_args)
+
+
+def _checked_slots(slots, batch: int, device: torch.device, module) -> torch.Tensor | None:
+    """``slots`` (called if a callable) once checked, or None where the module can't append."""
+    can_append = getattr(module, "kv_append", None) is not None  # not a module built before the fused append
+    if callable(slots):
+        slots = slots() if can_append else None
+    if slots is not None and (slots.dtype != torch.int64 or slots.shape != (batch,) or slots.device != device):
+        raise ValueError(f"slots must be int64 [{batch}] on {device} (one cache row per request), got "
+                         f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
+    return slots if can_append else None
 
 
 def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

@@ -94,7 +94,8 @@ class CudaBackend(AttentionBackend):
 
     def _decode_step(self, q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
         """An eager decode call, validated by the policy layer: the step's keys/values are
-        written by the decode launch itself (one binding call) where the compiled module can."""
+        written by the decode launch itself where the compiled module can (one binding call;
+        with ``append_last``, one kernel launch)."""
         plan = kv_cache.active_plan
         launch = self._launch(kv_cache, plan, q.shape[2], True)
         cache_args = _layer_args(kv_cache, layer_id)
@@ -161,10 +162,12 @@ def _layer_args(kv_cache: PagedKVCache, layer_id: int) -> tuple:
 
 def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: bool):
     if decode:
+        # A decode plan's new tokens are each request's last position by construction, so
+        # the kernel can append them through the page table (no write_index to derive).
         return plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=q_heads,
                                  kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
                                  page_size=kv_cache.page_size, num_pages=kv_cache.num_pages,
-                                 slots=plan.write_index)
+                                 append_last=plan.is_decode, slots=lambda: plan.write_index)
     tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
     return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
                               total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
