@@ -292,12 +292,19 @@ def _update_group(group: _RoleGroup, recipe: DelayedScaling, runtime) -> None:
     """``_update`` of a single group (one linear's step): its own tensors, no batch."""
     graphing = capturing(group.device)
     hist, scale, scale_inv, pending = group.tensors
-    _fold_refs([group], pending)
+    roles = group.roles
+    for role in roles:  # ``_fold_refs`` of one group: a kernel per role holding a kept amax
+        ref = role._ref
+        if ref is not None:
+            if role._recorded:
+                torch.maximum(role._slot, ref, out=role._slot)
+            else:
+                role._slot.copy_(ref)
     fp8_runners.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
                              recipe.amax_compute_algo == "most_recent", runtime, group.launch_args)
     if graphing:
         group.graphed = True
-    for role in group.roles:
+    for role in roles:
         role._close_step()
 
 
