@@ -157,7 +157,8 @@ class _Fp8Linear(torch.autograd.Function):
         k_major = plan.k_major
         save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
         # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
-        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
+        x_role = state.forward_roles.roles[0]  # the input's
+        xq, xq_t, sx, _ = _quantize(x2d, x_role, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
                                     reuse=None if need_dw and not save_x_t else "x")
         wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
         y = plan.gemm(xq, wq.t(), sx, sw, bias)
@@ -267,7 +268,7 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     state = _state_for(weight, region.recipe)
     region.touched.setdefault(id(state), state)
     out_dtype = x.dtype
-    device_type = x.device.type
+    device_type = state.forward_roles.device_type  # x's: the weight's device, the state's
     if torch.is_autocast_enabled(device_type):
         out_dtype = torch.get_autocast_dtype(device_type)
     two_d = x.dim() == 2

@@ -179,7 +179,7 @@ class _RoleGroup:
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         window = length if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max" else 1
         self.fmt = fmt
-        self.device = device
+        self.device, self.device_type = device, device.type
         self.rows = _ROW * roles
         self.delayed = isinstance(recipe, DelayedScaling)
         # True once a CUDA graph captured a step of these roles: replays then move the scales
@@ -221,7 +221,7 @@ class _RoleGroup:
 
     def to(self, device: torch.device) -> None:
         last_used = [(role.scale.to(device), role.scale_inv.to(device)) for role in self.roles]
-        self._zero, self._batch, self.device = self._zero.to(device), None, device
+        self._zero, self._batch, self.device, self.device_type = self._zero.to(device), None, device, device.type
         self._use(*(t.to(device) for t in self.tensors))
         for role, (scale, scale_inv) in zip(self.roles, last_used):
             if not self.delayed:

@@ -74,16 +74,13 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
         return run_torch
     launch = ops_fp8.quantize_launcher(module, fmt)
     scratch = ops_fp8.QuantizeScratch(fmt)
-    launch_stream = ops_fp8.launch_stream
 
     def run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
         if not x.is_contiguous():
             x = x.contiguous()
-        stream = launch_stream(x.device)  # looked up once, for the scratch key and the launch
-        kept = None if reuse is None else scratch.outputs(x, out_layout, reuse, reuse_t, stream)
         try:
-            q, q_t = launch(x, multiplier, out_layout, out, cache, kept, stream)
+            q, q_t = launch(x, multiplier, out_layout, out, cache, scratch, reuse, reuse_t)
         except RuntimeError:
             if not policy._plugin_broken(runtime, "fp8_quantize", device):
                 raise

@@ -128,16 +128,16 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
 
 @functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax, cache=None, out=None, stream=None) -> (q, q_t)``
-    for one module and format: the quantize call itself, arguments taken as valid (2-D
-    row-major ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d
-    tensor, possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t``
-    None for the layout not asked for. What does not change between calls (the output
-    dtype and its code, the absent output's argument, the entry point) is looked up once;
-    ``cache``, a dict kept by the caller with its ``scale`` and ``amax`` tensors, keeps
-    their ABI arguments while the same tensors come back; ``out``, outputs a
-    ``QuantizeScratch`` keeps (made here where it has none); ``stream``, the raw current
-    stream when ``x``'s device is the current one (``launch_stream``), else None. For
+    """``launch(x, scale, out_layout, amax, cache=None, scratch=None, tag=None, keep_t=False)
+    -> (q, q_t)`` for one module and format: the quantize call itself, arguments taken as
+    valid (2-D row-major ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32
+    0-d tensor, possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t``
+    None for the layout not asked for. What does not change between calls (the output dtype and its code, the absent
+    output's argument, the entry point) is looked up once; ``cache``, a dict kept by the
+    caller with its ``scale`` and ``amax`` tensors, keeps their ABI arguments while the
+    same tensors come back; ``scratch`` with ``tag``: the outputs come from that
+    ``QuantizeScratch`` (``q_t`` too if ``keep_t``) instead of fresh allocations. The
+    device's stream is looked up once per call, for the scratch key and the launch. For
     callers that checked once and call often (the FP8 linear); everyone else goes through
     ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
@@ -146,11 +146,14 @@ def quantize_launcher(module, fmt: str):
     entry = module.quantize
 
     def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor,
-                        cache: dict | None = None, out: tuple | None = None, stream: int | None = None):
+                        cache: dict | None = None, scratch: QuantizeScratch | None = None,
+                        tag: str | None = None, keep_t: bool = False):
         rows, cols = x.shape
+        stream = _stream_if_current(x.device)
+        out = None if tag is None else scratch.outputs(x, out_layout, tag, keep_t, stream)
         if out is None:
             q = q_t = None
-        else:  # from a QuantizeScratch: (q, q_t) kept with their arguments, None where fresh
+        else:  # (q, q_t) kept with their arguments, None where fresh
             q, q_t, q_arg, qt_arg = out
         if out_layout == 1:
             q_arg = absent
@@ -163,23 +166,21 @@ def quantize_launcher(module, fmt: str):
             q_t = torch.empty(cols, rows, dtype=dtype, device=x.device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
         kept = None if cache is None else cache.get("quantize")
-        if kept is not None and kept[0] is scale and kept[1] is amax:
-            scale_arg, amax_arg = kept[2], kept[3]
-        else:
-            scale_arg, amax_arg = tensor_arg(scale), tensor_arg(amax)
+        if kept is None or kept[0] is not scale or kept[1] is not amax:
+            kept = (scale, amax, tensor_arg(scale), tensor_arg(amax))
             if cache is not None:  # the tensors are kept with their arguments: their addresses stay theirs
-                cache["quantize"] = (scale, amax, scale_arg, amax_arg)
+                cache["quantize"] = kept
         x_arg = (x.data_ptr(), (rows, cols), x.stride(), DTYPE_CODES[x.dtype])
         if stream is None:
-            launch(x.device, entry, x_arg, scale_arg, q_arg, qt_arg, amax_arg, out_layout)
+            launch(x.device, entry, x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout)
         else:
-            entry(x_arg, scale_arg, q_arg, qt_arg, amax_arg, out_layout, stream)
+            entry(x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout, stream)
         return q, q_t
 
     return launch_quantize
 
 
-def launch_stream(device: torch.device) -> int | None:
+def _stream_if_current(device: torch.device) -> int | None:
     """The raw current stream of ``device`` when it is the current CUDA device (a launch
     there needs no device switch), else None (``abi.launch`` switches)."""
     index = device.index
@@ -332,9 +333,9 @@ def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, scale: torch
         kept = (module, module.scale_update, args)
         if cache is not None:
             cache["scale_update"] = kept
-    _, entry, (hist_arg, pending_arg, prev_arg, scale_arg, inv_arg) = kept
-    stream = launch_stream(hist.device)
+    _, entry, args = kept
+    stream = _stream_if_current(hist.device)
     if stream is None:
-        launch(hist.device, entry, hist_arg, pending_arg, prev_arg, scale_arg, inv_arg, float(factor), bool(most_recent))
+        launch(hist.device, entry, *args, float(factor), bool(most_recent))
     else:
-        entry(hist_arg, pending_arg, prev_arg, scale_arg, inv_arg, float(factor), bool(most_recent), stream)
+        entry(*args, float(factor), bool(most_recent), stream)
