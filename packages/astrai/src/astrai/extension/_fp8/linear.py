@@ -242,12 +242,13 @@ def _fp8_capable(x, weight, bias) -> bool:
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and x.dtype in QUANTIZE_INPUT_DTYPES and weight.dtype in QUANTIZE_INPUT_DTYPES):
         return False
-    if (weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
-            or x.numel() == 0 or weight.numel() == 0 or x.device != weight.device):
+    if weight.dim() != 2 or x.dim() < 1:
+        return False
+    n, k = weight.shape
+    if x.shape[-1] != k or x.numel() == 0 or n * k == 0 or x.device != weight.device:
         return False
     return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in QUANTIZE_INPUT_DTYPES
-                            and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
-                            and bias.device == weight.device)
+                            and bias.dim() == 1 and bias.shape[0] == n and bias.device == weight.device)
 
 
 # ``_Fp8Linear.apply`` past ``Function.apply``'s Python: the C entry that ends in, bound to

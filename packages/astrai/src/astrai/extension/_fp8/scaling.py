@@ -130,28 +130,31 @@ class TensorScaling:
         """
         self.updates += 1
         self._recorded, self._ref = False, None
-        if self._window is None:
+        window = self._window
+        if window is None:
             self.epoch += 1
             return
-        window, counts = self._window, self._in_window
-        left, came = set(), set()  # contents leaving / entering the union
-        if len(window) == window.maxlen:
-            for token in window[-1]:  # the oldest slot drops out as the new one arrives
-                if counts[token] == 1:
-                    del counts[token]
-                    left.add(token)
-                else:
-                    counts[token] -= 1
-        new = frozenset(self._tokens)
-        window.appendleft(new)
-        for token in new:
+        # the union of the window's contents changes iff a content leaves it (its count
+        # drops to zero) and is not in the new slot, or one enters it that the oldest slot
+        # (leaving) did not hold
+        counts, tokens = self._in_window, self._tokens
+        changed = not self._window_closed  # a first update always counts as a change
+        oldest = window[-1] if len(window) == window.maxlen else ()
+        for token in oldest:
+            if counts[token] == 1:
+                del counts[token]
+                changed = changed or token not in tokens
+            else:
+                counts[token] -= 1
+        window.appendleft(frozenset(tokens))
+        for token in tokens:
             if token in counts:
                 counts[token] += 1
             else:
                 counts[token] = 1
-                came.add(token)
+                changed = changed or token not in oldest
         self._tokens = set()
-        if left != came or not self._window_closed:
+        if changed:
             self.epoch += 1
         self._window_closed = True
 

@@ -149,7 +149,8 @@ def quantize_launcher(module, fmt: str):
                         cache: dict | None = None, scratch: QuantizeScratch | None = None,
                         tag: str | None = None, keep_t: bool = False):
         rows, cols = x.shape
-        stream = _stream_if_current(x.device)
+        device = x.device
+        stream = _stream_if_current(device)
         out = None if tag is None else scratch.outputs(x, out_layout, tag, keep_t, stream)
         if out is None:
             q = q_t = None
@@ -158,12 +159,12 @@ def quantize_launcher(module, fmt: str):
         if out_layout == 1:
             q_arg = absent
         elif q is None:
-            q = torch.empty(rows, cols, dtype=dtype, device=x.device)
+            q = torch.empty(rows, cols, dtype=dtype, device=device)
             q_arg = (q.data_ptr(), (rows, cols), (cols, 1), code)
         if out_layout == 0:
             qt_arg = absent
         elif q_t is None:
-            q_t = torch.empty(cols, rows, dtype=dtype, device=x.device)
+            q_t = torch.empty(cols, rows, dtype=dtype, device=device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
         kept = None if cache is None else cache.get("quantize")
         if kept is None or kept[0] is not scale or kept[1] is not amax:
@@ -172,7 +173,7 @@ def quantize_launcher(module, fmt: str):
                 cache["quantize"] = kept
         x_arg = (x.data_ptr(), (rows, cols), x.stride(), DTYPE_CODES[x.dtype])
         if stream is None:
-            launch(x.device, entry, x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout)
+            launch(device, entry, x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout)
         else:
             entry(x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout, stream)
         return q, q_t
