@@ -125,12 +125,9 @@ class PagedDecodeLaunch:
         def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
                 v_new: torch.Tensor | None) -> torch.Tensor:
             ptr = q.data_ptr()
-            if ptr % 16:  # rows the kernels cannot stream: run_eager copies them
-                return self.run_eager(q, cache_args, k_new, v_new)
             current = current_device()
-            if current != index:  # launch on the plan's device, as _run does
-                with torch.cuda.device(index):
-                    return run(q, cache_args, k_new, v_new)
+            if ptr % 16 or current != index:  # rows to copy, or another device current: run_eager does both
+                return self.run_eager(q, cache_args, k_new, v_new)
             out = torch.empty_like(q) if same_layout else torch.empty_like(q, memory_format=contiguous)
             k_cache, v_cache = cache_args
             if k_new is None:

@@ -92,16 +92,19 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         nonlocal entry
-        current = current_device()
-        if current != index and index is not None:  # launch on x's device, as abi.launch does
-            with torch.cuda.device(device):
-                return run(x, cos, sin, positions)
         if entry is None:
             entry = _plugin.require(OP, device).rotary
         out = torch.empty_like(x) if same_layout else torch.empty_like(x, memory_format=contiguous)
-        entry((x.data_ptr(), x_shape, x_strides, x_code), None, (cos.data_ptr(), c_shape, c_strides, c_code),
-              (sin.data_ptr(), s_shape, s_strides, s_code), None if positions is None else (positions.data_ptr(), *p_meta),
-              (out.data_ptr(), x_shape, out_strides, x_code), None, interleaved, inverse, current_stream(current))
+        x_arg = (x.data_ptr(), x_shape, x_strides, x_code)
+        cos_arg = (cos.data_ptr(), c_shape, c_strides, c_code)
+        sin_arg = (sin.data_ptr(), s_shape, s_strides, s_code)
+        pos_arg = None if positions is None else (positions.data_ptr(), *p_meta)
+        out_arg = (out.data_ptr(), x_shape, out_strides, x_code)
+        current = current_device()
+        if current == index or index is None:  # abi.launch, inline
+            entry(x_arg, None, cos_arg, sin_arg, pos_arg, out_arg, None, interleaved, inverse, current_stream(current))
+        else:
+            launch(device, entry, x_arg, None, cos_arg, sin_arg, pos_arg, out_arg, None, interleaved, inverse)
         return out
 
     return run
