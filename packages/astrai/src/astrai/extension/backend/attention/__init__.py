@@ -147,8 +147,8 @@ class AttentionPolicy:
         one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
         policy (bounded); cache calls by their batch's plan, for every layer (so per batch,
         every call after the first, and forgotten with the plan): ``layer_id``, the one fact
-        that varies between the layers, is checked on every call. The strides are part of the
-        key for the backends' eager runners (which convert the layouts once)."""
+        that varies between the layers, is checked on every call. For cache calls the strides
+        are part of the key, for the backends' eager runners (which convert the layouts once)."""
         if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
             return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         if kv_cache is None:
@@ -164,9 +164,9 @@ class AttentionPolicy:
                 return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         else:
             return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
-        key = ("described", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, fwd, type(is_causal), is_causal,
-               (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               fwd, type(is_causal), is_causal, (q.requires_grad or k.requires_grad or v.requires_grad)
+               and torch.is_grad_enabled(), None if kv_cache is None else (q.stride(), k.stride(), v.stride()))
         found = memo.get(key)
         if found is None:
             found = memo[key] = _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), True)

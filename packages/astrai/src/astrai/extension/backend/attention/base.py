@@ -155,9 +155,9 @@ class AttentionBackend(ABC):
     def eager_runner(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: PagedKVCache | None):
         """Optional: what this backend runs for eager calls like this one (plain tensors of the
-        same shapes, strides, dtypes and devices; with a cache, the same plan), the per-call
-        work reduced to a launch: ``run(q, k, v, kv_cache, layer_id, appended)`` doing what
-        :meth:`forward` does. None (the default): the policy calls :meth:`forward`."""
+        same shapes, dtypes and devices; with a cache, also the same strides and plan), the
+        per-call work reduced to a launch: ``run(q, k, v, kv_cache, layer_id, appended)`` doing
+        what :meth:`forward` does. None (the default): the policy calls :meth:`forward`."""
         return None
 
     def __repr__(self) -> str:
