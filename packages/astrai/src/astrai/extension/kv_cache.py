@@ -302,7 +302,7 @@ class PagedKVCache:
             head += slots
         flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
         kv_indices = self._table.apply(seq_ids, flat, parts)
-        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2])
+        views = flat.split_with_sizes([batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2, flat.shape[0] - parts[0]])
         plan = BatchPlan(
             seq_ids=seq_ids,
             page_size=self.page_size,

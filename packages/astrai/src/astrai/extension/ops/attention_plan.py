@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import current_device, current_stream, dtype_code, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -114,7 +114,7 @@ class PagedDecodeLaunch:
                 strides[-1] == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(strides[:-1], shape[:-1])))):
             return None
         code = dtype_code(q)
-        out_strides = tuple(torch.empty(shape, device="meta").stride())
+        out_strides = contiguous_strides(shape)
         same_layout = strides == out_strides  # empty_like(q) is contiguous, and cheaper without the keyword
         contiguous = torch.contiguous_format
         k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))

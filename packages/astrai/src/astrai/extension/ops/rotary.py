@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import current_device, current_stream, dtype_code, launch, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, launch, tensor_arg
 from . import _plugin
 from .rotary_args import check_freqs, check_positions, check_qk, check_x
 
@@ -84,7 +84,7 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     c_shape, c_strides, c_code = tuple(cos.shape), tuple(cos.stride()), dtype_code(cos)
     s_shape, s_strides, s_code = tuple(sin.shape), tuple(sin.stride()), dtype_code(sin)
     p_meta = None if positions is None else (tuple(positions.shape), tuple(positions.stride()), dtype_code(positions))
-    out_strides = tuple(torch.empty(x.shape, device="meta").stride())
+    out_strides = contiguous_strides(x_shape)
     # empty_like(x) is contiguous when x is (exactly these strides), and cheaper to call without a keyword
     same_layout = x_strides == out_strides
     contiguous = torch.contiguous_format

@@ -165,8 +165,9 @@ class AttentionPolicy:
         else:
             return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               fwd, type(is_causal), is_causal, (q.requires_grad or k.requires_grad or v.requires_grad)
-               and torch.is_grad_enabled(), None if kv_cache is None else (q.stride(), k.stride(), v.stride()))
+               fwd, type(is_causal), is_causal, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                             or v.requires_grad),
+               None if kv_cache is None else (q.stride(), k.stride(), v.stride()))
         found = memo.get(key)
         if found is None:
             found = memo[key] = _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), True)
