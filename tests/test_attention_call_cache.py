@@ -74,3 +74,17 @@ def test_cache_calls_are_remembered_per_plan_and_still_validated():
     assert not any(key[0] == "described" for key in decode.launches if isinstance(key, tuple))
     with pytest.raises(ValueError, match="q has shape"):  # the new batch adds one token
         policy(q, k, k, kv_cache=cache, layer_id=0)
+
+
+def test_a_remembered_dense_shape_runs_any_layout():
+    """Dense calls are remembered without their strides: the runner must not depend on them."""
+    policy = AttentionPolicy([TorchNativeBackend()])
+    for seed, causal in ((0, False), (1, True), (2, False)):
+        q, k, v = qkv(seed, lq=5)
+        k, v = k[:, :5], v[:, :5]
+        layouts = [(q, k, v), tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)),
+                   tuple(t.transpose(0, 3).contiguous().transpose(0, 3) for t in (q, k, v))]
+        for q_, k_, v_ in layouts:
+            torch.testing.assert_close(policy(q_, k_, v_, is_causal=causal).double(),
+                                       attention_ref(q, k, v, is_causal=causal), **tolerance(torch.float32))
+    assert len(policy._dense_calls) == 2

@@ -45,6 +45,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
     monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
     monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
+    monkeypatch.setattr(attention_plan, "current_device", lambda: 0)  # the runners launch on the current stream
+    monkeypatch.setattr(attention_plan, "current_stream", lambda index: 0)
     return module
 
 
@@ -138,6 +140,8 @@ def test_a_decode_step_appends_in_the_decode_launch_where_the_module_can(monkeyp
     monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
     monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
     monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
+    monkeypatch.setattr(attention_plan, "current_device", lambda: 0)
+    monkeypatch.setattr(attention_plan, "current_stream", lambda index: 0)
     cache, plan = decode_cache([6, 3])
     before = cache.k_pages.clone()
     backend = CudaBackend()
@@ -211,8 +215,7 @@ def test_a_decode_step_appends_inside_the_decode_kernel_through_the_page_table(m
         assert slots is None and append_last is True  # rows from the page table the launch reads
     assert torch.equal(cache.k_pages, before)  # no index_copy_: the launch wrote (here: nothing)
     launch = plan.launches[("cuda", "decode", HQ)]
-    assert launch.appends and launch.append_last and launch.slots is None
-    assert "write_index" not in plan.__dict__  # never derived: a graph replay has no stale slots to read
+    assert launch.appends and launch.append_last and launch.slots is None  # a graph replay reads no stale slots
 
 
 def test_append_last_is_asked_for_only_when_every_request_appends_its_last_position(monkeypatch):
@@ -269,3 +272,77 @@ def test_a_launch_with_append_last_passes_the_page_table_mode_only_with_k_new(mo
     assert module.launches[-1][-2:] == (None, True)
     launch(torch.randn(1, 1, HQ, D).bfloat16(), cache.k_cache(0), cache.v_cache(0))
     assert module.launches[-1][-2:] == (None, False)  # no k_new: ws_count, pdl, nothing appended
+
+
+# -- the per-kind-of-call runner (what the policy runs for a remembered eager decode call) --
+
+
+def without_out_pointer(args):
+    """A launch's arguments with the output's data pointer left out (each call allocates its own)."""
+    return args[:3] + (args[3][1:],) + args[4:]
+
+
+def runner_and_general_path(module, cache, q, k, v, layer, appended=False):
+    """The launches of the decode runner and of ``forward`` (the general path) for one call."""
+    backend = CudaBackend()
+    call = call_of(cache, "decode")
+    run = backend.eager_runner(call, q, k, v, cache)
+    assert run is not None
+    out = run(q, k, v, cache, layer, appended)
+    by_runner = module.launches[-1]
+    general = backend.forward(call, q, k, v, kv_cache=cache, layer_id=layer, is_causal=True, appended=appended)
+    assert out.shape == general.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    return by_runner, module.launches[-1]
+
+
+@pytest.mark.parametrize("appends", [True, False], ids=["fused-append", "torch-append"])
+def test_the_decode_runner_passes_what_the_general_path_passes(monkeypatch, fake, appends):
+    module = FakeAppendingModule() if appends else fake
+    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
+    cache, plan = decode_cache([6, 3])
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, HQ, D, generator=g).bfloat16()
+    k, v = (torch.randn(2, 1, HKV, D, generator=g).bfloat16() for _ in range(2))
+    for layer in range(3):
+        for appended in (False, True):
+            by_runner, general = runner_and_general_path(module, cache, q, k, v, layer, appended)
+            assert without_out_pointer(by_runner) == without_out_pointer(general)
+            assert by_runner[0][0] == q.data_ptr() and by_runner[1][0] == cache.k_cache(layer).data_ptr()
+            assert len(by_runner) == (16 if appends and not appended else 13)
+    if not appends:  # the runner wrote the keys/values like the general path (same values twice)
+        rows = cache.k_cache(2).reshape(-1, HKV, D)[plan.write_index]
+        torch.testing.assert_close(rows, k[:, 0], rtol=0, atol=0)
+
+
+def test_the_decode_runner_copies_rows_the_kernels_cannot_stream(fake):
+    cache, plan = decode_cache([6, 3])
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    flat = torch.randn(2 * HQ * D + 8, generator=g).bfloat16()
+    aligned = flat[:2 * HQ * D].view(2, 1, HQ, D)
+    run = CudaBackend().eager_runner(call_of(cache, "decode"), aligned, k, k, cache)
+    shifted = flat[1:1 + 2 * HQ * D].view(2, 1, HQ, D)  # same layout, rows 2 bytes off 16-byte alignment
+    run(shifted, k, k, cache, 0, False)
+    args = fake.launches[-1]
+    assert args[0][0] != shifted.data_ptr() and args[0][0] % 16 == 0  # a contiguous copy was launched
+    assert args[0][1:] == ((2, 1, HQ, D), (HQ * D, HQ * D, D, 1), 2)
+    run(aligned, k, k, cache, 0, False)
+    assert fake.launches[-1][0][0] == aligned.data_ptr()
+
+
+def test_the_decode_runner_keeps_a_strided_query_uncopied(fake):
+    cache, plan = decode_cache([6, 3])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, HQ, 1, D, generator=g).bfloat16().transpose(1, 2)  # [B, 1, Hq, D], heads strided
+    k = torch.randn(2, 1, HKV, D, generator=g).bfloat16()
+    by_runner, general = runner_and_general_path(fake, cache, q, k, k, 1)
+    assert without_out_pointer(by_runner) == without_out_pointer(general)
+    assert by_runner[0] == (q.data_ptr(), (2, 1, HQ, D), q.stride(), 2)
+    assert by_runner[3][1:] == ((2, 1, HQ, D), (HQ * D, HQ * D, D, 1), 2)  # the output is contiguous
+
+
+def test_packed_queries_take_the_general_path(fake):
+    cache, plan = decode_cache([6, 3])
+    q = torch.randn(1, 2, HQ, D).bfloat16()
+    k = torch.randn(1, 2, HKV, D).bfloat16()
+    assert CudaBackend().eager_runner(call_of(cache, "decode"), q, k, k, cache) is None

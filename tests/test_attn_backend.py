@@ -232,6 +232,67 @@ def test_decisions_are_cached_per_call_class(runtime):
     assert len(runtime.explain("attention")) == 3
 
 
+class WithRunner(Recording):
+    """Records the eager runners the policy asks it for, and the calls they run."""
+
+    def __init__(self, name, reason=None):
+        super().__init__(name, reason)
+        self.runners, self.runner_calls = [], 0
+
+    def eager_runner(self, call, q, k, v, kv_cache):
+        self.runners.append((q.shape, q.stride()))
+
+        def run(q, k, v, kv_cache, layer_id, appended):
+            self.runner_calls += 1
+            return self.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, is_causal=False)
+
+        return run
+
+
+def test_a_remembered_call_selects_again_when_the_precedence_changes(runtime, monkeypatch):
+    backends = (WithRunner("cuda"), WithRunner("flash"), WithRunner("torch_native"))
+    pol, b = AttentionPolicy(backends), {x.name: x for x in backends}
+    q, k, v = qkv()
+    ran = lambda: {name: len(x.runs) for name, x in b.items()}  # noqa: E731
+    for _ in range(3):
+        torch.testing.assert_close(pol(q, k, v).double(), attention_ref(q, k, v), **tolerance(torch.float32))
+    assert ran() == {"cuda": 3, "flash": 0, "torch_native": 0}
+    assert b["cuda"].runners == [(q.shape, q.stride())] and b["cuda"].runner_calls == 3  # built once, then run
+    monkeypatch.setenv("ASTR_BACKEND", "torch_native")  # a change of the environment: the next call follows it
+    pol(q, k, v)
+    assert ran() == {"cuda": 3, "flash": 0, "torch_native": 1}
+    with attn_backend("flash"):
+        pol(q, k, v)
+    assert ran() == {"cuda": 3, "flash": 1, "torch_native": 1}
+    monkeypatch.delenv("ASTR_BACKEND")
+    pol(q, k, v)
+    assert ran()["cuda"] == 4
+    b["cuda"].reason = "its plugin became unusable"
+    pol(q, k, v)  # the resolver's decision stands until it is cleared
+    assert ran()["cuda"] == 5
+    runtime.resolver.clear()
+    pol(q, k, v)
+    assert ran() == {"cuda": 5, "flash": 2, "torch_native": 1}
+    with use_runtime(Runtime(Registry(entry_points()))):  # another runtime decides for itself
+        b["cuda"].reason = None
+        pol(q, k, v)
+    assert ran()["cuda"] == 6
+    assert len(b["cuda"].runners) == 3 and b["cuda"].runner_calls == 6  # one per selection
+
+
+def test_an_invalid_environment_value_raises_on_every_call_of_a_remembered_shape(runtime, monkeypatch):
+    pol, b = policy()
+    q, k, v = qkv()
+    pol(q, k, v)
+    monkeypatch.setenv("ASTR_BACKEND", "sdpa")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="ASTR_BACKEND='sdpa' is not an attention backend"):
+            pol(q, k, v)
+    monkeypatch.setenv("ASTR_BACKEND", "flash")
+    pol(q, k, v)
+    assert b["flash"].runs == ["prefill"]
+
+
 def test_call_summary():
     q, k, v = qkv(lq=1, lkv=9)
     call, causal = attn.describe_call(q, k, v, None, None, None, None, None)

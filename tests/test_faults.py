@@ -29,7 +29,7 @@ from astrai.extension.device import DeviceInfo
 from astrai.extension.kv_cache import PagedKVCache
 from astrai.extension.ops import _plugin
 from astrai.extension.registry import PluginRejectedWarning, Registry
-from astrai.extension.runtime import Runtime, use_runtime
+from astrai.extension.runtime import Runtime, current_runtime, use_runtime
 
 H200_B = DeviceInfo(type="cuda", index=4, name="NVIDIA H200", capability=(9, 0), driver_cuda=(13, 0))
 H200_OLD_DRIVER = DeviceInfo(type="cuda", index=2, name="NVIDIA H200", capability=(9, 0), driver_cuda=(12, 4))
@@ -94,6 +94,9 @@ def on_device(monkeypatch):
 
     def set_device(info: DeviceInfo) -> None:
         current[0] = info
+        # A tensor on another GPU has another x.device, so another rotary plan; the CPU
+        # stand-in's device cannot change: forget the plans instead (not the decisions).
+        current_runtime().resolver.derived.pop("rotary_plans", None)
 
     monkeypatch.setattr(rotary, "probe_device", lambda device=None: current[0])
     monkeypatch.setattr(_plugin, "probe_device", lambda device=None: current[0])

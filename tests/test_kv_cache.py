@@ -117,6 +117,27 @@ def test_plan_metadata_of_the_spec_example():
     assert [t.tolist() for t in plan.q_tiles(64)] == [[0, 1, 2], [0, 0, 0]]
 
 
+def test_a_decode_steps_write_slots_are_those_the_device_derives():
+    """A decode plan's write slots come from the host page lists (O(batch)); every step, across
+    page boundaries and batch changes, they equal the device derivation from the page table."""
+    cache = PagedKVCache(1, 64, 4, HKV, D, dtype=torch.float32, page_order=shuffled(64, 3))
+    for s in "abcd":
+        cache.add_sequence(s)
+    cache.plan(["a", "b", "c"], [5, 1, 8])
+    batches = [["a", "b", "c"]] * 6 + [["c", "a"]] * 3 + [["d"]] + [["a", "b", "c", "d"]] * 5
+    for ids in batches:
+        plan = cache.plan(ids, [1] * len(ids))
+        assert "write_index" in plan.__dict__  # made by plan() itself
+        derived = BatchPlan.write_index.func(plan)
+        assert plan.write_index.dtype == torch.int64 and plan.write_index.device == cache.device
+        assert plan.write_index.tolist() == derived.tolist()
+        page = [cache.page_table(s)[(cache.seq_len(s) - 1) // 4] for s in ids]
+        assert plan.write_index.tolist() == [p * 4 + (cache.seq_len(s) - 1) % 4 for p, s in zip(page, ids)]
+    prefill = cache.plan(["a", "d"], [3, 1])
+    assert "write_index" not in prefill.__dict__  # other steps derive theirs on the device
+    assert prefill.write_index.tolist() == BatchPlan.write_index.func(prefill).tolist()
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_ragged_prefill_then_decode_matches_contiguous(page_size):
     seqs = ["a", "b", "c"]

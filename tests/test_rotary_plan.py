@@ -67,7 +67,8 @@ def test_plans_follow_the_gradient_mode(monkeypatch):
 def test_the_launcher_passes_what_the_checked_op_would(monkeypatch, with_positions):
     calls = []
     monkeypatch.setattr(_plugin, "probe_device", lambda device=None: H200)
-    monkeypatch.setattr(rotary_ops, "launch", lambda device, fn, *args: fn(*args, 0))
+    monkeypatch.setattr(rotary_ops, "current_device", lambda: 0)  # the launcher launches on the current stream
+    monkeypatch.setattr(rotary_ops, "current_stream", lambda index: 0)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 4, 8, 64, generator=g).to(torch.bfloat16).transpose(1, 2)[:, :, :4]  # a strided view
     cos, sin = rope_tables(100, 48)

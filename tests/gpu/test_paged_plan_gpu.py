@@ -47,7 +47,9 @@ def counting(monkeypatch):
     return seen
 
 
-def run_step(cache, history, seqs, q_lens, gen):
+def run_step(cache, history, seqs, q_lens, gen, layout=lambda t: t):
+    """One batch over every layer, each layer's output against the reference; ``layout``
+    re-lays a decode step's query out (same values)."""
     plan = cache.plan(seqs, q_lens)
     total = sum(q_lens)
     for layer in range(LAYERS):
@@ -56,6 +58,7 @@ def run_step(cache, history, seqs, q_lens, gen):
         v = torch.randn(1, total, HKV, D, generator=gen).to(BF16).cuda()
         if plan.is_decode:  # the decode layout [B, 1, H, D]
             q, k, v = (t.reshape(len(seqs), 1, *t.shape[2:]) for t in (q, k, v))
+            q = layout(q)
         with attn_backend(ATTN_BACKEND.CUDA):
             out = attention(q, k, v, kv_cache=cache, layer_id=layer).reshape(total, HQ, D)
         qp, kp, vp = (t.reshape(total, *t.shape[-2:]) for t in (q, k, v))
@@ -124,3 +127,57 @@ def test_a_planned_decode_layer_replays_from_a_cuda_graph():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, call())
+
+
+def _strided(t):
+    """``t``'s values in a view whose rows are 2 * D apart (not contiguous, rows still aligned)."""
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype, device=t.device)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
+def _misaligned(t):
+    """``t``'s values, contiguous, at an address 2 bytes off 16-byte alignment (the kernels need a copy)."""
+    flat = torch.full((t.numel() + 8,), float("nan"), dtype=t.dtype, device=t.device)
+    view = flat[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+@pytest.mark.parametrize("layout", [_strided, _misaligned], ids=["strided", "misaligned"])
+def test_decode_steps_with_a_query_in_another_layout(layout):
+    """The policy's decode runner converts a kind of call's layouts once and reads the pointers
+    per call: a strided query is launched as it is, a misaligned one is copied first; every
+    layer of every step matches the reference."""
+    gen = torch.Generator().manual_seed(13)
+    cache = PagedKVCache(LAYERS, PAGES, PAGE, HKV, D, dtype=BF16, device="cuda")
+    cache.k_pages.normal_(0, 100)
+    cache.v_pages.normal_(0, 100)
+    history: dict = {}
+    for s in (0, 1, 2):
+        cache.add_sequence(s)
+    run_step(cache, history, [0, 1, 2], [30, 7, 50], gen)
+    for _ in range(6):  # 30 -> 36 tokens: crosses the page boundary at 32
+        run_step(cache, history, [0, 1, 2], [1, 1, 1], gen, layout)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_decode_steps_on_a_device_that_is_not_current():
+    gen = torch.Generator().manual_seed(17)
+    cache = PagedKVCache(LAYERS, PAGES, PAGE, HKV, D, dtype=BF16, device="cuda:1")
+    for s in (0, 1):
+        cache.add_sequence(s)
+    with torch.cuda.device(0):
+        plan = cache.plan([0, 1], [20, 9])
+        for _ in range(3):
+            plan = cache.plan([0, 1], [1, 1])
+            for layer in range(LAYERS):
+                q = torch.randn(2, 1, HQ, D, generator=gen).to(BF16).to("cuda:1")
+                k = torch.randn(2, 1, HKV, D, generator=gen).to(BF16).to("cuda:1")
+                with attn_backend(ATTN_BACKEND.CUDA):
+                    out = attention(q, k, k, kv_cache=cache, layer_id=layer)
+                with attn_backend(ATTN_BACKEND.TORCH_NATIVE):  # the same step again, on the torch path
+                    want = attention(q, k, k, kv_cache=cache, layer_id=layer)
+                torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert plan.is_decode

@@ -75,6 +75,16 @@ def stream_handle(device: torch.device) -> int:
 TensorArg = tuple[int, tuple[int, ...], tuple[int, ...], int]
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) torch gives a new contiguous tensor of ``shape``."""
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
     """A tensor as the binaries take it: ``(data_ptr, shape, strides in elements, dtype code)``."""
     if t is None:

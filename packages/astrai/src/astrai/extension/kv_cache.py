@@ -297,10 +297,13 @@ class PagedKVCache:
         width = self._table.width
         kv_indptr = list(range(0, (batch + 1) * width, width))
         head = [*qo_indptr, *kv_indptr, *kv_lens]
+        slots = self._decode_slots(seq_ids, q_lens, kv_lens)
+        if slots is not None:
+            head += slots
         flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
         kv_indices = self._table.apply(seq_ids, flat, parts)
-        views = torch.split(flat[: parts[0]], [batch + 1, batch + 1, batch])
-        return BatchPlan(
+        views = flat.split_with_sizes([batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2, flat.shape[0] - parts[0]])
+        plan = BatchPlan(
             seq_ids=seq_ids,
             page_size=self.page_size,
             qo_indptr=views[0],
@@ -310,6 +313,19 @@ class PagedKVCache:
             q_lens_host=q_lens,
             kv_lens_host=kv_lens,
         )
+        if slots is not None:  # BatchPlan.write_index, already known: one conversion instead of a dozen ops
+            plan.__dict__["write_index"] = views[3].long()
+        return plan
+
+    def _decode_slots(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> list[int] | None:
+        """A decode step's write slots (``BatchPlan.write_index``) from the host page lists:
+        O(batch), where deriving them on the device takes a dozen ops. None for other steps
+        (their slots are derived on the device) and caches of 2**31 token slots or more
+        (the staged copy is int32)."""
+        page, pages = self.page_size, self._pages
+        if self.num_pages * page >= 2**31 or q_lens.count(1) != len(q_lens):
+            return None
+        return [pages[s][(n - 1) // page] * page + (n - 1) % page for s, n in zip(seq_ids, kv_lens)]
 
     # -- writes and reads
 

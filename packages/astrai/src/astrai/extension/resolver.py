@@ -64,6 +64,9 @@ class Resolver:
         # what callers derive from decisions (e.g. the FP8 linear's per-shape functions),
         # emptied with them by clear()
         self.derived: dict[Hashable, Any] = {}
+        # counts clear(): a caller that keeps a decision elsewhere keeps this with it, and
+        # decides again when it has changed
+        self.generation = 0
 
     def resolve(self, op: str, candidates: Sequence[Candidate], call: Any, key: Hashable,
                 *, explicit: str | None = None, preferred: str | None = None) -> Any:
@@ -125,3 +128,4 @@ class Resolver:
         with self._lock:
             self._cache.clear()
             self.derived.clear()
+            self.generation += 1

@@ -176,6 +176,7 @@ class _Plan(NamedTuple):
 
 
 _MAX_PLANS = 512
+_NO_PLANS: dict = {}  # never filled: what a runtime without plans yet looks them up in
 
 
 def _plans(runtime: Runtime) -> dict:
@@ -184,17 +185,6 @@ def _plans(runtime: Runtime) -> dict:
     if plans is None:
         plans = runtime.resolver.derived["rotary_plans"] = {}
     return plans
-
-
-def _plan_key(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-              interleaved: bool) -> tuple:
-    """Everything the checks and the decision read: equal keys, equal plans."""
-    pos = None if positions is None else (positions.shape, positions.stride(), positions.dtype, positions.device,
-                                          debug_checks())
-    return (x.shape, x.stride(), x.dtype, x.device, probe_device(x.device), x.requires_grad,
-            torch.is_grad_enabled(),
-            cos.shape, cos.stride(), cos.dtype, cos.device, cos.requires_grad,
-            sin.shape, sin.stride(), sin.dtype, sin.device, sin.requires_grad, pos, interleaved)
 
 
 def _make_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
@@ -227,25 +217,32 @@ def apply_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor], 
     The checks and the backend decision are made once per kind of call (shapes, strides,
     dtypes, devices, gradients, layout) and kept as a plan; a repeated call only launches.
     """
-    if (type(x) is torch.Tensor and type(freqs) is tuple and len(freqs) == 2 and type(freqs[0]) is torch.Tensor
-            and type(freqs[1]) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
-            and not torch.compiler.is_compiling()):
+    if type(freqs) is tuple and len(freqs) == 2 and not torch.compiler.is_compiling():
         cos, sin = freqs
-        plans = _plans(current_runtime())
-        key = _plan_key(x, cos, sin, positions, interleaved)
-        plan = plans.get(key)
-        if plan is None:
-            if len(plans) >= _MAX_PLANS:  # many shapes (prefill lengths): start over rather than grow
-                plans.clear()
-            plan = plans[key] = _make_plan(x, cos, sin, positions, interleaved)
-        elif plan.range_check:
-            check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
-        if not plan.kernel:
-            return plan.run(x, cos, sin, positions)
-        try:  # with_fallback, without two closures per call
-            return plan.run(x, cos, sin, positions)
-        except RuntimeError:
-            return fall_back(x.device, lambda: rotary_torch(x, cos, sin, positions, interleaved))
+        if (type(x) is torch.Tensor and type(cos) is torch.Tensor and type(sin) is torch.Tensor
+                and (positions is None or type(positions) is torch.Tensor)):
+            # Everything the checks and the decision read (equal keys, equal plans); the device's
+            # properties follow from x.device, the gradient flags matter only with gradients on.
+            pos = None if positions is None else (positions.shape, positions.stride(), positions.dtype,
+                                                  positions.device, debug_checks())
+            key = (x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype, cos.device,
+                   sin.shape, sin.stride(), sin.dtype, sin.device, pos, interleaved,
+                   torch.is_grad_enabled() and (x.requires_grad, cos.requires_grad, sin.requires_grad))
+            plan = current_runtime().resolver.derived.get("rotary_plans", _NO_PLANS).get(key)
+            if plan is None:
+                plans = _plans(current_runtime())
+                if len(plans) >= _MAX_PLANS:  # many shapes (prefill lengths): start over rather than grow
+                    plans.clear()
+                plan = plans[key] = _make_plan(x, cos, sin, positions, interleaved)
+            elif plan.range_check:
+                check_positions(positions, x.shape[0], x.shape[1], cos.shape[0], x.device)
+            run, kernel, _ = plan
+            if not kernel:
+                return run(x, cos, sin, positions)
+            try:  # with_fallback, without two closures per call
+                return run(x, cos, sin, positions)
+            except RuntimeError:
+                return fall_back(x.device, lambda: rotary_torch(x, cos, sin, positions, interleaved))
     # traced by torch.compile, or arguments the checks will name
     check_x("x", x)
     cos, sin = check_freqs(freqs, x, x.shape[1], positions)

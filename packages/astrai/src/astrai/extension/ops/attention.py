@@ -52,7 +52,8 @@ def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
         return t  # every stride is a multiple of the last dim
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
     ok = ok and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    return t if ok else t.contiguous()
+    # clone, not contiguous(): a contiguous view at a misaligned offset needs its copy too
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | None) -> None:

@@ -12,7 +12,9 @@ besides the layer's own tensors is built once, by :func:`plan_paged_decode` /
 Calling a plan with ``(q, k_cache, v_cache)`` then allocates ``out``, converts the three
 layer tensors and launches: no device-property query, no planner call, no workspace
 allocation. Under ``torch.compile`` (or for tensor subclasses) the call goes through the
-registered custom op with the plan's split count, so graphs trace as before.
+registered custom op with the plan's split count, so graphs trace as before. A caller that
+keeps a plan per kind of call (shapes, strides, dtypes) binds the launch to that kind once
+(:meth:`PagedDecodeLaunch.runner`): a call then reads only the data pointers.
 
 With ``ASTRAI_DEBUG=1`` the plan checks its page table on the device once, when it is built
 (:mod:`.page_table`).
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import current_device, current_stream, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -102,6 +104,45 @@ class PagedDecodeLaunch:
                                                       *self._append_args)
         _run(self._device_index, self._entry, head, tail)
         return out
+
+    def runner(self, q: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
+        """``run_eager`` reduced to its launch for a caller's per-shape plan: ``run(q, cache_args,
+        k_new, v_new)`` for plain tensors of these shapes, strides and dtypes (``k_new`` /
+        ``v_new`` given here only where :attr:`appends`; None in a call: no append); only
+        the data pointers are read per call. None when ``q``'s layout always needs a copy
+        (``run_eager`` makes it)."""
+        shape, strides = tuple(q.shape), tuple(q.stride())
+        # _rows_aligned's layout condition; the pointer's alignment is checked per call
+        if not ((q.is_contiguous() and shape[-1] % 8 == 0) or (
+                strides[-1] == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(strides[:-1], shape[:-1])))):
+            return None
+        code = dtype_code(q)
+        out_strides = contiguous_strides(shape)
+        same_layout = strides == out_strides  # empty_like(q) is contiguous, and cheaper without the keyword
+        contiguous = torch.contiguous_format
+        k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))
+        v_meta = None if v_new is None else (tuple(v_new.shape), tuple(v_new.stride()), dtype_code(v_new))
+        entry, index, table, tail, append = (self._entry, self._device_index, self._table_args, self._tail_args,
+                                             self._append_args)
+
+        def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
+                v_new: torch.Tensor | None) -> torch.Tensor:
+            ptr = q.data_ptr()
+            current = current_device()
+            if ptr % 16 or current != index:  # rows to copy, or another device current: run_eager does both
+                return self.run_eager(q, cache_args, k_new, v_new)
+            out = torch.empty_like(q) if same_layout else torch.empty_like(q, memory_format=contiguous)
+            k_cache, v_cache = cache_args
+            if k_new is None:
+                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                      *table, current_stream(current), *tail)
+            else:
+                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                      *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
+                      (v_new.data_ptr(), *v_meta), *append)
+            return out
+
+        return run
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,9 +16,9 @@ A failure is a :class:`PageTableError` naming the op, the request and the broken
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..environ import env_reader
 
 __all__ = [
     "PageTableError",
@@ -35,9 +35,12 @@ class PageTableError(ValueError):
     """A paged op's page table would make the kernel read outside the cache or the query."""
 
 
+_debug_env = env_reader(DEBUG_ENV)
+
+
 def debug_checks_enabled() -> bool:
     """True when ``ASTRAI_DEBUG`` is set to anything but ``""`` or ``"0"``."""
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    return _debug_env() not in (None, "", "0")
 
 
 def _host_check(op: str, name: str, t: object, length: int | None, what: str) -> None:

@@ -8,9 +8,9 @@ so it runs only with ``ASTRAI_DEBUG=1`` (never while compiling or capturing a gr
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..environ import env_reader
 
 __all__ = ["check_freqs", "check_positions", "check_qk", "check_x", "debug_checks"]
 
@@ -100,6 +100,9 @@ def check_positions(positions: object, batch: int, seq: int, max_pos: int, devic
                          f"got values from {int(low)} to {int(high)}")
 
 
+_debug_env = env_reader("ASTRAI_DEBUG")
+
+
 def debug_checks() -> bool:
     """``ASTRAI_DEBUG=1``: checks that need a device sync run too."""
-    return os.environ.get("ASTRAI_DEBUG", "") not in ("", "0")
+    return _debug_env() not in (None, "", "0")

@@ -9,7 +9,11 @@ Precedence per call (docs/architecture.md, "Resolver"):
 3. else the default priority: CUDA plugin > flash-attn > torch SDPA.
 
 Decisions are cached by the resolver per :class:`AttentionCall` (device, dtype, head
-dims, mode, mask kind, ...), so a repeated call costs one dict lookup after validation.
+dims, mode, mask kind, ...). A repeated kind of call (same shapes, strides, dtypes, devices;
+for a cache, the same batch plan) is validated once and keeps its backend, and that
+backend's eager runner, while the precedence it was selected under holds (the explicit
+selection, the resolver and its generation, ``ASTR_BACKEND``): it costs one dict lookup and
+the launch.
 Training calls (``fwd=None``, no cache) resolve by capability like any other call: the
 CUDA cache kernels decline them, flash-attn takes them when mask-free, SDPA otherwise.
 """
@@ -19,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-import os
 import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from ...compiling import assume_constant_result
+from ...environ import env_reader
 from ...kv_cache import PagedKVCache
 from ...runtime import current_runtime
 from ..rope_paged import rope_and_append
@@ -97,10 +101,11 @@ def attn_backend(backend: ATTN_BACKEND | str | None) -> Iterator[ATTN_BACKEND | 
 
 
 _env_parsed: dict[str, str | None] = {}  # ASTR_BACKEND's value -> the backend it names
+_env_raw = env_reader(ENV_VAR)
 
 
 def _env_backend() -> str | None:
-    raw = os.environ.get(ENV_VAR)
+    raw = _env_raw()
     if raw is None:
         return None
     found = _env_parsed.get(raw, _UNPARSED)
@@ -109,6 +114,19 @@ def _env_backend() -> str | None:
         if len(_env_parsed) < 64:
             _env_parsed[raw] = found
     return found
+
+
+class _Described:
+    """A validated kind of call: its :class:`AttentionCall` and effective ``is_causal``, and
+    ``selection``: ``(state, backend, runner)``, the backend selected under ``state`` (the
+    explicit selection, the resolver and its generation, ``ASTR_BACKEND``) and that backend's
+    eager runner, replaced as one tuple so that threads never see half of it."""
+
+    __slots__ = ("call", "causal", "remembered", "selection")
+
+    def __init__(self, call: AttentionCall, causal: bool, remembered: bool) -> None:
+        self.call, self.causal, self.remembered = call, causal, remembered
+        self.selection = (None, None, None)
 
 
 class AttentionPolicy:
@@ -121,20 +139,21 @@ class AttentionPolicy:
             raise ValueError(f"backends must have distinct names, got {names}")
         self.backends = tuple(backends)
         self.op = op
-        self._dense_calls: dict[tuple, tuple[AttentionCall, bool]] = {}
+        self._dense_calls: dict[tuple, _Described] = {}
         _POLICIES[id(self)] = self
 
-    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> tuple[AttentionCall, bool]:
+    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> _Described:
         """``describe_call``, remembered by the facts it depends on: a repeated call shape costs
         one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
         policy (bounded); cache calls by their batch's plan, for every layer (so per batch,
         every call after the first, and forgotten with the plan): ``layer_id``, the one fact
-        that varies between the layers, is checked on every call."""
+        that varies between the layers, is checked on every call. For cache calls the strides
+        are part of the key, for the backends' eager runners (which convert the layouts once)."""
         if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         if kv_cache is None:
             if layer_id is not None:
-                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+                return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
             memo = self._dense_calls
             if len(memo) >= 512:  # many shapes (varying lengths): start over
                 memo.clear()
@@ -142,15 +161,16 @@ class AttentionPolicy:
             try:
                 memo = kv_cache.active_plan.launches
             except RuntimeError:  # no plan: describe_call says so
-                return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+                return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         else:
-            return describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
         key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               fwd, type(is_causal), is_causal,
-               (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+               fwd, type(is_causal), is_causal, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                             or v.requires_grad),
+               None if kv_cache is None else (q.stride(), k.stride(), v.stride()))
         found = memo.get(key)
         if found is None:
-            found = memo[key] = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            found = memo[key] = _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), True)
         elif kv_cache is not None and not 0 <= layer_id < kv_cache.num_layers:
             kv_cache.check_layer(layer_id)  # raises naming layer_id
         return found
@@ -183,10 +203,22 @@ class AttentionPolicy:
             call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)
+            selected = state = run = None
         else:
-            call, causal = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
-            backend = self.select(call)
+            described = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            call, causal = described.call, described.causal
+            resolver = current_runtime().resolver
+            state = (_explicit.get(), resolver, resolver.generation, _env_raw())  # what select() reads
+            selected, backend, run = described.selection
+            if selected != state:
+                backend, run = self.select(call), None
         try:
+            if selected != state:  # a newly selected backend: its runner, for the calls to come
+                if described.remembered:
+                    run = backend.eager_runner(call, q, k, v, kv_cache)
+                described.selection = (state, backend, run)
+            if run is not None:
+                return run(q, k, v, kv_cache, layer_id, appended)
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
                                    appended=appended)
         except RuntimeError:

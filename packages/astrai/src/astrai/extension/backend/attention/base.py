@@ -152,5 +152,13 @@ class AttentionBackend(ABC):
         run = self.fwd_decode if call.mode == "decode" else self.fwd_prefill
         return run(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
 
+    def eager_runner(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: PagedKVCache | None):
+        """Optional: what this backend runs for eager calls like this one (plain tensors of the
+        same shapes, dtypes and devices; with a cache, also the same strides and plan), the
+        per-call work reduced to a launch: ``run(q, k, v, kv_cache, layer_id, appended)`` doing
+        what :meth:`forward` does. None (the default): the policy calls :meth:`forward`."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

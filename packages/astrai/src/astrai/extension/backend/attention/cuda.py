@@ -108,6 +108,30 @@ class CudaBackend(AttentionBackend):
             out = launch.run_eager(q_rows, cache_args)
         return out if q_rows is q else out.reshape(q.shape)
 
+    def eager_runner(self, call, q, k, v, kv_cache):
+        """``_decode_step`` for a plan's eager decode calls of this kind, with the launch's
+        arguments but the data pointers converted once (``PagedDecodeLaunch.runner``)."""
+        if kv_cache is None or call.mode != "decode" or q.shape[1] != 1:  # packed [1, B] queries: forward
+            return None
+        plan = kv_cache.active_plan
+        launch = self._launch(kv_cache, plan, q.shape[2], True)
+        bound = launch.runner(q, k, v) if launch.appends else launch.runner(q)
+        if bound is None:
+            return None
+        appends = launch.appends
+        layers = _LAYER_ARGS.get(kv_cache) or _LAYER_ARGS.setdefault(kv_cache, {})
+
+        def run(q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
+            cache_args = layers.get(layer_id) or _layer_args(kv_cache, layer_id)
+            if appended:
+                return bound(q, cache_args, None, None)
+            if appends:
+                return bound(q, cache_args, k, v)
+            kv_cache.append(layer_id, k, v, kv_cache.active_plan, checked=True)
+            return bound(q, cache_args, None, None)
+
+        return run
+
     def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q").unsqueeze(1)  # [B, 1, Hq, D], one row per request

@@ -154,6 +154,27 @@ class TorchNativeBackend(AttentionBackend):
         return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
                                appended=appended)
 
+    def eager_runner(self, call, q, k, v, kv_cache):
+        """Dense calls without a mask (causal only where Lq == Lkv): ``sdpa``'s path with its
+        decisions made once; a CPU call still checks q and k for NaN/Inf every time."""
+        lq, lkv = q.shape[1], k.shape[1]
+        causal = call.causal and lq > 1
+        if kv_cache is not None or call.mask_ndim or (causal and lq != lkv) or not _HAS_ENABLE_GQA:
+            return None
+        check = q.device.type == "cpu"
+        wide = q.dtype in _WIDE
+        gqa = q.shape[2] != k.shape[2]
+        f32 = torch.float32
+
+        def run(q, k, v, kv_cache, layer_id, appended):
+            if check and not math.isfinite(q.sum().item() + k.sum().item() if wide else
+                                           q.sum(dtype=f32).item() + k.sum(dtype=f32).item()):
+                return sdpa(q, k, v, None, causal)  # the plain softmax, which keeps NaN
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+
+        return run
+
     def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
         return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
 
