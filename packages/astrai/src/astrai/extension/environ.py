@@ -5,13 +5,16 @@ through ``os.environ`` applies to the next call. ``os.environ.get`` costs about 
 encodes the name, and an unset variable raises and catches a ``KeyError``): more than a
 decode kernel's launch. CPython's ``os.environ`` keeps the encoded variables in a plain
 dict that every change through ``os.environ`` updates; a reader looks its variable up
-there, and falls back to ``os.environ.get`` where that dict is missing.
+there, and falls back to ``os.environ.get`` where that dict is missing, and while torch
+compiles (dynamo traces ``os.environ`` but not a bound ``dict.get``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+
+import torch
 
 __all__ = ["env_reader"]
 
@@ -27,6 +30,8 @@ def env_reader(name: str) -> Callable[[], str | None]:
     key = encodekey(name)
 
     def read() -> str | None:
+        if torch.compiler.is_compiling():
+            return os.environ.get(name)
         raw = get(key)
         return None if raw is None else decodevalue(raw)
 
