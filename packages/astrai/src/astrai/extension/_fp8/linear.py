@@ -3,6 +3,7 @@ and wgrad GEMMs in FP8, and the end of each backward pass's gradient step."""
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -99,15 +100,16 @@ def _backward(ctx, grad_y):
     if torch.is_grad_enabled():
         return _backward_once_differentiable(ctx, grad_y)
     x_saved, sx, w_saved, sw = ctx.saved_tensors
-    state, plan, (x_dtype, w_dtype, b_dtype) = ctx.call
-    need_dx, need_dw, need_db, _ = ctx.needs_input_grad
+    state, plan = ctx.state, ctx.plan
+    k_major = plan.k_major
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not grad_y.is_contiguous():
         grad_y = grad_y.contiguous()
     dx = dw = db = None
     if need_dx or need_dw:
-        k_major = plan.k_major
         layout = (2 if need_dx else 1) if k_major and need_dw else 0
-        role = state.backward_roles.roles[0]  # grad_output
+        role = state.grad_output
         run = plan.quantize_g if grad_y.dtype is plan.g_dtype else None
         if run is None:
             run = _grad_quantizer(plan, grad_y.dtype, role.fmt)
@@ -115,24 +117,21 @@ def _backward(ctx, grad_y):
         gq, gq_t, sg, _ = _quantize(grad_y, role, state.recipe, run, layout, reuse="g", reuse_t=True)
         if not state._backward_pending:  # one history update per backward pass
             _end_with_backward(state)
+        m, n = grad_y.shape
         if need_dx:  # [M, N] @ [N, K]
             w_op = w_saved.t() if k_major else w_saved
             dgrad = plan.dgrad
             if dgrad is None:
-                m, n = grad_y.shape
                 dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
             dx = dgrad(gq, w_op, sg, sw, None)
-            if dx.dtype != x_dtype:
-                dx = dx.to(x_dtype)
+            dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
         if need_dw:  # [N, M] @ [M, K]
             g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
             wgrad = plan.wgrad
             if wgrad is None:
-                m, n = grad_y.shape
                 wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
             dw = wgrad(g_op, x_op, sg, sx, None)
-            if dw.dtype != w_dtype:
-                dw = dw.to(w_dtype)
+            dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
     if need_db:  # float32 accumulation without a float32 copy of dy
         db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
     return dx, dw, db, None
@@ -157,8 +156,7 @@ class _Fp8Linear(torch.autograd.Function):
         k_major = plan.k_major
         save_x_t, save_w_t = k_major and need_dw, k_major and need_dx
         # x's row-major copy is read by the forward GEMM alone unless the backward keeps it
-        x_role = state.forward_roles.roles[0]  # the input's
-        xq, xq_t, sx, _ = _quantize(x2d, x_role, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
+        xq, xq_t, sx, _ = _quantize(x2d, state.input, state.recipe, plan.quantize_x, 2 if save_x_t else 0,
                                     reuse=None if need_dw and not save_x_t else "x")
         wq, wq_t, sw = _quantize_weight(weight, state, plan.quantize_w, save_w_t, cache, cache)
         y = plan.gemm(xq, wq.t(), sx, sw, bias)
@@ -166,7 +164,8 @@ class _Fp8Linear(torch.autograd.Function):
             sx, sw = _scale_copies(state.forward_roles, sx, sw)
         ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
                               (wq_t if save_w_t else wq) if need_dx else None, sw)
-        ctx.call = (state, plan, (x2d.dtype, weight.dtype, None if bias is None else bias.dtype))
+        ctx.state, ctx.plan = state, plan
+        ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     backward = staticmethod(_backward)
@@ -188,11 +187,8 @@ def _backward_gemm(plan: _Plan, state: Fp8LinearState, shape: tuple[int, int, in
     return fp8_runners.gemm_runner(call.device, state.grad_output.fmt, state.input.fmt, shape, call.runtime)
 
 
-# graph task -> states its backward used. Each step is one atomic dict or list operation
-# (``setdefault``, ``append``, ``pop``), so threads running passes of their own, or device
-# threads of one pass, need no lock; a pass's list is popped only once the pass is over.
-_pending: dict[int, list[Fp8LinearState]] = {}
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_pending: dict[int, list[Fp8LinearState]] = {}  # graph task -> states its backward used
+_pending_lock = threading.RLock()  # RLock: an abandoned pass is noticed wherever its end is freed
 
 
 class _PassEnd:
@@ -209,7 +205,8 @@ class _PassEnd:
 
     def __call__(self) -> None:
         self.ran = True
-        states = _pending.pop(self.task, ())
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
         for state in states:
             state._backward_pending = False
         _end_steps([(state.backward_roles, state.recipe) for state in states])
@@ -217,7 +214,9 @@ class _PassEnd:
     def __del__(self) -> None:
         if self.ran:
             return
-        for state in _pending.pop(self.task, ()):
+        with _pending_lock:
+            states = _pending.pop(self.task, [])
+        for state in states:
             state._backward_pending = False
             for role in state.backward_roles.roles:
                 role._abandon_step()
@@ -228,56 +227,38 @@ def _end_with_backward(state: Fp8LinearState) -> None:
     pass (``_PassEnd``) updates every state it used together."""
     state._backward_pending = True
     task = torch._C._current_graph_task_id()
-    states = _pending.get(task)
-    if states is None:
-        fresh: list[Fp8LinearState] = []
-        states = _pending.setdefault(task, fresh)
-        if states is fresh:  # the pass's first: its callback
-            _queue_callback(_PassEnd(task))
-    states.append(state)
+    with _pending_lock:
+        states = _pending.get(task)
+        if states is None:
+            states = _pending[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(_PassEnd(task))
+        states.append(state)
 
 
 def _fp8_capable(x, weight, bias) -> bool:
-    """Whether FP8 takes ``F.linear(x, weight, bias)`` (else it runs unchanged)."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and x.dtype in QUANTIZE_INPUT_DTYPES and weight.dtype in QUANTIZE_INPUT_DTYPES):
         return False
-    if weight.dim() != 2 or x.dim() < 1:
-        return False
-    n, k = weight.shape
-    if x.shape[-1] != k or x.numel() == 0 or n * k == 0 or x.device != weight.device:
+    if (weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]
+            or x.numel() == 0 or weight.numel() == 0 or x.device != weight.device):
         return False
     return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in QUANTIZE_INPUT_DTYPES
-                            and bias.dim() == 1 and bias.shape[0] == n and bias.device == weight.device)
-
-
-# ``_Fp8Linear.apply`` past ``Function.apply``'s Python: the C entry that ends in, bound to
-# the class. Used where that Python has nothing to do but unwrap dead functorch wrappers
-# (no transform active, not tracing), which ``_apply`` does for its tensors itself.
-_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Fp8Linear)
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-
-
-def _apply(x2d, weight, bias, call) -> torch.Tensor:
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return _Fp8Linear.apply(x2d, weight, bias, call)
-    return _c_apply(_unwrap_if_dead(x2d), _unwrap_if_dead(weight), None if bias is None else _unwrap_if_dead(bias),
-                    call)
+                            and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
+                            and bias.device == weight.device)
 
 
 def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
     state = _state_for(weight, region.recipe)
     region.touched.setdefault(id(state), state)
     out_dtype = x.dtype
-    device_type = state.forward_roles.device_type  # x's: the weight's device, the state's
+    device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         out_dtype = torch.get_autocast_dtype(device_type)
-    two_d = x.dim() == 2
-    x2d = x if two_d else x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     grad_mode = torch.is_grad_enabled()
     if grad_mode and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         plan = _plan_for(x2d, weight, state, out_dtype)
-        y = _apply(x2d, weight, bias, (state, plan, out_dtype, region.cache_weights is True))
+        y = _Fp8Linear.apply(x2d, weight, bias, (state, plan, out_dtype, region.cache_weights is True))
     else:
         plan = _plan_for(x2d, weight, state, None)
         cache, in_graphs = region.cache_weights is not False, region.cache_weights is True
@@ -288,4 +269,4 @@ def _fp8_linear(x, weight, bias, region: _Region) -> torch.Tensor:
             y = _forward(x2d, weight, bias, state, plan, cache, in_graphs)
         if y.dtype != out_dtype:
             y = y.to(out_dtype)
-    return y if two_d else y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

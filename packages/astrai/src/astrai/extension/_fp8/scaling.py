@@ -130,31 +130,28 @@ class TensorScaling:
         """
         self.updates += 1
         self._recorded, self._ref = False, None
-        window = self._window
-        if window is None:
+        if self._window is None:
             self.epoch += 1
             return
-        # the union of the window's contents changes iff a content leaves it (its count
-        # drops to zero) and is not in the new slot, or one enters it that the oldest slot
-        # (leaving) did not hold
-        counts, tokens = self._in_window, self._tokens
-        changed = not self._window_closed  # a first update always counts as a change
-        oldest = window[-1] if len(window) == window.maxlen else ()
-        for token in oldest:
-            if counts[token] == 1:
-                del counts[token]
-                changed = changed or token not in tokens
-            else:
-                counts[token] -= 1
-        window.appendleft(frozenset(tokens))
-        for token in tokens:
+        window, counts = self._window, self._in_window
+        left, came = set(), set()  # contents leaving / entering the union
+        if len(window) == window.maxlen:
+            for token in window[-1]:  # the oldest slot drops out as the new one arrives
+                if counts[token] == 1:
+                    del counts[token]
+                    left.add(token)
+                else:
+                    counts[token] -= 1
+        new = frozenset(self._tokens)
+        window.appendleft(new)
+        for token in new:
             if token in counts:
                 counts[token] += 1
             else:
                 counts[token] = 1
-                changed = changed or token not in oldest
+                came.add(token)
         self._tokens = set()
-        if changed:
+        if left != came or not self._window_closed:
             self.epoch += 1
         self._window_closed = True
 
@@ -182,7 +179,7 @@ class _RoleGroup:
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         window = length if isinstance(recipe, DelayedScaling) and recipe.amax_compute_algo == "max" else 1
         self.fmt = fmt
-        self.device, self.device_type = device, device.type
+        self.device = device
         self.rows = _ROW * roles
         self.delayed = isinstance(recipe, DelayedScaling)
         # True once a CUDA graph captured a step of these roles: replays then move the scales
@@ -224,7 +221,7 @@ class _RoleGroup:
 
     def to(self, device: torch.device) -> None:
         last_used = [(role.scale.to(device), role.scale_inv.to(device)) for role in self.roles]
-        self._zero, self._batch, self.device, self.device_type = self._zero.to(device), None, device, device.type
+        self._zero, self._batch, self.device = self._zero.to(device), None, device
         self._use(*(t.to(device) for t in self.tensors))
         for role, (scale, scale_inv) in zip(self.roles, last_used):
             if not self.delayed:
@@ -295,19 +292,12 @@ def _update_group(group: _RoleGroup, recipe: DelayedScaling, runtime) -> None:
     """``_update`` of a single group (one linear's step): its own tensors, no batch."""
     graphing = capturing(group.device)
     hist, scale, scale_inv, pending = group.tensors
-    roles = group.roles
-    for role in roles:  # ``_fold_refs`` of one group: a kernel per role holding a kept amax
-        ref = role._ref
-        if ref is not None:
-            if role._recorded:
-                torch.maximum(role._slot, ref, out=role._slot)
-            else:
-                role._slot.copy_(ref)
+    _fold_refs([group], pending)
     fp8_runners.scale_update(hist, pending, scale, scale_inv, _factor(group.fmt, recipe.margin),
                              recipe.amax_compute_algo == "most_recent", runtime, group.launch_args)
     if graphing:
         group.graphed = True
-    for role in roles:
+    for role in group.roles:
         role._close_step()
 
 

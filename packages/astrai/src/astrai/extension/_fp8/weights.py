@@ -86,7 +86,7 @@ def _quantize_weight(weight: torch.Tensor, state: Fp8LinearState, run, want_t: b
     Once a graph captured an update of the state (``graphed``), replays move its scale
     behind the host's back: only such frozen copies are used from then on.
     """
-    role, recipe = state.forward_roles.roles[1], state.recipe  # the weight's
+    role, recipe = state.weight, state.recipe
     delayed = isinstance(recipe, DelayedScaling)
     entry = state._weight_cache
     layout = 2 if want_t else 0

@@ -77,10 +77,10 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
 
     def run(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
         out = torch.empty((), dtype=torch.float32, device=x.device) if amax is None else amax
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = x if x.is_contiguous() else x.contiguous()
+        kept = None if reuse is None else scratch.outputs(x, out_layout, reuse, reuse_t)
         try:
-            q, q_t = launch(x, multiplier, out_layout, out, cache, scratch, reuse, reuse_t)
+            q, q_t = launch(x, multiplier, out_layout, out, cache, kept)
         except RuntimeError:
             if not policy._plugin_broken(runtime, "fp8_quantize", device):
                 raise

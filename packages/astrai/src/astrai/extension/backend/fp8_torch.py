@@ -100,16 +100,10 @@ def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
-_IS_CUDA: dict[torch.device, bool] = {}  # ``device.type`` builds a string per call
-
-
 def capturing(device: torch.device) -> bool:
     """True while a CUDA graph is being captured on ``device``'s current stream: kernels
     are recorded then, not run, so nothing made there may outlive the capture."""
-    cuda = _IS_CUDA.get(device)
-    if cuda is None:
-        cuda = _IS_CUDA[device] = device.type == "cuda"
-    return cuda and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _one(device: torch.device) -> torch.Tensor:

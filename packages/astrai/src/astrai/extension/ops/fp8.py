@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from ..abi import DTYPE_CODES, current_device, current_stream, launch, tensor_arg
+from ..abi import DTYPE_CODES, current_stream, launch, tensor_arg
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -128,65 +128,51 @@ def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
 
 @functools.lru_cache(maxsize=None)  # one per (plugin module, format): built once
 def quantize_launcher(module, fmt: str):
-    """``launch(x, scale, out_layout, amax, cache=None, scratch=None, tag=None, keep_t=False)
-    -> (q, q_t)`` for one module and format: the quantize call itself, arguments taken as
-    valid (2-D row-major ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32
-    0-d tensor, possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t``
-    None for the layout not asked for. What does not change between calls (the output dtype and its code, the absent
-    output's argument, the entry point) is looked up once; ``cache``, a dict kept by the
-    caller with its ``scale`` and ``amax`` tensors, keeps their ABI arguments while the
-    same tensors come back; ``scratch`` with ``tag``: the outputs come from that
-    ``QuantizeScratch`` (``q_t`` too if ``keep_t``) instead of fresh allocations. The
-    device's stream is looked up once per call, for the scratch key and the launch. For
-    callers that checked once and call often (the FP8 linear); everyone else goes through
-    ``fp8_quantize``."""
+    """``launch(x, scale, out_layout, amax, cache=None, out=None) -> (q, q_t)`` for one
+    module and format: the quantize call itself, arguments taken as valid (2-D row-major
+    ``x`` on a CUDA device, a 0-d float32 ``scale``, ``amax`` a float32 0-d tensor,
+    possibly a view into a larger buffer, receiving ``max|x|``); ``q`` / ``q_t`` None for
+    the layout not asked for. What does not change between calls (the output dtype and its
+    code, the absent output's argument, the entry point) is looked up once; ``cache``, a
+    dict kept by the caller with its ``scale`` and ``amax`` tensors, keeps their ABI
+    arguments while the same tensors come back; ``out``, outputs a ``QuantizeScratch``
+    keeps (made here where it has none). For callers that checked once and call often
+    (the FP8 linear); everyone else goes through ``fp8_quantize``."""
     dtype = _FORMATS[fmt]
     code = DTYPE_CODES[dtype]
     absent = (0, (0,), (1,), code)  # the output not asked for: None, with its format
     entry = module.quantize
 
     def launch_quantize(x: torch.Tensor, scale: torch.Tensor, out_layout: int, amax: torch.Tensor,
-                        cache: dict | None = None, scratch: QuantizeScratch | None = None,
-                        tag: str | None = None, keep_t: bool = False):
+                        cache: dict | None = None, out: tuple | None = None):
         rows, cols = x.shape
         device = x.device
-        stream = _stream_if_current(device)
-        out = None if tag is None else scratch.outputs(x, out_layout, tag, keep_t, stream)
         if out is None:
             q = q_t = None
-        else:  # (q, q_t) kept with their arguments, None where fresh
+        else:  # from a QuantizeScratch: (q, q_t) kept with their arguments, None where fresh
             q, q_t, q_arg, qt_arg = out
-        if out_layout == 1:
-            q_arg = absent
-        elif q is None:
-            q = torch.empty(rows, cols, dtype=dtype, device=device)
+        if out_layout != 1 and q is None:
+            q = torch.empty((rows, cols), dtype=dtype, device=device)
             q_arg = (q.data_ptr(), (rows, cols), (cols, 1), code)
-        if out_layout == 0:
-            qt_arg = absent
-        elif q_t is None:
-            q_t = torch.empty(cols, rows, dtype=dtype, device=device)
+        elif out_layout == 1:
+            q_arg = absent
+        if out_layout != 0 and q_t is None:
+            q_t = torch.empty((cols, rows), dtype=dtype, device=device)
             qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), code)
+        elif out_layout == 0:
+            qt_arg = absent
         kept = None if cache is None else cache.get("quantize")
-        if kept is None or kept[0] is not scale or kept[1] is not amax:
-            kept = (scale, amax, tensor_arg(scale), tensor_arg(amax))
-            if cache is not None:  # the tensors are kept with their arguments: their addresses stay theirs
-                cache["quantize"] = kept
-        x_arg = (x.data_ptr(), (rows, cols), x.stride(), DTYPE_CODES[x.dtype])
-        if stream is None:
-            launch(device, entry, x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout)
+        if kept is not None and kept[0] is scale and kept[1] is amax:
+            scale_arg, amax_arg = kept[2], kept[3]
         else:
-            entry(x_arg, kept[2], q_arg, qt_arg, kept[3], out_layout, stream)
+            scale_arg, amax_arg = tensor_arg(scale), tensor_arg(amax)
+            if cache is not None:  # the tensors are kept with their arguments: their addresses stay theirs
+                cache["quantize"] = (scale, amax, scale_arg, amax_arg)
+        launch(device, entry, (x.data_ptr(), (rows, cols), tuple(x.stride()), DTYPE_CODES[x.dtype]),
+               scale_arg, q_arg, qt_arg, amax_arg, out_layout)
         return q, q_t
 
     return launch_quantize
-
-
-def _stream_if_current(device: torch.device) -> int | None:
-    """The raw current stream of ``device`` when it is the current CUDA device (a launch
-    there needs no device switch), else None (``abi.launch`` switches)."""
-    index = device.index
-    current = current_device()
-    return current_stream(current) if index is None or index == current else None
 
 
 class QuantizeScratch:
@@ -201,34 +187,28 @@ class QuantizeScratch:
         self.dtype, self.code, self.kept = _FORMATS[fmt], DTYPE_CODES[_FORMATS[fmt]], kept
         self.buffers: dict[tuple, tuple] = {}
 
-    def outputs(self, x: torch.Tensor, out_layout: int, tag: str, with_t: bool,
-                stream: int | None = None) -> tuple | None:
+    def outputs(self, x: torch.Tensor, out_layout: int, tag: str, with_t: bool) -> tuple | None:
         """``out`` for ``quantize_launcher``'s launch: ``q`` kept (``q_t`` too if ``with_t``,
         else made fresh by the launch, as a caller that keeps it needs), tagged ``tag`` so
-        two operands of one call never share a buffer; None while a graph is captured.
-        ``stream``: the raw current stream of ``x``'s device, if the caller has it."""
+        two operands of one call never share a buffer; None while a graph is captured."""
+        device = x.device
         if torch.cuda.is_current_stream_capturing():
             return None
         rows, cols = x.shape
-        if stream is None:
-            stream = current_stream(x.device.index)
-        key = (threading.get_ident(), stream, tag, rows, cols, out_layout, with_t)
+        key = (threading.get_ident(), current_stream(device.index), tag, rows, cols, out_layout, with_t)
         out = self.buffers.get(key)
         if out is None:
-            out = self.buffers[key] = self._make(x.device, rows, cols, out_layout, with_t)
+            if len(self.buffers) >= self.kept:
+                del self.buffers[next(iter(self.buffers))]
+            q = q_t = q_arg = qt_arg = None
+            if out_layout != 1:
+                q = torch.empty((rows, cols), dtype=self.dtype, device=device)
+                q_arg = (q.data_ptr(), (rows, cols), (cols, 1), self.code)
+            if out_layout != 0 and with_t:
+                q_t = torch.empty((cols, rows), dtype=self.dtype, device=device)
+                qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), self.code)
+            out = self.buffers[key] = (q, q_t, q_arg, qt_arg)
         return out
-
-    def _make(self, device: torch.device, rows: int, cols: int, out_layout: int, with_t: bool) -> tuple:
-        if len(self.buffers) >= self.kept:
-            del self.buffers[next(iter(self.buffers))]
-        q = q_t = q_arg = qt_arg = None
-        if out_layout != 1:
-            q = torch.empty((rows, cols), dtype=self.dtype, device=device)
-            q_arg = (q.data_ptr(), (rows, cols), (cols, 1), self.code)
-        if out_layout != 0 and with_t:
-            q_t = torch.empty((cols, rows), dtype=self.dtype, device=device)
-            qt_arg = (q_t.data_ptr(), (cols, rows), (rows, 1), self.code)
-        return q, q_t, q_arg, qt_arg
 
 
 @_fp8_quantize_op.op.register_fake
@@ -326,17 +306,10 @@ def scale_update(module, hist: torch.Tensor, pending: torch.Tensor, scale: torch
     ``scale_inv`` receive the new scales. Arguments taken as valid (the FP8 linear's end
     of step made them; the binding still checks them before the launch), ``module`` from
     ``_plugin.require``. ``cache``: a dict kept with these very tensors (emptied by the
-    caller if it swaps them), holding their ABI arguments and the entry point, so a step's
-    update builds none."""
-    kept = None if cache is None else cache.get("scale_update")
-    if kept is None or kept[0] is not module:
+    caller if it swaps them), holding their ABI arguments, so a step's update builds none."""
+    args = None if cache is None else cache.get("scale_update")
+    if args is None:
         args = (tensor_arg(hist), tensor_arg(pending), tensor_arg(scale), tensor_arg(scale), tensor_arg(scale_inv))
-        kept = (module, module.scale_update, args)
         if cache is not None:
-            cache["scale_update"] = kept
-    _, entry, args = kept
-    stream = _stream_if_current(hist.device)
-    if stream is None:
-        launch(hist.device, entry, *args, float(factor), bool(most_recent))
-    else:
-        entry(*args, float(factor), bool(most_recent), stream)
+            cache["scale_update"] = args
+    launch(hist.device, module.scale_update, *args, float(factor), bool(most_recent))
