@@ -12,6 +12,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def runtime():
+    """A fresh runtime (empty decision cache, no plugins) for the test; files with a runtime
+    of their own define this fixture themselves."""
+    from fakes import entry_points
+
+    from astrai.extension.registry import Registry
+    from astrai.extension.runtime import Runtime, use_runtime
+
+    rt = Runtime(Registry(entry_points()))
+    with use_runtime(rt):
+        yield rt
+
+
+@pytest.fixture
 def require_plugin():
     """``require_plugin(op)``: the op's registry status on this CUDA device, or a failure
     (never a skip) with the reason ``astrai doctor`` prints. On a CUDA machine the GPU

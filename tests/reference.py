@@ -112,3 +112,9 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
         torch.float16: dict(atol=2e-3, rtol=2e-3),
         torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
     }[dtype]
+
+
+def random_qkv(b=2, lq=6, lkv=6, hq=8, hkv=2, d=32, dtype=torch.float32, seed=0):
+    """Seeded q, k, v of shapes [b, lq, hq, d], [b, lkv, hkv, d] (twice)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, n, h, d, generator=g).to(dtype) for n, h in ((lq, hq), (lkv, hkv), (lkv, hkv)))
