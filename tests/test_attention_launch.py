@@ -38,9 +38,8 @@ class FakeDecodeModule:
         self.launches.append(args)
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    module = FakeDecodeModule()
+def fake_module(monkeypatch, module):
+    """``module`` as the compiled module of every launch, on device 0 of an H200's 132 SMs."""
     monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
     monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
     monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
@@ -48,6 +47,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(attention_plan, "current_device", lambda: 0)  # the runners launch on the current stream
     monkeypatch.setattr(attention_plan, "current_stream", lambda index: 0)
     return module
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_module(monkeypatch, FakeDecodeModule())
 
 
 def decode_cache(lens, layers=3, seed=0):
@@ -135,13 +139,7 @@ class FakeAppendingModule(FakeDecodeModule):
 
 
 def test_a_decode_step_appends_in_the_decode_launch_where_the_module_can(monkeypatch):
-    module = FakeAppendingModule()
-    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
-    monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
-    monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
-    monkeypatch.setattr(attention_plan, "current_device", lambda: 0)
-    monkeypatch.setattr(attention_plan, "current_stream", lambda index: 0)
+    module = fake_module(monkeypatch, FakeAppendingModule())
     cache, plan = decode_cache([6, 3])
     before = cache.k_pages.clone()
     backend = CudaBackend()
@@ -188,14 +186,6 @@ class FakeLastAppendingModule(FakeAppendingModule):
     """A compiled module whose decode kernel appends each request's last position itself (``append_last``)."""
 
     APPEND_LAST = True
-
-
-def fake_module(monkeypatch, module):
-    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
-    monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
-    monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail: entry(*head, 0, *tail))
-    return module
 
 
 def test_a_decode_step_appends_inside_the_decode_kernel_through_the_page_table(monkeypatch):
@@ -297,8 +287,7 @@ def runner_and_general_path(module, cache, q, k, v, layer, appended=False):
 
 @pytest.mark.parametrize("appends", [True, False], ids=["fused-append", "torch-append"])
 def test_the_decode_runner_passes_what_the_general_path_passes(monkeypatch, fake, appends):
-    module = FakeAppendingModule() if appends else fake
-    monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
+    module = fake_module(monkeypatch, FakeAppendingModule()) if appends else fake
     cache, plan = decode_cache([6, 3])
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 1, HQ, D, generator=g).bfloat16()
