@@ -510,19 +510,14 @@ __device__ __forceinline__ void produce_persistent(const AttentionParams& p, con
             named_barrier_sync(3, 128);
             asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(sm.item_slot(qs)) : "memory");
         }
-        bool live = false;
-        if (w < p.num_work) {
-            const BlockCoord c = work_coord(p, w);
-            const QWork qw = QSched::get(p, c);
-            live = qw.row_base < qw.q_len;
-            if (live) {
-                if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
-                produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, qs);
-            }
-        }
-        if (!live && (threadIdx.x == 0 || !maps.q_tma)) {
-            if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
-            mbar_arrive(sm.q_full(qs));
+        // With Q by TMA thread 0's arrival that arms the byte count publishes the item.
+        if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
+        const BlockCoord c = work_coord(p, w < p.num_work ? w : 0);
+        const QWork qw = QSched::get(p, c);
+        if (w < p.num_work && qw.row_base < qw.q_len) {
+            produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, qs);
+        } else if (!maps.q_tma || threadIdx.x == 0) {
+            mbar_arrive(sm.q_full(qs));  // in place of the Q arrivals
         }
         return w;
     };
