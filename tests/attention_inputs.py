@@ -94,13 +94,28 @@ def random_mask(gen: torch.Generator, shape, keep: float = 0.7) -> torch.Tensor:
     return m
 
 
+def page_order(num_pages: int, order: str, gen: torch.Generator) -> torch.Tensor:
+    if order == "shuffled":
+        return torch.randperm(num_pages, generator=gen)
+    perm = torch.arange(num_pages)
+    if order == "half":
+        half = num_pages // 2
+        perm[half:] = half + torch.randperm(num_pages - half, generator=gen)
+    elif order != "in_order":
+        raise ValueError(f"order must be 'shuffled', 'in_order' or 'half', got {order!r}")
+    return perm
+
+
 class Paged:
     """A paged cache ``[P, page, Hkv, D]`` holding per-request K/V in shuffled pages; every
     slot no request owns (the rest of each last page, the spare pages) is NaN, so a kernel
     reading past a request's length fails. With ``directions`` (``[B, Hkv, D]``), each
-    request's edge keys are weighted (see the module docstring)."""
+    request's edge keys are weighted (see the module docstring). ``order``: "shuffled", or
+    "in_order" (pages handed out in order, as a fresh cache does), or "half" (the first half
+    of the pages in order, the rest shuffled)."""
 
-    def __init__(self, kv_lens, page, hkv, d, dtype, device="cuda", spare_pages=3, seed=None, directions=None):
+    def __init__(self, kv_lens, page, hkv, d, dtype, device="cuda", spare_pages=3, seed=None, directions=None,
+                 order="shuffled"):
         self.kv_lens_host = list(kv_lens)
         self.page = page
         seed = seed_of("paged", tuple(kv_lens), page, hkv, d, dtype, spare_pages) if seed is None else seed
@@ -110,7 +125,7 @@ class Paged:
         for c in counts:
             indptr.append(indptr[-1] + c)
         num_pages = indptr[-1] + spare_pages
-        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: indptr[-1]]
+        perm = page_order(num_pages, order, torch.Generator().manual_seed(seed))[: indptr[-1]]
         self.k_cache = torch.full((num_pages, page, hkv, d), math.nan, dtype=dtype, device=device)
         self.v_cache = torch.full((num_pages, page, hkv, d), math.nan, dtype=dtype, device=device)
         for b, n in enumerate(kv_lens):
@@ -136,12 +151,12 @@ class Paged:
         return k, v
 
 
-def paged_inputs(kv_lens, page, hq, hkv, d, dtype, q_lens=None, device="cuda", seed=0):
+def paged_inputs(kv_lens, page, hq, hkv, d, dtype, q_lens=None, device="cuda", seed=0, order="shuffled"):
     """(q, cache): decode queries ``[B, 1, Hq, D]`` (``q_lens`` None) or ragged prefill rows
     ``[sum(q_lens), Hq, D]``, leaning towards the directions of their request's edge keys."""
     gen = generator(seed, device)
     c = directions(gen, len(kv_lens), hkv, d)
-    cache = Paged(kv_lens, page, hkv, d, dtype, device, seed=seed + 1, directions=c)
+    cache = Paged(kv_lens, page, hkv, d, dtype, device, seed=seed + 1, directions=c, order=order)
     if q_lens is None:
         q = randn(gen, (len(kv_lens), 1, hq, d))
         lean_queries(q, c)

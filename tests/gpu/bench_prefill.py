@@ -1,7 +1,8 @@
-"""Prefill benchmark: the astrai-attention prefill (contiguous K/V and a paged cache) side by
-side with cuDNN and FlashAttention-2 through torch SDPA, in one run, for head dims 64 / 128 /
-256, causal and not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of
-128-1024 tokens (GQA 32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
+"""Prefill benchmark: the astrai-attention prefill (contiguous K/V, and a paged cache with its
+pages in order as a fresh cache hands them out and shuffled) side by side with cuDNN and
+FlashAttention-2 through torch SDPA, in one run, for head dims 64 / 128 / 256, causal and
+not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of 128-1024 tokens (GQA
+32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
 ``[B, H, L, D]`` inputs and on the transposed view of ``[B, L, H, D]``, and the faster is
 reported; "torch path" is what ``attention()`` runs without the plugin (SDPA's own choice
 of kernel), "attention()" what it resolves to with it. The ragged batch runs FA2's varlen
@@ -37,6 +38,11 @@ from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HQ, HKV, DT = 32, 8, torch.bfloat16
+
+
+# The paged cache's pages as a fresh PagedKVCache hands them out (in order: a tile over 8
+# consecutive pages is one TMA box per panel), and shuffled (every page a box of its own).
+PAGE_ORDERS = {"astrai paged p16": "in_order", "astrai paged p16 shuf": "shuffled"}
 
 
 def time_us(fn) -> float | str:
@@ -79,10 +85,13 @@ def flops(lens, d, causal) -> float:
 def bench_shape(rows, name, lens, d, causal, ops):
     total = sum(lens)
     q = torch.randn(total, HQ, d, device="cuda", dtype=DT)
-    cache = Paged(lens, 16, HKV, d, DT, spare_pages=0)
     qo, tb, ti = ragged_plan(lens)
-    res = {"astrai paged p16": time_us(lambda: ops.attn_paged_prefill(
-        q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))}
+    res = {}
+    for impl, order in PAGE_ORDERS.items():
+        cache = Paged(lens, 16, HKV, d, DT, spare_pages=0, order=order)
+        res[impl] = time_us(lambda: ops.attn_paged_prefill(
+            q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))
+        del cache
     uniform = len(set(lens)) == 1
     if uniform:
         b, n = len(lens), lens[0]
@@ -119,7 +128,7 @@ def add_ratios(rows):
                           ("torch path", "x_torch_path")):
             if "us" in row and peer in same:
                 row[key] = same[peer]["us"] / row["us"]
-        if row["impl"] == "astrai paged p16" and "astrai contiguous" in same and "us" in row:
+        if row["impl"] in PAGE_ORDERS and "astrai contiguous" in same and "us" in row:
             row["paged_vs_contiguous"] = same["astrai contiguous"]["us"] / row["us"]
 
 
@@ -145,10 +154,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
     add_ratios(rows)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians")
-    print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<18} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
+    print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<22} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
           f" {'x torch':>7} {'paged/contig':>12}")
     for r in rows:
-        head = f"{r['d']:>3} {'causal' if r['causal'] else 'full':<6} {r['shape']:<19} {r['impl']:<18}"
+        head = f"{r['d']:>3} {'causal' if r['causal'] else 'full':<6} {r['shape']:<19} {r['impl']:<22}"
         if "error" in r:
             print(f"{head} {r['error']}")
             continue

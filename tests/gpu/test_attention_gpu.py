@@ -127,11 +127,23 @@ PAGED_PREFILL = [
 ]
 
 
-@pytest.mark.parametrize("q_lens,prefix,page,Hq,Hkv,D,dtype,causal", PAGED_PREFILL)
-def test_paged_prefill(q_lens, prefix, page, Hq, Hkv, D, dtype, causal):
+# Tables half in page order: tiles over consecutive pages (one box per panel on Hopper) and
+# over scattered ones, last tiles whose box reaches into other requests' pages.
+PAGED_PREFILL_RUNS = [
+    ([70, 10, 1300], [0, 33, 64], 16, 32, 8, 128, BF16, True),
+    ([1000, 513], [24, 0], 8, 32, 8, 64, FP16, True),
+    ([700, 129], [0, 300], 16, 16, 8, 256, BF16, False),
+    ([300, 900], [5, 0], 64, 32, 8, 128, BF16, False),
+]
+
+
+@pytest.mark.parametrize("q_lens,prefix,page,Hq,Hkv,D,dtype,causal,order",
+                         [(*case, "shuffled") for case in PAGED_PREFILL] +
+                         [(*case, order) for case in PAGED_PREFILL_RUNS for order in ("half", "in_order")])
+def test_paged_prefill(q_lens, prefix, page, Hq, Hkv, D, dtype, causal, order):
     kv_lens = [a + b for a, b in zip(q_lens, prefix)]
-    seed = seed_of("paged prefill", q_lens, prefix, page, Hq, Hkv, D, dtype, causal)
-    q, cache = paged_inputs(kv_lens, page, Hq, Hkv, D, dtype, q_lens=q_lens, seed=seed)
+    seed = seed_of("paged prefill", q_lens, prefix, page, Hq, Hkv, D, dtype, causal, order)
+    q, cache = paged_inputs(kv_lens, page, Hq, Hkv, D, dtype, q_lens=q_lens, seed=seed, order=order)
     out = direct_paged_prefill(q, cache, q_lens, causal)
     start = 0
     for b, n in enumerate(q_lens):

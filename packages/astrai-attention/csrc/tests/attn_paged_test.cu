@@ -26,6 +26,12 @@ bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
 bool g_check = true;     // --bench-only: skip the correctness cases
 int g_dim = 0;           // --dim D: time head dim D alone (0: all)
 int g_page = 16;         // --page P: the prefill timings' page size
+// --in-order: the timings' pages handed out in order (as a fresh cache does) instead of
+// shuffled. The checks also run cases whose first half of pages is in order and second half
+// shuffled, so tiles over consecutive pages (one TMA box per panel) and tiles over scattered
+// ones both occur.
+bool g_in_order = false;
+bool g_half_order = false;
 
 int g_sms = 132;
 std::mt19937 g_rng(4321);
@@ -45,7 +51,11 @@ struct PagedCache {
         num_pages = kv_indptr.back() + 3;  // a few unused pages
         std::vector<int> perm(num_pages);
         std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), g_rng);
+        if (g_half_order) {
+            std::shuffle(perm.begin() + num_pages / 2, perm.end(), g_rng);
+        } else if (!g_in_order) {
+            std::shuffle(perm.begin(), perm.end(), g_rng);
+        }
         kv_indices.assign(perm.begin(), perm.begin() + kv_indptr.back());
         const size_t n = size_t(num_pages) * page * hkv * d;
         k.random(n, g_rng, bf16);
@@ -262,8 +272,9 @@ void bench_prefill_d() {
                     launch_prefill_d<__nv_bfloat16, D, PackedQSchedule, PagedKV>(p, unsigned(tb.size()), 1, 0, warps);
                 }, 10);
                 const double flops = 4.0 * B * Hq * double(L) * (causal ? (L + 1) / 2.0 : L) * D;
-                std::printf("paged prefill bf16 32/8 d%-3d page=%-3d %2dx%-5d %-9s layout=%-2d %9.1f us %6.1f TFLOP/s\n",
-                            D, g_page, B, L, causal ? "causal" : "noncausal", warps, us, flops / us * 1e-6);
+                std::printf("paged prefill bf16 32/8 d%-3d page=%-3d%s %2dx%-5d %-9s layout=%-2d %9.1f us %6.1f TFLOP/s\n",
+                            D, g_page, g_in_order ? " in order" : "", B, L, causal ? "causal" : "noncausal", warps, us,
+                            flops / us * 1e-6);
             }
         }
     }
@@ -285,6 +296,7 @@ int main(int argc, char** argv) {
         if (std::string(argv[i]) == "--bench-only") g_check = false;
         if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
         if (std::string(argv[i]) == "--page" && i + 1 < argc) g_page = std::atoi(argv[++i]);
+        if (std::string(argv[i]) == "--in-order") g_in_order = true;
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
     if (!g_check) {
@@ -311,6 +323,14 @@ int main(int argc, char** argv) {
         check(prefill_case({257, 64}, {700, 0}, page, 64, 2, 128, false, true));  // G = 32
         check(prefill_case({129, 5}, {64, 1}, page, 16, 8, 256, false, false));   // G = 2
     }
+    // tables half in page order: whole-tile runs and scattered tiles
+    g_half_order = true;
+    for (int page : {8, 16, 64}) {
+        check(prefill_case({70, 10, 1300}, {0, 33, 64}, page, 32, 8, 128, true, true));
+        check(prefill_case({1000, 513}, {24, 0}, page, 32, 8, 64, false, true));
+        check(prefill_case({700, 129}, {0, 300}, page, 16, 8, 256, true, false));
+    }
+    g_half_order = false;
     // a page size that is not a power of two (the kernels divide instead of shifting)
     check(decode_case({1, 50, 301}, 3, 32, 8, 128, true));
     check(prefill_case({70, 10, 130}, {5, 0, 9}, 3, 32, 8, 128, true, true));
