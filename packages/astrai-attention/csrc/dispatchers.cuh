@@ -154,6 +154,7 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
     if constexpr (ASTRAI_PREFILL_TMA) {
         maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
         maps.q_tma = encode_q_map(&maps.q, p, D, QSched::kPacked);
+        maps.o_tma = ASTRAI_PREFILL_TMA_STORE && encode_o_map(&maps.o, p, D, QSched::kPacked);
     }
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);

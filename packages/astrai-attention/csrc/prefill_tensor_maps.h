@@ -18,6 +18,9 @@ struct PrefillTensorMaps {  // CUtensorMap carries its own (64-byte+) alignment
     // Paged K/V whose pages follow each other in memory: the cache as one run of rows
     // (page after page), a box of a whole tile per panel (k_run / v_run, where run_maps).
     CUtensorMap k_run, v_run;
+    // O, written by TMA from each consumer warpgroup's half of the staged tile (o_tma): a box
+    // of head_block / 2 heads x rows_blk rows per 64-column panel.
+    CUtensorMap o;
     // kCpAsync: the producer copies K/V with cp.async. kTma: every tile by TMA (contiguous
     // K/V, zeros past kv_len). kTmaWholeTiles: paged K/V, a box of box_rows positions per
     // page; tiles that end past kv_len by cp.async, which zero-fills instead of reading
@@ -27,6 +30,7 @@ struct PrefillTensorMaps {  // CUtensorMap carries its own (64-byte+) alignment
     int box_rows = 0;
     bool q_tma = false;  // the Q tile by TMA (q), else by cp.async
     bool run_maps = false;
+    bool o_tma = false;
 };
 
 // A 4-D tensor of 16-bit elements, dims[0] = head_dim contiguous, read in boxes whose first
@@ -73,6 +77,17 @@ inline bool encode_q_map(CUtensorMap* map, const AttentionParams& p, int head_di
     const int outer = packed ? 1 : p.batch;
     return encode_panel_map(map, p.q, {head_dim, rows, p.q_heads, outer}, {p.q_stride_l, p.q_stride_h, p.q_stride_b},
                             {64u, cuuint32_t(rows_blk), cuuint32_t(p.head_block), 1u});
+}
+
+// The O map: O laid out as Q (encode_q_map), a box of half the block's head slots, each
+// consumer warpgroup's 64 rows. Needs an even head_block.
+inline bool encode_o_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
+    const int rows_blk = kQTileRows / p.blocks_per_tile;
+    if (p.head_block * rows_blk != 128 || p.head_block % 2 != 0) return false;
+    const int rows = packed ? p.q_total_rows : p.q_len;
+    const int outer = packed ? 1 : p.batch;
+    return encode_panel_map(map, p.o, {head_dim, rows, p.q_heads, outer}, {p.o_stride_l, p.o_stride_h, p.o_stride_b},
+                            {64u, cuuint32_t(rows_blk), cuuint32_t(p.head_block / 2), 1u});
 }
 
 // Both K/V maps of a contiguous-K/V launch (tiles of tile_rows positions), or kCpAsync where

@@ -71,6 +71,10 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_TMA
 #define ASTRAI_PREFILL_TMA 1
 #endif
+// O by TMA stores where a block's box lies inside its request and head group
+#ifndef ASTRAI_PREFILL_TMA_STORE
+#define ASTRAI_PREFILL_TMA_STORE 1
+#endif
 // 1: one block per SM taking work items from an atomic counter (p.work_counter; a build-knob
 // launch allocates one per process: one stream) in launch order; 0: one block per work item
 #ifndef ASTRAI_PREFILL_PERSISTENT
@@ -268,6 +272,12 @@ __device__ __forceinline__ void produce_kv(const AttentionParams& p, const Prefi
     }
 }
 
+// Where a block's rows start in the Q / O tensor maps: (row, outer) coordinates.
+template <class QSched>
+__device__ __forceinline__ int2 map_rows(const AttentionParams& p, const QWork& qw) {
+    return QSched::kPacked ? make_int2(qw.row_base + __ldg(p.qo_indptr + qw.b), 0) : make_int2(qw.row_base, qw.b);
+}
+
 // The block's Q tile into slot qs, completing its full barrier: by TMA from thread 0 (D / 64
 // boxes of head_block heads x rows_blk rows, the barrier expecting the tile's bytes), else
 // by cp.async from all 128 producer threads.
@@ -281,13 +291,12 @@ __device__ __forceinline__ void produce_q(const AttentionParams& p, const Prefil
         return;
     }
     if (threadIdx.x != 0) return;
-    const int row = qw.row_base + (QSched::kPacked ? __ldg(p.qo_indptr + qw.b) : 0);
-    const int outer = QSched::kPacked ? 0 : qw.b;
+    const int2 at = map_rows<QSched>(p, qw);
     mbar_arrive_expect_tx(sm.q_full(qs), C::kQBytes);
 #pragma unroll
     for (int c = 0; c < C::D / 64; ++c)
-        tma_load_4d(sm.q_slot(qs) + c * PanelTile<C::kRows>::kPanelBytes, &maps.q, sm.q_full(qs), c * 64, row,
-                    sp.head0, outer);
+        tma_load_4d(sm.q_slot(qs) + c * PanelTile<C::kRows>::kPanelBytes, &maps.q, sm.q_full(qs), c * 64, at.x,
+                    sp.head0, at.y);
 }
 
 // Warpgroup 0 of a block per work item: Q, then the K/V tiles.
@@ -341,16 +350,18 @@ __device__ __forceinline__ void zero_stale_v(uint32_t v_st, int rows, int wg) {
 }
 
 // This warpgroup's 64 rows of O, normalized, through its rows of the Q slot (no longer read)
-// to global memory in whole 16-byte chunks (8 threads per 128-byte line) instead of 4-byte
-// stores spread over 8 rows per warp instruction. The slot keeps the 128-byte swizzle, so
-// neither the fragment writes nor the chunk reads conflict in shared memory.
-template <typename T, class C>
+// to global memory: by TMA where the block's box lies inside its request and head group
+// (one thread issues a box per panel), else in whole 16-byte chunks (8 threads per 128-byte
+// line). The slot keeps the 128-byte swizzle, so neither the fragment writes nor the chunk
+// reads conflict in shared memory. Why: the chunk loop's address arithmetic made the
+// epilogue ~1.2 tiles of time per work item (3.2k cycles at d128), most of a short item's cost.
+template <typename T, class C, class QSched>
 __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4], RowState& st,
-                                                  const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
-                                                  uint32_t q_slot, int wg) {
+                                                  const AttentionParams& p, const PrefillTensorMaps& maps,
+                                                  const QWork& qw, const PrefillSpan& sp, uint32_t q_slot, int wg) {
     using Tile = PanelTile<C::kRows>;
     constexpr int kChunks = C::D / 8;
-    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4;
+    const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, tid = threadIdx.x % 128;
     float inv_l[2];
     finalize_rows(st, inv_l);
 #pragma unroll
@@ -363,23 +374,43 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
                          : "memory");
         }
     }
+    const bool by_tma = maps.o_tma && qw.row_base + sp.rows_blk <= qw.q_len && sp.nslots == p.head_block;
+    if (by_tma) sm90::fence_proxy_async();  // the fragments, before the TMA reads them
     sm90::named_barrier_sync(4 + wg, 128);
-    T* out = static_cast<T*>(p.o) + qw.o_off;
-    for (int i = threadIdx.x % 128; i < 64 * kChunks; i += 128) {
-        const int r = 64 * wg + i / kChunks, c = i % kChunks;
-        const int slot = r / sp.rows_blk, row = qw.row_base + r % sp.rows_blk;
-        if (slot >= sp.nslots || row >= qw.q_len) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(q_slot + Tile::offset(r, c)));
-        *reinterpret_cast<uint4*>(out + int64_t(row) * p.o_stride_l + int64_t(sp.head0 + slot) * p.o_stride_h + c * 8) =
-            v;
+    if (by_tma) {
+        if (tid == 0) {
+            const int2 at = map_rows<QSched>(p, qw);
+#pragma unroll
+            for (int c = 0; c < C::D / 64; ++c)
+                sm90::tma_store_4d(&maps.o, q_slot + c * Tile::kPanelBytes + wg * 64 * 128, c * 64, at.x,
+                                   sp.head0 + wg * (p.head_block / 2), at.y);
+            sm90::tma_store_commit_and_wait_read();
+        }
+        return;
+    }
+    // Rows r = 64 wg + tid / kChunks + k * kRowsPerPass; (slot, row) advance without dividing.
+    constexpr int kRowsPerPass = 128 / kChunks;
+    const int c = tid % kChunks;
+    int r = 64 * wg + tid / kChunks;
+    int slot = r / sp.rows_blk, row = r % sp.rows_blk;
+    T* out = static_cast<T*>(p.o) + qw.o_off + c * 8;
+#pragma unroll 1
+    for (int k = 0; k < 64 / kRowsPerPass; ++k, r += kRowsPerPass) {
+        if (slot < sp.nslots && qw.row_base + row < qw.q_len) {
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(q_slot + Tile::offset(r, c)));
+            *reinterpret_cast<uint4*>(out + int64_t(qw.row_base + row) * p.o_stride_l +
+                                      int64_t(sp.head0 + slot) * p.o_stride_h) = v;
+        }
+        for (row += kRowsPerPass; row >= sp.rows_blk; row -= sp.rows_blk) ++slot;
     }
 }
 
-template <typename T, class C, class KV>
-__device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
+template <typename T, class C, class QSched, class KV>
+__device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const PrefillTensorMaps& maps,
+                                                   const QWork& qw, const PrefillSpan& sp,
                                                    const PrefillWsSmem<C>& sm, RingPos& pos, bool stale_tail,
                                                    int item = 0) {
     using namespace sm90;
@@ -487,7 +518,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     // O leaves through the Q slot where every row start is 16-byte aligned.
     const bool aligned = reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && (qw.o_off | p.o_stride_l | p.o_stride_h) % 8 == 0;
     if (aligned) {
-        store_rows_staged<T, C>(o, st, p, qw, sp, sm.q_slot(qs), wg);
+        store_rows_staged<T, C, QSched>(o, st, p, maps, qw, sp, sm.q_slot(qs), wg);
     } else if (slot < sp.nslots) {
         store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
     }
@@ -563,8 +594,8 @@ __device__ __forceinline__ void produce_persistent(const AttentionParams& p, con
 }
 
 template <typename T, class C, class QSched, class KV>
-__device__ __forceinline__ void consume_persistent(const AttentionParams& p, const PrefillWsSmem<C>& sm,
-                                                   RingPos& pos, bool stale_tail) {
+__device__ __forceinline__ void consume_persistent(const AttentionParams& p, const PrefillTensorMaps& maps,
+                                                   const PrefillWsSmem<C>& sm, RingPos& pos, bool stale_tail) {
     using namespace sm90;
     for (;;) {
         const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
@@ -580,7 +611,8 @@ __device__ __forceinline__ void consume_persistent(const AttentionParams& p, con
             ++pos.items;
             continue;
         }
-        prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos, stale_tail, w);
+        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos, stale_tail,
+                                             w);
     }
 }
 #endif
@@ -634,14 +666,14 @@ __global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1)
     } else {
         sm90::setmaxnreg_inc<C::kConsumerRegs>();
         if constexpr (C::kPersistent) {
-            consume_persistent<T, C, QSched, KV>(p, sm, pos, maps.mode == PrefillTensorMaps::kTmaWholeTiles);
+            consume_persistent<T, C, QSched, KV>(p, maps, sm, pos, maps.mode == PrefillTensorMaps::kTmaWholeTiles);
         } else {
             const BlockCoord c = BlockCoord::of_launch();
             const QWork qw = QSched::get(p, c);
             if (qw.row_base >= qw.q_len) return;
             const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
             PREFILL_TRACE(item, 7, entry);
-            prefill_ws_consume<T, C, KV>(p, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos,
+            prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos,
                                          maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
         }
     }

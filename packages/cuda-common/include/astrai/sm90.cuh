@@ -73,6 +73,24 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, uint3
         : "memory");
 }
 
+// One box of shared memory at `src` into a 4-D tensor map's global tensor (coordinates past
+// a dimension are not written), in this thread's bulk async group; the writes to `src` must
+// be ordered before it (fence_proxy_async by each writer, then a barrier).
+__device__ __forceinline__ void tma_store_4d(const void* map, uint32_t src, int32_t c0, int32_t c1, int32_t c2,
+                                             int32_t c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
+// Closes this thread's bulk async group and waits until its stores have read their shared
+// memory (the source may then be rewritten; the global writes complete on their own).
+__device__ __forceinline__ void tma_store_commit_and_wait_read() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
 // ---- proxies and wgmma ---------------------------------------------------------------
 
 // Orders this thread's view of shared memory written through the generic proxy (stores,
