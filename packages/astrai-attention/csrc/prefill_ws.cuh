@@ -65,6 +65,10 @@ struct PanelTile {
 //   O through the Q slot (16-byte global stores) d128 607 / 624 / 397, paged 513 / 548 / 346,
 //                       d256 16x1024 468 against 589-602 / 602-635 / 377-386, 510-515 /
 //                       555-575 / 325-333 and 427-437 with 4-byte stores: kept
+//   O by TMA store      16x1024 causal / full d128 419 / 565 against 397 / 545 with the chunk
+//                       loop alone (d64 266 / 366 vs 257 / 357, d256 494 / 602 vs 470 / 581): on
+//   persistent, warp-uniform item (tiles back to 2.7-2.8k cycles) 599 / 613 / 432 against
+//                       612 / 666 / 419 with the TMA store: still off
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
 #endif
