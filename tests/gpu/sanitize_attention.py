@@ -53,15 +53,17 @@ def main() -> None:
                         assert_close(out[b:b + 1], reference(q[b:b + 1], kb[None], vb[None]), dtype,
                                      f"paged decode append_last splits={splits}")
                 q_lens = [70, 1, 130]
-                cache = Paged([70, 5, 150], page, 4, D, dtype)
-                qr = rand((sum(q_lens), 16, D), dtype)
-                out = direct_paged_prefill(qr, cache, q_lens, True)
-                s = 0
-                for b, nq in enumerate(q_lens):
-                    kb, vb = cache.gather(b)
-                    assert_close(out[s:s + nq][None], reference(qr[s:s + nq][None], kb[None], vb[None], None, True),
-                                 dtype, "paged prefill")
-                    s += nq
+                # pages in order: Hopper's prefill reads a tile over consecutive pages as one box
+                for order in ("shuffled", "in_order") if page == 16 else ("shuffled",):
+                    cache = Paged([70, 5, 150], page, 4, D, dtype, order=order)
+                    qr = rand((sum(q_lens), 16, D), dtype)
+                    out = direct_paged_prefill(qr, cache, q_lens, True)
+                    s = 0
+                    for b, nq in enumerate(q_lens):
+                        kb, vb = cache.gather(b)
+                        ref = reference(qr[s:s + nq][None], kb[None], vb[None], None, True)
+                        assert_close(out[s:s + nq][None], ref, dtype, f"paged prefill ({order} pages)")
+                        s += nq
             n += 1
     torch.cuda.synchronize()
     print(f"sanitize sweep ok ({n} dtype x head_dim combinations)")
