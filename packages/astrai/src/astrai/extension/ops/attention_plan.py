@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import contiguous_strides, current_device, current_stream, dtype_code, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -116,10 +116,9 @@ class PagedDecodeLaunch:
         if not ((q.is_contiguous() and shape[-1] % 8 == 0) or (
                 strides[-1] == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(strides[:-1], shape[:-1])))):
             return None
-        code = dtype_code(q)
+        code, dtype = dtype_code(q), q.dtype
         out_strides = contiguous_strides(shape)
-        same_layout = strides == out_strides  # empty_like(q) is contiguous, and cheaper without the keyword
-        contiguous = torch.contiguous_format
+        empty = empty_allocator(q.device)
         k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))
         v_meta = None if v_new is None else (tuple(v_new.shape), tuple(v_new.stride()), dtype_code(v_new))
         entry, index, table, tail, append = (self._entry, self._device_index, self._table_args, self._tail_args,
@@ -131,7 +130,7 @@ class PagedDecodeLaunch:
             current = current_device()
             if ptr % 16 or current != index:  # rows to copy, or another device current: run_eager does both
                 return self.run_eager(q, cache_args, k_new, v_new)
-            out = torch.empty_like(q) if same_layout else torch.empty_like(q, memory_format=contiguous)
+            out = empty(shape, out_strides, dtype)
             k_cache, v_cache = cache_args
             if k_new is None:
                 entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
