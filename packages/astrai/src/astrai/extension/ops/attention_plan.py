@@ -75,6 +75,7 @@ class PagedDecodeLaunch:
     slots: torch.Tensor | None = None
     append_last: bool = False
     _append_args: tuple | None = None  # the binding's (slots) or (slots=None, append_last=True)
+    _unguarded: tuple | None = None  # (entry point, failed): _plugin.unguarded's, for the runner
 
     @property
     def appends(self) -> bool:
@@ -121,8 +122,8 @@ class PagedDecodeLaunch:
         empty = empty_allocator(q.device)
         k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))
         v_meta = None if v_new is None else (tuple(v_new.shape), tuple(v_new.stride()), dtype_code(v_new))
-        entry, index, table, tail, append = (self._entry, self._device_index, self._table_args, self._tail_args,
-                                             self._append_args)
+        entry, failed = self._unguarded or (self._entry, None)
+        index, table, tail, append = self._device_index, self._table_args, self._tail_args, self._append_args
 
         def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
                 v_new: torch.Tensor | None) -> torch.Tensor:
@@ -132,13 +133,18 @@ class PagedDecodeLaunch:
                 return self.run_eager(q, cache_args, k_new, v_new)
             out = empty(shape, out_strides, dtype)
             k_cache, v_cache = cache_args
-            if k_new is None:
-                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
-                      *table, current_stream(current), *tail)
-            else:
-                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
-                      *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
-                      (v_new.data_ptr(), *v_meta), *append)
+            try:
+                if k_new is None:
+                    entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                          *table, current_stream(current), *tail)
+                else:
+                    entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                          *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
+                          (v_new.data_ptr(), *v_meta), *append)
+            except BaseException as exc:
+                if failed is None:
+                    raise
+                failed("attn_paged_decode", exc)
             return out
 
         return run
@@ -219,7 +225,7 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     append_args = (None, True) if append_last else None if slots is None else (tensor_arg(slots),)
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
                              module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
-                             append_last, append_args)
+                             append_last, append_args, _plugin.unguarded(module, "attn_paged_decode"))
 
 
 def _checked_slots(slots, batch: int, device: torch.device, module) -> torch.Tensor | None:

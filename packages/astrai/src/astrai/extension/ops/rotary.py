@@ -86,25 +86,25 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     p_meta = None if positions is None else (tuple(positions.shape), tuple(positions.stride()), dtype_code(positions))
     out_strides = contiguous_strides(x_shape)
     empty = empty_allocator(device)
-    entry = None
+    entry = failed = None
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        nonlocal entry
+        nonlocal entry, failed
         if entry is None:
-            entry = _plugin.require(OP, device).rotary
+            entry, failed = _plugin.unguarded(_plugin.require(OP, device), "rotary")
         current = current_device()
-        if current != index and index is not None:  # another device is current: launch there
-            out = torch.empty(x_shape, dtype=dtype, device=device)
-            launch(device, entry, (x.data_ptr(), x_shape, x_strides, x_code), None,
-                   (cos.data_ptr(), c_shape, c_strides, c_code), (sin.data_ptr(), s_shape, s_strides, s_code),
-                   None if positions is None else (positions.data_ptr(), *p_meta),
-                   (out.data_ptr(), x_shape, out_strides, x_code), None, interleaved, inverse)
-            return out
+        if current != index and index is not None:  # another device is current: the op switches to x's
+            return rotary_emb_unchecked(x, cos, sin, positions, interleaved, inverse)
         out = empty(x_shape, out_strides, dtype)
-        entry((x.data_ptr(), x_shape, x_strides, x_code), None, (cos.data_ptr(), c_shape, c_strides, c_code),
-              (sin.data_ptr(), s_shape, s_strides, s_code),
-              None if positions is None else (positions.data_ptr(), *p_meta),
-              (out.data_ptr(), x_shape, out_strides, x_code), None, interleaved, inverse, current_stream(current))
+        try:
+            entry((x.data_ptr(), x_shape, x_strides, x_code), None, (cos.data_ptr(), c_shape, c_strides, c_code),
+                  (sin.data_ptr(), s_shape, s_strides, s_code),
+                  None if positions is None else (positions.data_ptr(), *p_meta),
+                  (out.data_ptr(), x_shape, out_strides, x_code), None, interleaved, inverse, current_stream(current))
+        except BaseException as exc:
+            if failed is None:
+                raise
+            failed("rotary", exc)
         return out
 
     return run
