@@ -7,6 +7,7 @@ strides (in elements), the dtype codes below and the CUDA stream as plain ints.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -84,18 +85,21 @@ def stream_handle(device: torch.device) -> int:
 _FAST_EMPTY: dict[str, Callable | None] = {}
 
 
-def _fast_empty(device_type: str) -> Callable | None:
-    if device_type not in _FAST_EMPTY:
+def _fast_empty(device: torch.device) -> Callable | None:
+    if device.type not in _FAST_EMPTY:
         guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-        fn = getattr(guards, f"_empty_strided_{device_type}", None)
+        fn = getattr(guards, f"_empty_strided_{device.type}", None)
+        # the probe allocates on the device the launcher serves, not on whichever is current
+        where = torch.cuda.device(device) if device.type == "cuda" and device.index is not None else nullcontext()
         try:
-            probe = None if fn is None else fn((2, 3), (3, 1), torch.float16)
-            ok = (probe is not None and probe.device.type == device_type and probe.dtype == torch.float16
+            with where:
+                probe = None if fn is None else fn((2, 3), (3, 1), torch.float16)
+            ok = (probe is not None and probe.device.type == device.type and probe.dtype == torch.float16
                   and probe.shape == (2, 3) and probe.stride() == (3, 1))
         except (RuntimeError, TypeError, ValueError):
             ok = False
-        _FAST_EMPTY[device_type] = fn if ok else None
-    return _FAST_EMPTY[device_type]
+        _FAST_EMPTY[device.type] = fn if ok else None
+    return _FAST_EMPTY[device.type]
 
 
 def empty_allocator(device: torch.device) -> Callable[[tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]:
@@ -103,7 +107,7 @@ def empty_allocator(device: torch.device) -> Callable[[tuple[int, ...], tuple[in
     device: the current device, which the caller makes sure is ``device``), what
     ``torch.empty_strided`` returns at a fraction of its host cost (no dispatcher, no
     argument parsing): a launcher's output, allocated on every call."""
-    fast = _fast_empty(device.type) if device.type in ("cuda", "cpu") else None
+    fast = _fast_empty(device) if device.type in ("cuda", "cpu") else None
     if fast is not None:
         return fast
     return lambda shape, strides, dtype: torch.empty_strided(shape, strides, dtype=dtype, device=device)
