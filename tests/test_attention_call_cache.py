@@ -1,13 +1,16 @@
-"""The policy remembers the validated description of a repeated dense call shape; a
-remembered shape must still reject what validation rejects and follow grad mode."""
+"""The policy remembers the validated description of a repeated call shape (dense, or per
+batch plan for a cache); a remembered shape must still reject what validation rejects, follow
+grad mode and, for the CUDA decode runner, the batch's current plan."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from reference import attention_ref, tolerance
+from test_attention_launch import HKV, HQ, D, FakeAppendingModule, decode_cache, fake_module
 
 from astrai.extension.backend.attention import AttentionPolicy, TorchNativeBackend
+from astrai.extension.backend.attention.cuda import CudaBackend
 
 
 def qkv(seed=0, lq=1):
@@ -88,3 +91,52 @@ def test_a_remembered_dense_shape_runs_any_layout():
             torch.testing.assert_close(policy(q_, k_, v_, is_causal=causal).double(),
                                        attention_ref(q, k, v, is_causal=causal), **tolerance(torch.float32))
     assert len(policy._dense_calls) == 2
+
+
+class _AppendingModule(FakeAppendingModule):
+    APPEND_LAST = True  # the decode launch appends the step's keys/values itself, like the real module
+
+
+class _CudaOnTheCpu(CudaBackend):
+    """The CUDA backend for CPU tensors: its capability check passes, its launches go to a fake module."""
+
+    def check(self, call):
+        return None
+
+
+def test_a_remembered_cuda_decode_call_is_validated_and_follows_the_batch_plan(monkeypatch):
+    module = fake_module(monkeypatch, _AppendingModule())
+    policy = AttentionPolicy([_CudaOnTheCpu()])
+    cache, plan = decode_cache([6, 3])
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, HQ, D, generator=g).bfloat16()
+    k, v = (torch.randn(2, 1, HKV, D, generator=g).bfloat16() for _ in range(2))
+    for layer in (0, 1, 2):
+        out = policy(q, k, v, kv_cache=cache, layer_id=layer)
+        args = module.launches[-1]
+        assert args[0] == (q.data_ptr(), (2, 1, HQ, D), q.stride(), 2)
+        assert args[1][0] == cache.k_cache(layer).data_ptr() and args[3][0] == out.data_ptr()
+        assert args[6][0] == plan.kv_lens.data_ptr() and args[-4][0] == k.data_ptr() and args[-3][0] == v.data_ptr()
+    assert len(module.launches) == 3 and out.shape == q.shape and out.dtype == q.dtype
+    described = [d for key, d in plan.launches.items() if key[0] == "described"]
+    assert len(described) == 1 and described[0].selection[2] is not None  # the backend's eager runner ran them
+    launches = len(module.launches)
+    with pytest.raises(TypeError, match="q has dtype torch.float16 but kv_cache stores torch.bfloat16"):
+        policy(q.half(), k.half(), v.half(), kv_cache=cache, layer_id=0)
+    with pytest.raises(TypeError, match="v has dtype torch.float32 but q has torch.bfloat16"):
+        policy(q, k, v.float(), kv_cache=cache, layer_id=0)
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        policy(q, k.to("meta"), v, kv_cache=cache, layer_id=0)
+    with pytest.raises(ValueError, match="q has shape"):
+        policy(q[:1], k[:1], v[:1], kv_cache=cache, layer_id=0)
+    with pytest.raises(ValueError, match="layer_id 3 is out of range"):
+        policy(q, k, v, kv_cache=cache, layer_id=3)
+    assert len(module.launches) == launches  # nothing launched for a rejected call
+    # the next batch: same shapes, a new plan; its launches read the new plan's page table
+    cache.add_sequence(2)
+    cache.plan([2], [5])
+    step = cache.plan([0, 1], [1, 1])
+    assert step is not plan and step.kv_lens.data_ptr() != plan.kv_lens.data_ptr()
+    policy(q, k, v, kv_cache=cache, layer_id=1)
+    assert module.launches[-1][6][0] == step.kv_lens.data_ptr()
+    assert module.launches[-1][4][0] == step.kv_indptr.data_ptr()

@@ -26,3 +26,18 @@ def test_a_reader_of_an_other_variable_is_not_confused(monkeypatch):
     monkeypatch.delenv(NAME + "_OTHER", raising=False)
     assert env_reader(NAME + "_OTHER")() is None
     assert env_reader(NAME)() == "set"
+
+
+def test_a_readers_raw_value_changes_exactly_when_the_variable_does(monkeypatch):
+    monkeypatch.delenv(NAME, raising=False)
+    read = env_reader(NAME)
+    unset = read.raw()
+    assert unset is None
+    monkeypatch.setenv(NAME, "cuda")
+    first = read.raw()
+    assert first is not None and first != unset
+    assert read.raw() == first  # unchanged: equal
+    monkeypatch.setenv(NAME, "flash")
+    assert read.raw() not in (first, None)
+    os.environ.pop(NAME)
+    assert read.raw() is None

@@ -12,7 +12,7 @@ from astrai.extension.abi import tensor_arg
 from astrai.extension.backend import rotary
 from astrai.extension.ops import _plugin
 from astrai.extension.ops import rotary as rotary_ops
-from astrai.extension.registry import Registry
+from astrai.extension.registry import PluginRejectedWarning, Registry
 from astrai.extension.runtime import Runtime, use_runtime
 
 OPS = {"rotary_emb": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["bfloat16", "float32"]}}
@@ -82,3 +82,68 @@ def test_the_launcher_passes_what_the_checked_op_would(monkeypatch, with_positio
     for (xa, k, c, s, p, o, ko, interleaved, inverse, stream), (xt, ot) in zip(calls, [(x, out), (x2, out2)]):
         assert (xa, c, s, p, o) == (tensor_arg(xt), tensor_arg(cos), tensor_arg(sin), tensor_arg(pos), tensor_arg(ot))
         assert (k, ko, interleaved, inverse, stream) == (None, None, False, True, 0)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """CPU tensors take the planned kernel path of a CUDA call: an H200, the launcher, device 0."""
+    monkeypatch.setattr(rotary, "probe_device", lambda device=None: H200)
+    monkeypatch.setattr(_plugin, "probe_device", lambda device=None: H200)
+    monkeypatch.setattr(rotary_ops, "current_device", lambda: 0)
+    monkeypatch.setattr(rotary_ops, "current_stream", lambda index: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
+
+
+def test_a_planned_kernel_call_still_rejects_changed_arguments_before_launching(kernel_path):
+    calls = []
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, 32, generator=g).to(torch.bfloat16)
+    cos, sin = rope_tables(16, 32)
+    with use_runtime(runtime_with({"rotary": lambda *args: calls.append(args)})):
+        out = apply_rotary_emb(x, (cos, sin))
+        x2 = torch.randn(2, 3, 4, 32, generator=g).to(torch.bfloat16)
+        out2 = apply_rotary_emb(x2, (cos, sin))  # the plan's launcher: new pointers, same layout
+        assert [c[0] for c in calls] == [tensor_arg(x), tensor_arg(x2)]
+        assert [c[5] for c in calls] == [tensor_arg(out), tensor_arg(out2)] and out.data_ptr() != out2.data_ptr()
+        with pytest.raises(ValueError, match="^cos is on meta but x is on cpu"):
+            apply_rotary_emb(x, (cos.to("meta"), sin))
+        with pytest.raises(TypeError, match="^sin must be float32, got torch.float64"):
+            apply_rotary_emb(x, (cos, sin.double()))
+        with pytest.raises(ValueError, match="^sin has shape"):
+            apply_rotary_emb(x, (cos, sin[:, :8]))
+        with pytest.raises(ValueError, match=r"^cos has shape \(2, 16\)"):  # fewer rows than x's 3 positions
+            apply_rotary_emb(x, (cos[:2], sin[:2]))
+        with pytest.raises(ValueError, match="^x has odd head_dim 31"):
+            apply_rotary_emb(x[..., :31], (cos, sin))
+        assert len(calls) == 2  # nothing launched for a rejected call
+        strided = x.transpose(1, 2).contiguous().transpose(1, 2)  # x's shape, other strides: another plan
+        apply_rotary_emb(strided, (cos, sin))
+        assert calls[-1][0] == tensor_arg(strided) and calls[-1][0][2] != tensor_arg(x)[2]
+
+
+def test_an_image_error_of_the_launcher_marks_the_kernel_unusable_and_falls_back(kernel_path):
+    def no_image(*args):
+        exc = RuntimeError("CUDA error cudaErrorNoKernelImageForDevice")
+        exc.cuda_error = 209
+        raise exc
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 3, 2, 16, generator=g)
+    freqs = rope_tables(8, 16)
+    runtime = runtime_with({"rotary": no_image})
+    with use_runtime(runtime), pytest.warns(PluginRejectedWarning, match="rotary_emb disabled"):
+        out = apply_rotary_emb(x, freqs)
+        assert not runtime.registry.op_status("rotary_emb", H200).usable
+        assert rotary.choose(x, False) == "torch"
+    torch.testing.assert_close(out.double(), rope_reference(x, *freqs), **tolerance(torch.float32))
+
+
+def test_an_argument_error_of_the_launcher_propagates_and_keeps_the_kernel(kernel_path):
+    def rejects(*args):
+        raise ValueError("q: head_dim must be even")
+
+    x = torch.randn(1, 3, 2, 16)
+    runtime = runtime_with({"rotary": rejects})
+    with use_runtime(runtime), pytest.raises(ValueError, match="head_dim must be even"):
+        apply_rotary_emb(x, rope_tables(8, 16))
+    assert runtime.registry.op_status("rotary_emb", H200).usable

@@ -6,6 +6,9 @@ strides (in elements), the dtype codes below and the CUDA stream as plain ints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import torch
 
 # Mirrors astrai/dtype.h in packages/cuda-common; the numbers are part of ABI 1.
@@ -52,16 +55,20 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _raw_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
-def current_device() -> int:
+def _current_device() -> int:
     """The index of the current CUDA device (CUDA already initialised)."""
-    return _raw_device() if _raw_device is not None else torch.cuda.current_device()
+    return torch.cuda.current_device()
 
 
-def current_stream(index: int) -> int:
+def _current_stream(index: int) -> int:
     """The raw cudaStream_t of the current stream on CUDA device ``index``."""
-    if _raw_stream is not None:
-        return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+# The launchers call these on every launch: torch's C functions themselves where this torch
+# has them (no Python frame in between), the public torch.cuda calls otherwise.
+current_device = _raw_device if _raw_device is not None else _current_device
+current_stream = _raw_stream if _raw_stream is not None else _current_stream
 
 
 def stream_handle(device: torch.device) -> int:
@@ -70,6 +77,40 @@ def stream_handle(device: torch.device) -> int:
         index = device.index
         return _raw_stream(torch.cuda.current_device() if index is None else index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+# torch's allocation entry points without the dispatcher (what inductor's generated code
+# allocates with): (shape, strides, dtype) -> a new tensor, on the current device for CUDA.
+# Fetched and tried once per device type; torch.empty_strided where one is missing or fails.
+_FAST_EMPTY: dict[str, Callable | None] = {}
+
+
+def _fast_empty(device: torch.device) -> Callable | None:
+    if device.type not in _FAST_EMPTY:
+        guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+        fn = getattr(guards, f"_empty_strided_{device.type}", None)
+        # the probe allocates on the device the launcher serves, not on whichever is current
+        where = torch.cuda.device(device) if device.type == "cuda" and device.index is not None else nullcontext()
+        try:
+            with where:
+                probe = None if fn is None else fn((2, 3), (3, 1), torch.float16)
+            ok = (probe is not None and probe.device.type == device.type and probe.dtype == torch.float16
+                  and probe.shape == (2, 3) and probe.stride() == (3, 1))
+        except (RuntimeError, TypeError, ValueError):
+            ok = False
+        _FAST_EMPTY[device.type] = fn if ok else None
+    return _FAST_EMPTY[device.type]
+
+
+def empty_allocator(device: torch.device) -> Callable[[tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]:
+    """``alloc(shape, strides, dtype)``: a new uninitialised tensor on ``device`` (for a CUDA
+    device: the current device, which the caller makes sure is ``device``), what
+    ``torch.empty_strided`` returns at a fraction of its host cost (no dispatcher, no
+    argument parsing): a launcher's output, allocated on every call."""
+    fast = _fast_empty(device) if device.type in ("cuda", "cpu") else None
+    if fast is not None:
+        return fast
+    return lambda shape, strides, dtype: torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 TensorArg = tuple[int, tuple[int, ...], tuple[int, ...], int]

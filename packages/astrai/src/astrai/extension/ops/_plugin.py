@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from types import ModuleType
+from typing import NoReturn
 
 import torch
 
@@ -88,20 +90,43 @@ class GuardedModule:
         def call(*args, **kwargs):
             try:
                 return attr(*args, **kwargs)
-            except RuntimeError as exc:
-                if is_image_error(exc):
-                    self._registry.mark_unusable(
-                        self._op, self._device, f"{self._module.__name__}.{name} cannot run here: {exc}")
-                raise
-            except (Exception, KeyboardInterrupt):
-                raise  # argument errors are the caller's; an interrupt is the user's
-            except BaseException as exc:  # a plugin must never end the process
-                reason = f"{self._module.__name__}.{name} raised {failure(exc)}"
-                self._registry.mark_unusable(self._op, self._device, reason)
-                raise RuntimeError(f"{self._op}: {reason}") from exc
+            except BaseException as exc:
+                self.failed(name, exc)
 
         self._calls[name] = call
         return call
+
+    def failed(self, name: str, exc: BaseException) -> NoReturn:
+        """Raise what a guarded call of ``name`` raises when the module's call raised ``exc``
+        (call it only while handling ``exc``): ``exc`` itself, after marking the op unusable
+        for an image error; a ``RuntimeError`` naming the op for what no op should raise."""
+        if isinstance(exc, RuntimeError):
+            if is_image_error(exc):
+                self._registry.mark_unusable(
+                    self._op, self._device, f"{self._module.__name__}.{name} cannot run here: {exc}")
+            raise exc
+        if isinstance(exc, (Exception, KeyboardInterrupt)):
+            raise exc  # argument errors are the caller's; an interrupt is the user's
+        reason = f"{self._module.__name__}.{name} raised {failure(exc)}"  # a plugin must never end the process
+        self._registry.mark_unusable(self._op, self._device, reason)
+        raise RuntimeError(f"{self._op}: {reason}") from exc
+
+
+def unguarded(module, name: str) -> tuple[Callable, Callable[[str, BaseException], NoReturn] | None]:
+    """``module``'s entry point ``name`` without the guard's Python frame, and the guard's
+    ``failed`` (None for a module that is no ``GuardedModule``), for a launcher that calls
+    the entry point on every launch::
+
+        try:
+            entry(...)
+        except BaseException as exc:
+            if failed is None:
+                raise
+            failed(name, exc)
+    """
+    if isinstance(module, GuardedModule):
+        return getattr(module._module, name), module.failed
+    return getattr(module, name), None
 
 
 # One guard per (registry, op, device), made on first use: require() runs on every op call.

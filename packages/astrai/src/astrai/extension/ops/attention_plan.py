@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..abi import contiguous_strides, current_device, current_stream, dtype_code, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
 from . import _plugin
 from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
@@ -75,6 +75,7 @@ class PagedDecodeLaunch:
     slots: torch.Tensor | None = None
     append_last: bool = False
     _append_args: tuple | None = None  # the binding's (slots) or (slots=None, append_last=True)
+    _unguarded: tuple | None = None  # (entry point, failed): _plugin.unguarded's, for the runner
 
     @property
     def appends(self) -> bool:
@@ -116,14 +117,13 @@ class PagedDecodeLaunch:
         if not ((q.is_contiguous() and shape[-1] % 8 == 0) or (
                 strides[-1] == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(strides[:-1], shape[:-1])))):
             return None
-        code = dtype_code(q)
+        code, dtype = dtype_code(q), q.dtype
         out_strides = contiguous_strides(shape)
-        same_layout = strides == out_strides  # empty_like(q) is contiguous, and cheaper without the keyword
-        contiguous = torch.contiguous_format
+        empty = empty_allocator(q.device)
         k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))
         v_meta = None if v_new is None else (tuple(v_new.shape), tuple(v_new.stride()), dtype_code(v_new))
-        entry, index, table, tail, append = (self._entry, self._device_index, self._table_args, self._tail_args,
-                                             self._append_args)
+        entry, failed = self._unguarded or (self._entry, None)
+        index, table, tail, append = self._device_index, self._table_args, self._tail_args, self._append_args
 
         def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
                 v_new: torch.Tensor | None) -> torch.Tensor:
@@ -131,15 +131,20 @@ class PagedDecodeLaunch:
             current = current_device()
             if ptr % 16 or current != index:  # rows to copy, or another device current: run_eager does both
                 return self.run_eager(q, cache_args, k_new, v_new)
-            out = torch.empty_like(q) if same_layout else torch.empty_like(q, memory_format=contiguous)
+            out = empty(shape, out_strides, dtype)
             k_cache, v_cache = cache_args
-            if k_new is None:
-                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
-                      *table, current_stream(current), *tail)
-            else:
-                entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
-                      *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
-                      (v_new.data_ptr(), *v_meta), *append)
+            try:
+                if k_new is None:
+                    entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                          *table, current_stream(current), *tail)
+                else:
+                    entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
+                          *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
+                          (v_new.data_ptr(), *v_meta), *append)
+            except BaseException as exc:
+                if failed is None:
+                    raise
+                failed("attn_paged_decode", exc)
             return out
 
         return run
@@ -220,7 +225,7 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     append_args = (None, True) if append_last else None if slots is None else (tensor_arg(slots),)
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
                              module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
-                             append_last, append_args)
+                             append_last, append_args, _plugin.unguarded(module, "attn_paged_decode"))
 
 
 def _checked_slots(slots, batch: int, device: torch.device, module) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..abi import contiguous_strides, current_device, current_stream, dtype_code, launch, tensor_arg
+from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, launch, tensor_arg
 from . import _plugin
 from .rotary_args import check_freqs, check_positions, check_qk, check_x
 
@@ -80,31 +80,31 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     and the module is looked up on the first call."""
     device = x.device
     index = device.index
-    x_shape, x_strides, x_code = tuple(x.shape), tuple(x.stride()), dtype_code(x)
+    x_shape, x_strides, x_code, dtype = tuple(x.shape), tuple(x.stride()), dtype_code(x), x.dtype
     c_shape, c_strides, c_code = tuple(cos.shape), tuple(cos.stride()), dtype_code(cos)
     s_shape, s_strides, s_code = tuple(sin.shape), tuple(sin.stride()), dtype_code(sin)
     p_meta = None if positions is None else (tuple(positions.shape), tuple(positions.stride()), dtype_code(positions))
     out_strides = contiguous_strides(x_shape)
-    # empty_like(x) is contiguous when x is (exactly these strides), and cheaper to call without a keyword
-    same_layout = x_strides == out_strides
-    contiguous = torch.contiguous_format
-    entry = None
+    empty = empty_allocator(device)
+    entry = failed = None
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        nonlocal entry
+        nonlocal entry, failed
         if entry is None:
-            entry = _plugin.require(OP, device).rotary
-        out = torch.empty_like(x) if same_layout else torch.empty_like(x, memory_format=contiguous)
-        x_arg = (x.data_ptr(), x_shape, x_strides, x_code)
-        cos_arg = (cos.data_ptr(), c_shape, c_strides, c_code)
-        sin_arg = (sin.data_ptr(), s_shape, s_strides, s_code)
-        pos_arg = None if positions is None else (positions.data_ptr(), *p_meta)
-        out_arg = (out.data_ptr(), x_shape, out_strides, x_code)
+            entry, failed = _plugin.unguarded(_plugin.require(OP, device), "rotary")
         current = current_device()
-        if current == index or index is None:  # abi.launch, inline
-            entry(x_arg, None, cos_arg, sin_arg, pos_arg, out_arg, None, interleaved, inverse, current_stream(current))
-        else:
-            launch(device, entry, x_arg, None, cos_arg, sin_arg, pos_arg, out_arg, None, interleaved, inverse)
+        if current != index and index is not None:  # another device is current: the op switches to x's
+            return rotary_emb_unchecked(x, cos, sin, positions, interleaved, inverse)
+        out = empty(x_shape, out_strides, dtype)
+        try:
+            entry((x.data_ptr(), x_shape, x_strides, x_code), None, (cos.data_ptr(), c_shape, c_strides, c_code),
+                  (sin.data_ptr(), s_shape, s_strides, s_code),
+                  None if positions is None else (positions.data_ptr(), *p_meta),
+                  (out.data_ptr(), x_shape, out_strides, x_code), None, interleaved, inverse, current_stream(current))
+        except BaseException as exc:
+            if failed is None:
+                raise
+            failed("rotary", exc)
         return out
 
     return run

@@ -208,12 +208,14 @@ class AttentionPolicy:
             described = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
             call, causal = described.call, described.causal
             resolver = current_runtime().resolver
-            state = (_explicit.get(), resolver, resolver.generation, _env_raw())  # what select() reads
+            state = (_explicit.get(), resolver, resolver.generation, _env_raw.raw())  # what select() reads
             selected, backend, run = described.selection
             if selected != state:
                 backend, run = self.select(call), None
+            else:
+                state = None  # nothing to remember
         try:
-            if selected != state:  # a newly selected backend: its runner, for the calls to come
+            if state is not None:  # a newly selected backend: its runner, for the calls to come
                 if described.remembered:
                     run = backend.eager_runner(call, q, k, v, kv_cache)
                 described.selection = (state, backend, run)
