@@ -30,6 +30,7 @@ import gc
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -337,6 +338,7 @@ def main() -> None:
     m, n, k = args.m, args.n, args.k
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {torch.cuda.get_device_name()}, "
           f"M={m} N={n} K={k}, switch interval {sys.getswitchinterval():g} s, gc thresholds {gc.get_threshold()}")
+    print("Python threads: " + ", ".join(f"{t.name} (daemon {t.daemon})" for t in threading.enumerate()))
     timer = Timer(args.steps, args.rounds, sleep_cycles_per_ms())
     print(HEADER)
     builders = dict(variants(m, n, k))
