@@ -84,12 +84,9 @@ def _scale_copies(group, sx: torch.Tensor, sw: torch.Tensor) -> tuple[torch.Tens
     """Copies of the scales a training forward used, for its backward: the region's update
     rewrites the live ones in place before the backward runs. They sit ``_ROW`` apart,
     16-byte aligned as cuBLASLt takes scale pointers, as the group's live rows do: a copy
-    of those (one kernel, two views) unless the weight's scale is a cached copy's own.
-    The copy is a product with 1 (the same bits: delayed scales are finite), a kernel
-    launch, where ``clone()`` is a device-to-device cudaMemcpyAsync (about twice a
-    launch's host time in the H200 host's profile of the step)."""
+    of those (one clone, two views) unless the weight's scale is a cached copy's own."""
     if sx is group.roles[0].scale and sw is group.roles[1].scale:
-        copy = group.tensors[1].mul(1.0)
+        copy = group.tensors[1].clone()
         return copy[0], copy[_ROW]
     zero = group._zero
     copies = torch.stack((sx, *(zero,) * (_ROW - 1), sw)).unbind(0)
