@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -63,7 +64,9 @@ int64_t expect_matrix(const TensorArg& t) {
 // What the launches read of a device, queried once per device: every quantize and scale
 // update checks the arch and the quantize sizes its grid by the SM count, and each
 // cudaDeviceGetAttribute is a driver call on the FP8 linear's per-step host path (five per
-// training step's calls before). A failed query (no device) throws and is retried.
+// training step's calls before). A failed query (no device) throws, caches nothing and is
+// retried on the next call (no std::call_once: an exception there hangs later calls with
+// some libstdc++ versions).
 struct DeviceFacts {
   int sm;
   DeviceLimits limits;
@@ -71,22 +74,25 @@ struct DeviceFacts {
 
 DeviceFacts query_device_facts(int device) { return {device_sm(device), device_limits(device)}; }
 
-const DeviceFacts& device_facts(int device) {
+DeviceFacts device_facts(int device) {
   constexpr int kCached = 64;
+  static std::atomic<bool> ready[kCached];
   static DeviceFacts facts[kCached];
-  static std::once_flag once[kCached];
-  if (device < 0 || device >= kCached) {
-    thread_local DeviceFacts uncached;
-    uncached = query_device_facts(device);
-    return uncached;
+  static std::mutex writing;
+  if (device < 0 || device >= kCached) return query_device_facts(device);
+  if (ready[device].load(std::memory_order_acquire)) return facts[device];
+  const DeviceFacts queried = query_device_facts(device);
+  std::lock_guard<std::mutex> lock(writing);
+  if (!ready[device].load(std::memory_order_relaxed)) {
+    facts[device] = queried;
+    ready[device].store(true, std::memory_order_release);
   }
-  std::call_once(once[device], [device] { facts[device] = query_device_facts(device); });
   return facts[device];
 }
 
 // The current device's facts, after checking it runs the fp8 ops.
-const DeviceFacts& checked_device() {
-  const DeviceFacts& facts = device_facts(current_device());
+DeviceFacts checked_device() {
+  const DeviceFacts facts = device_facts(current_device());
   ASTRAI_CHECK(facts.sm >= kMinSmForFp8, "fp8 ops need an sm_", kMinSmForFp8,
                "+ GPU (e4m3/e5m2 conversions and mma.sync m16n8k32); this device is sm_", facts.sm);
   return facts;
@@ -189,7 +195,7 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
     expect_data(bias, 2);
   }
 
-  const DeviceFacts& device = checked_device();
+  const DeviceFacts device = checked_device();
   // sm_90: the wgmma + TMA kernel takes the K-major problems it can; the rest fall through.
   // mainloop="mma_sync" skips it (tests and benchmarks of the mma.sync path on Hopper).
   if (mainloop == "auto") {
