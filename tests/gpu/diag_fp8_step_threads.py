@@ -2,6 +2,7 @@
 the CUDA device thread, on the GPU machine (about 30 s of GPU time).
 
     python tests/gpu/diag_fp8_step_threads.py [--m 1024 --n 8192 --k 8192] [--steps 20] [--rounds 5]
+    python tests/gpu/diag_fp8_step_threads.py --only baseline "bf16 F.linear"   # the table's rows alone
 
 One nn.Linear step (``fp8_autocast`` forward, ``backward(gy)``) in variants that change one
 thing each (pieces of the FP8 linear swapped out by monkeypatching, the floors a Python
@@ -334,6 +335,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", nargs="+", metavar="TEXT",
+                    help="the variants whose label holds one of these (e.g. baseline 'bf16 F.linear'), "
+                         "without the knobs and the profiler: a few seconds, for A/B runs of two commits")
     args = ap.parse_args()
     m, n, k = args.m, args.n, args.k
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {torch.cuda.get_device_name()}, "
@@ -342,11 +346,15 @@ def main() -> None:
     timer = Timer(args.steps, args.rounds, sleep_cycles_per_ms())
     print(HEADER)
     builders = dict(variants(m, n, k))
-    for label, build in builders.items():
+    chosen = {label: build for label, build in builders.items()
+              if not args.only or any(text in label for text in args.only)}
+    for label, build in chosen.items():
         try:
             print(row(label, measure(timer, build)), flush=True)
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is reported
             print(f"{label:<52}not run: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+    if args.only:
+        return
     print("\nthe baseline and the bf16 Function under interpreter and scheduler knobs:")
     print(HEADER)
     for knob, enter in knobs():
