@@ -124,7 +124,9 @@ def _entered_region(model, x, recipe, warm: int):
 #                                                   7 / 5 with a stack of five and its unbind
 #                                                   into five views); earlier 5 / 4, 7 / 6,
 #                                                   first 20 / 6
-#   backward pass                      22 / 19     earlier 23 / 18, 26 / 19, first 40 / 24
+#   backward pass                      21 / 18     the bias gradient summed straight into
+#                                                   its dtype (no cast); earlier 22 / 19,
+#                                                   23 / 18, 26 / 19, first 40 / 24
 #                                                   (all include the accumulation into
 #                                                   three .grad)
 # The bounds leave a little room for other torch versions.
@@ -182,7 +184,7 @@ def test_training_step_op_counts(counter):
     # quantize dy, dgrad, wgrad (a scale product each), bias gradient, the accumulation
     # into three .grad, the end-of-pass update (in place: the torch ops' new history is
     # copied back, one kernel more than a replacing update and three views fewer)
-    assert bwd_kernels <= 19 and bwd_ops <= 22, (bwd_ops, bwd_kernels)
+    assert bwd_kernels <= 18 and bwd_ops <= 21, (bwd_ops, bwd_kernels)
 
 
 # -- the weight cache ----------------------------------------------------------------------

@@ -14,8 +14,10 @@
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "astrai/bind.h"
@@ -59,10 +61,41 @@ int64_t expect_matrix(const TensorArg& t) {
   return ld;
 }
 
-void check_device() {
-  const int sm = device_sm(current_device());
-  ASTRAI_CHECK(sm >= kMinSmForFp8, "fp8 ops need an sm_", kMinSmForFp8,
-               "+ GPU (e4m3/e5m2 conversions and mma.sync m16n8k32); this device is sm_", sm);
+// What the launches read of a device, queried once per device: every quantize and scale
+// update checks the arch and the quantize sizes its grid by the SM count, and each
+// cudaDeviceGetAttribute is a driver call on the FP8 linear's per-step host path (five per
+// training step's calls before). A failed query (no device) throws, caches nothing and is
+// retried on the next call (no std::call_once: an exception there hangs later calls with
+// some libstdc++ versions).
+struct DeviceFacts {
+  int sm;
+  DeviceLimits limits;
+};
+
+DeviceFacts query_device_facts(int device) { return {device_sm(device), device_limits(device)}; }
+
+DeviceFacts device_facts(int device) {
+  constexpr int kCached = 64;
+  static std::atomic<bool> ready[kCached];
+  static DeviceFacts facts[kCached];
+  static std::mutex writing;
+  if (device < 0 || device >= kCached) return query_device_facts(device);
+  if (ready[device].load(std::memory_order_acquire)) return facts[device];
+  const DeviceFacts queried = query_device_facts(device);
+  std::lock_guard<std::mutex> lock(writing);
+  if (!ready[device].load(std::memory_order_relaxed)) {
+    facts[device] = queried;
+    ready[device].store(true, std::memory_order_release);
+  }
+  return facts[device];
+}
+
+// The current device's facts, after checking it runs the fp8 ops.
+DeviceFacts checked_device() {
+  const DeviceFacts facts = device_facts(current_device());
+  ASTRAI_CHECK(facts.sm >= kMinSmForFp8, "fp8 ops need an sm_", kMinSmForFp8,
+               "+ GPU (e4m3/e5m2 conversions and mma.sync m16n8k32); this device is sm_", facts.sm);
+  return facts;
 }
 
 // --------------------------------------------------------------------- quantize
@@ -105,8 +138,7 @@ void quantize(py::handle x_arg, py::handle scale_arg, py::handle q_arg, py::hand
                " differs from q's ", dtype_name(q.dtype));
   const DType out_dtype = want_q ? q.dtype : q_t.dtype;
 
-  check_device();
-  const int sms = multiprocessor_count(current_device());
+  const int sms = checked_device().limits.sms;
   FP8QuantizeParams p{reinterpret_cast<const void*>(x.ptr),
                       want_q ? q.data<uint8_t>() : nullptr,
                       want_qt ? q_t.data<uint8_t>() : nullptr,
@@ -163,7 +195,7 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
     expect_data(bias, 2);
   }
 
-  check_device();
+  const DeviceFacts device = checked_device();
   // sm_90: the wgmma + TMA kernel takes the K-major problems it can; the rest fall through.
   // mainloop="mma_sync" skips it (tests and benchmarks of the mma.sync path on Hopper).
   if (mainloop == "auto") {
@@ -179,7 +211,7 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
                    has_bias ? bias.data<const uint16_t>() : nullptr, scale.data<const float>(),
                    static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), lda, ldb, ldc,
                    trans_a, trans_b, format_of(a.dtype), format_of(b.dtype)};
-  gemm(g, device_limits(current_device()), stream);
+  gemm(g, device.limits, stream);
 }
 
 // --------------------------------------------------------------------- scale_update
@@ -230,7 +262,7 @@ void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_a
     ASTRAI_CHECK(!overlaps(prev, *w) || (w == &scale && prev.ptr == scale.ptr), "prev_scale: overlaps ",
                  w->name, " (it may only be scale itself)");
 
-  check_device();
+  checked_device();
   ScaleUpdateParams p{hist.data<float>(), pending.data<float>(), prev.data<const float>(),
                       scale.data<float>(), inv.data<float>(), static_cast<float>(factor),
                       rows, len, /*segment=*/0, most_recent ? 1 : 0};

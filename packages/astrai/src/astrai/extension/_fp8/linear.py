@@ -99,7 +99,7 @@ def _backward(ctx, grad_y):
     against a second derivative); otherwise what that runs, without its no_grad block."""
     if torch.is_grad_enabled():
         return _backward_once_differentiable(ctx, grad_y)
-    x_saved, sx, w_saved, sw = ctx.saved_tensors
+    x_op, sx, w_op, sw = ctx.saved_tensors  # the GEMM operands as the forward laid them out
     state, plan = ctx.state, ctx.plan
     k_major = plan.k_major
     x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -119,21 +119,23 @@ def _backward(ctx, grad_y):
             _end_with_backward(state)
         m, n = grad_y.shape
         if need_dx:  # [M, N] @ [N, K]
-            w_op = w_saved.t() if k_major else w_saved
             dgrad = plan.dgrad
             if dgrad is None:
                 dgrad = plan.dgrad = _backward_gemm(plan, state, (m, w_op.shape[1], n))
             dx = dgrad(gq, w_op, sg, sw, None)
             dx = dx if dx.dtype == x_dtype else dx.to(x_dtype)
         if need_dw:  # [N, M] @ [M, K]
-            g_op, x_op = (gq_t, x_saved.t()) if k_major else (gq.t(), x_saved)
+            g_op = gq_t if k_major else gq.t()
             wgrad = plan.wgrad
             if wgrad is None:
                 wgrad = plan.wgrad = _backward_gemm(plan, state, (n, x_op.shape[1], m))
             dw = wgrad(g_op, x_op, sg, sx, None)
             dw = dw if dw.dtype == w_dtype else dw.to(w_dtype)
-    if need_db:  # float32 accumulation without a float32 copy of dy
-        db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
+    if need_db:  # float32 accumulation (a 16-bit sum's own) without a float32 copy of dy
+        if b_dtype == grad_y.dtype or b_dtype == torch.float32:
+            db = grad_y.sum(0, dtype=b_dtype)
+        else:
+            db = grad_y.sum(0, dtype=torch.float32).to(b_dtype)
     return dx, dw, db, None
 
 
@@ -146,7 +148,10 @@ class _Fp8Linear(torch.autograd.Function):
     Where the backward GEMM wants K-major operands (cuBLASLt, Hopper wgmma), the forward
     quantizes ``x`` and ``W`` into both layouts (one pass in the plugin kernel) and saves
     the transposed copy, so dgrad ``dy @ W`` and wgrad ``dy.T @ x`` read ``[K, N]`` /
-    ``[K, M]`` row-major operands without a transpose of their own.
+    ``[K, M]`` row-major operands without a transpose of their own. It saves them as the
+    backward's GEMMs take them (``W`` as ``[N, K]``, ``x`` as ``[M, K]``, views of those
+    copies): the views are made on the forward's thread, not on autograd's device thread,
+    where the backward runs.
     """
 
     @staticmethod
@@ -162,8 +167,8 @@ class _Fp8Linear(torch.autograd.Function):
         y = plan.gemm(xq, wq.t(), sx, sw, bias)
         if state.forward_roles.delayed and (need_dx or need_dw):
             sx, sw = _scale_copies(state.forward_roles, sx, sw)
-        ctx.save_for_backward((xq_t if save_x_t else xq) if need_dw else None, sx,
-                              (wq_t if save_w_t else wq) if need_dx else None, sw)
+        ctx.save_for_backward((xq_t.t() if save_x_t else xq) if need_dw else None, sx,
+                              (wq_t.t() if save_w_t else wq) if need_dx else None, sw)
         ctx.state, ctx.plan = state, plan
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
