@@ -16,24 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import sleep_cycles_per_ms  # noqa: E402
+
 BF16 = torch.bfloat16
 DEV = "cuda"
-
-
-def cycles_per_ms() -> float:
-    cycles = 20_000_000
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / start.elapsed_time(end)
 
 
 def rounds_us(fn, calls: int, spin: int) -> float:
@@ -122,7 +116,7 @@ def main() -> None:
         ops["plugin quantize launch, both layouts"] = lambda: launch(x, one, 2, amax)
     except Exception as exc:  # noqa: BLE001 - without the plugin its rows are left out
         print(f"plugin quantize not measured: {type(exc).__name__}: {exc}")
-    spin = int(cycles_per_ms() * 40)  # outlasts a round of the slowest call
+    spin = int(sleep_cycles_per_ms() * 40)  # outlasts a round of the slowest call
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, M={m} N={n} K={k}, {calls} calls a round")
     print(f"{'us per call (GPU kept ahead)':<44}{'calling':>9}{'device':>9}{'ratio':>7}")
     for label, fn in ops.items():

@@ -42,6 +42,7 @@ from astrai.extension._fp8 import scaling as scaling_mod
 from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import sleep_cycles_per_ms  # noqa: E402
 from step_threads_profile import patched, profile_threads
 
 DEV = "cuda"
@@ -49,18 +50,6 @@ BF16 = torch.bfloat16
 
 
 # ---------------------------------------------------------------------------- timing
-def sleep_cycles_per_ms() -> float:
-    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU."""
-    cycles = 20_000_000
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / start.elapsed_time(end)
-
-
 class Timer:
     def __init__(self, steps: int, rounds: int, cycles_per_ms: float):
         self.steps, self.rounds, self.cycles_per_ms = steps, rounds, cycles_per_ms

@@ -79,3 +79,16 @@ def graph_times_ms(fns: dict, calls: int = 10, rounds: int = 15, warmup: int = 2
             end.synchronize()
             times[name].append(start.elapsed_time(end) / calls)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def sleep_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU (for spin kernels
+    that keep the GPU ahead of a host-timed loop)."""
+    cycles = 20_000_000
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
