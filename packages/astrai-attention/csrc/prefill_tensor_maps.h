@@ -66,28 +66,30 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int outer, int row
                             {64u, 1u, cuuint32_t(box_rows), 1u});
 }
 
-// The Q map of a launch whose blocks hold head_block heads x rows_blk rows (128 rows, head
-// slot major, as the block's Q tile): Q [batch, q_len, q_heads, head_dim] (dense) or
-// [total rows, q_heads, head_dim] (packed, q_total_rows > 0). A block's box may reach past
-// its request or head group: those rows are computed and never stored.
-inline bool encode_q_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
+// A map over Q or O (the same layout: [batch, q_len, q_heads, head_dim] dense, or [total rows,
+// q_heads, head_dim] packed, q_total_rows > 0) for blocks of head_block heads x rows_blk rows
+// (128 rows, head slot major, as the block's tile), a box of rows_blk rows x box_heads heads.
+inline bool encode_rows_map(CUtensorMap* map, const AttentionParams& p, const void* base, int64_t stride_l,
+                            int64_t stride_h, int64_t stride_b, int head_dim, bool packed, int box_heads) {
     const int rows_blk = kQTileRows / p.blocks_per_tile;
     if (p.head_block * rows_blk != 128) return false;
     const int rows = packed ? p.q_total_rows : p.q_len;
     const int outer = packed ? 1 : p.batch;
-    return encode_panel_map(map, p.q, {head_dim, rows, p.q_heads, outer}, {p.q_stride_l, p.q_stride_h, p.q_stride_b},
-                            {64u, cuuint32_t(rows_blk), cuuint32_t(p.head_block), 1u});
+    return encode_panel_map(map, base, {head_dim, rows, p.q_heads, outer}, {stride_l, stride_h, stride_b},
+                            {64u, cuuint32_t(rows_blk), cuuint32_t(box_heads), 1u});
 }
 
-// The O map: O laid out as Q (encode_q_map), a box of half the block's head slots, each
-// consumer warpgroup's 64 rows. Needs an even head_block.
+// The Q map: a box is the block's whole Q tile. It may reach past the block's request or head
+// group: those rows are computed and never stored.
+inline bool encode_q_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
+    return encode_rows_map(map, p, p.q, p.q_stride_l, p.q_stride_h, p.q_stride_b, head_dim, packed, p.head_block);
+}
+
+// The O map: a box is half the block's head slots, one consumer warpgroup's 64 rows (an even
+// head_block).
 inline bool encode_o_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
-    const int rows_blk = kQTileRows / p.blocks_per_tile;
-    if (p.head_block * rows_blk != 128 || p.head_block % 2 != 0) return false;
-    const int rows = packed ? p.q_total_rows : p.q_len;
-    const int outer = packed ? 1 : p.batch;
-    return encode_panel_map(map, p.o, {head_dim, rows, p.q_heads, outer}, {p.o_stride_l, p.o_stride_h, p.o_stride_b},
-                            {64u, cuuint32_t(rows_blk), cuuint32_t(p.head_block / 2), 1u});
+    return p.head_block % 2 == 0 &&
+           encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim, packed, p.head_block / 2);
 }
 
 // Both K/V maps of a contiguous-K/V launch (tiles of tile_rows positions), or kCpAsync where
