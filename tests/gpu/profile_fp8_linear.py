@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from astrai.extension.backend import fp8 as backend
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.ops import fp8 as fp8_ops
+from diag_fp8_step_threads import Bf16Linear
 from graph_timing import graph_time_ms
 
 
@@ -132,17 +133,6 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
         return inner
 
-    class PyLinear(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w, b):
-            ctx.save_for_backward(x, w)
-            return F.linear(x, w, b)
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g @ w, g.t() @ x, g.sum(0)
-
     def fp8_step():
         with fp8_autocast(recipe=recipe):
             y = lin(xg)
@@ -150,7 +140,7 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
 
     steps_of = {
         "bf16 step": lambda: F.linear(xg, lin.weight, lin.bias).backward(gy),
-        "bf16 step, Python Function": lambda: PyLinear.apply(xg, lin.weight, lin.bias).backward(gy),
+        "bf16 step, Python Function": lambda: Bf16Linear.apply(xg, lin.weight, lin.bias).backward(gy),
         "fp8 step": fp8_step,
     }
     print(f"\n== host microseconds per training step, M={m} N={n} K={k} (GPU kept busy)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -112,21 +113,25 @@ class GuardedModule:
         raise RuntimeError(f"{self._op}: {reason}") from exc
 
 
-def unguarded(module, name: str) -> tuple[Callable, Callable[[str, BaseException], NoReturn] | None]:
-    """``module``'s entry point ``name`` without the guard's Python frame, and the guard's
-    ``failed`` (None for a module that is no ``GuardedModule``), for a launcher that calls
-    the entry point on every launch::
+def unguarded(module, name: str) -> tuple[Callable, Callable[[BaseException], NoReturn]]:
+    """``module``'s entry point ``name`` without the guard's Python frame, and what the guard
+    does with what it raises (``failed(exc)``: re-raise, after marking the op unusable where
+    the guard would; a module that is no ``GuardedModule`` just re-raises), for a launcher
+    that calls the entry point on every launch::
 
         try:
             entry(...)
         except BaseException as exc:
-            if failed is None:
-                raise
-            failed(name, exc)
+            failed(exc)
     """
     if isinstance(module, GuardedModule):
-        return getattr(module._module, name), module.failed
-    return getattr(module, name), None
+        return getattr(module._module, name), functools.partial(module.failed, name)
+    return getattr(module, name), reraise
+
+
+def reraise(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` (the failure handler of an unguarded module)."""
+    raise exc
 
 
 # One guard per (registry, op, device), made on first use: require() runs on every op call.

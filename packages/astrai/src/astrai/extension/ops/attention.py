@@ -46,14 +46,21 @@ __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefi
 
 
 
+def _rows_layout_ok(t: torch.Tensor) -> bool:
+    """Whether ``t``'s layout lets the kernels stream its rows with 16-byte copies (given a
+    16-byte aligned data pointer): a contiguous last dim, every other stride of a dim longer
+    than one a multiple of 8 elements."""
+    if t.is_contiguous() and t.shape[-1] % 8 == 0:
+        return True  # every stride is a multiple of the last dim
+    return t.stride(-1) == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` when the kernels can stream it with 16-byte copies, else a contiguous copy."""
-    if t.is_contiguous() and t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0:
-        return t  # every stride is a multiple of the last dim
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all(s % 8 == 0 or n <= 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    if t.data_ptr() % 16 == 0 and _rows_layout_ok(t):
+        return t
     # clone, not contiguous(): a contiguous view at a misaligned offset needs its copy too
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | None) -> None:

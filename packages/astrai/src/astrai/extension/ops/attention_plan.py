@@ -33,7 +33,8 @@ import torch
 
 from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
 from . import _plugin
-from .attention import _num_sms, _rows_aligned, _split_workspaces, attn_paged_decode, attn_paged_prefill
+from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
+                        attn_paged_prefill)
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
@@ -112,17 +113,15 @@ class PagedDecodeLaunch:
         ``v_new`` given here only where :attr:`appends`; None in a call: no append); only
         the data pointers are read per call. None when ``q``'s layout always needs a copy
         (``run_eager`` makes it)."""
-        shape, strides = tuple(q.shape), tuple(q.stride())
-        # _rows_aligned's layout condition; the pointer's alignment is checked per call
-        if not ((q.is_contiguous() and shape[-1] % 8 == 0) or (
-                strides[-1] == 1 and all(s % 8 == 0 or n <= 1 for s, n in zip(strides[:-1], shape[:-1])))):
+        if not _rows_layout_ok(q):  # the pointer's alignment is checked per call
             return None
+        shape, strides = tuple(q.shape), tuple(q.stride())
         code, dtype = dtype_code(q), q.dtype
         out_strides = contiguous_strides(shape)
         empty = empty_allocator(q.device)
         k_meta = None if k_new is None else (tuple(k_new.shape), tuple(k_new.stride()), dtype_code(k_new))
         v_meta = None if v_new is None else (tuple(v_new.shape), tuple(v_new.stride()), dtype_code(v_new))
-        entry, failed = self._unguarded or (self._entry, None)
+        entry, failed = self._unguarded or (self._entry, _plugin.reraise)
         index, table, tail, append = self._device_index, self._table_args, self._tail_args, self._append_args
 
         def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
@@ -142,9 +141,7 @@ class PagedDecodeLaunch:
                           *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
                           (v_new.data_ptr(), *v_meta), *append)
             except BaseException as exc:
-                if failed is None:
-                    raise
-                failed("attn_paged_decode", exc)
+                failed(exc)
             return out
 
         return run
