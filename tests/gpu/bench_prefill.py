@@ -5,7 +5,8 @@ not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of 128-1024 t
 32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
 ``[B, H, L, D]`` inputs and on the transposed view of ``[B, L, H, D]``, and the faster is
 reported; "torch path" is what ``attention()`` runs without the plugin (SDPA's own choice
-of kernel), "attention()" what it resolves to with it. The ragged batch runs FA2's varlen
+of kernel), "attention()" what it resolves to with it; these two are also timed as eager
+calls (the "eager us" column: what a user sees per call). The ragged batch runs FA2's varlen
 kernel (SDPA has no varlen entry for cuDNN). Times are medians of CUDA-graph replays;
 TFLOP/s count the causal mask's half.
 
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_cases import Paged, ragged_plan  # noqa: E402
-from graph_timing import graph_time_ms  # noqa: E402
+from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 
 from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 
@@ -93,6 +94,7 @@ def bench_shape(rows, name, lens, d, causal, ops):
             q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))
         del cache
     uniform = len(set(lens)) == 1
+    eager = {}  # impl -> eager us per call, for the calls users make
     if uniform:
         b, n = len(lens), lens[0]
         qd = q.view(b, n, HQ, d)
@@ -105,6 +107,9 @@ def bench_shape(rows, name, lens, d, causal, ops):
         # what it resolves to with it.
         res["torch path"] = time_us(lambda: torch_path(qd, k, v, causal))
         res["attention()"] = time_us(lambda: attention(qd, k, v, is_causal=causal))
+        # what a user sees per eager call, ours beside the torch path's
+        eager = {"torch path": eager_time_ms(lambda: torch_path(qd, k, v, causal)) * 1e3,
+                 "attention()": eager_time_ms(lambda: attention(qd, k, v, is_causal=causal)) * 1e3}
     else:
         k = torch.randn(total, HKV, d, device="cuda", dtype=DT)
         v = torch.randn(total, HKV, d, device="cuda", dtype=DT)
@@ -115,6 +120,8 @@ def bench_shape(rows, name, lens, d, causal, ops):
         row = {"shape": name, "d": d, "causal": causal, "impl": impl}
         if isinstance(t, float):
             row.update(us=t, tflops=work / t * 1e-6)
+            if impl in eager:
+                row["eager_us"] = eager[impl]
         else:
             row["error"] = t
         rows.append(row)
@@ -153,9 +160,10 @@ def main() -> None:
                 bench_shape(rows, name, lens, d, causal, ops)
                 torch.cuda.empty_cache()
     add_ratios(rows)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians;"
+          " eager us: back-to-back eager calls, what a user sees")
     print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<22} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
-          f" {'x torch':>7} {'paged/contig':>12}")
+          f" {'x torch':>7} {'paged/contig':>12} {'eager us':>9}")
     for r in rows:
         head = f"{r['d']:>3} {'causal' if r['causal'] else 'full':<6} {r['shape']:<19} {r['impl']:<22}"
         if "error" in r:
@@ -163,7 +171,7 @@ def main() -> None:
             continue
         print(f"{head} {r['us']:9.1f} {r['tflops']:8.1f} {r.get('x_cudnn', float('nan')):8.2f} "
               f"{r.get('x_flash', float('nan')):6.2f} {r.get('x_torch_path', float('nan')):7.2f} "
-              f"{r.get('paged_vs_contiguous', float('nan')):12.2f}")
+              f"{r.get('paged_vs_contiguous', float('nan')):12.2f} {r.get('eager_us', float('nan')):9.1f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

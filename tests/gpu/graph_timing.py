@@ -37,6 +37,25 @@ def graph_time_ms(fn, calls: int = 10, rounds: int = 10, warmup: int = 3, eager_
                 fn()
     run()
     torch.cuda.synchronize()
+    return _median_ms(run, calls, rounds)
+
+
+def eager_time_ms(fn, calls: int = 10, rounds: int = 7, warmup: int = 3) -> float:
+    """Median milliseconds per call of ``calls`` back-to-back eager calls of ``fn``: what a
+    user sees per call (the host's work included where it outlasts the kernel's)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    return _median_ms(run, calls, rounds)
+
+
+def _median_ms(run, calls: int, rounds: int) -> float:
+    """Median over ``rounds`` of ``run()``'s time between two events, per call."""
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
