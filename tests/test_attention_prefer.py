@@ -23,8 +23,8 @@ from astrai.extension.runtime import Runtime, use_runtime  # noqa: E402
 from fakes import H200, L20, FakeEntryPoint, entry_points, manifest  # noqa: E402
 
 
-def _bench(rows):
-    return {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "rows": rows}
+def _bench(rows, heads=(32, 8)):
+    return {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "heads": list(heads), "rows": rows}
 
 
 def _row(shape, d, causal, impl, us):
@@ -47,6 +47,23 @@ def test_table_from_bench_pairs_the_plugin_with_the_torch_path():
     assert set(by_key) == {(16384, 4096, 128, "causal"), (16384, 16384, 64, "full")}
     assert by_key[(16384, 4096, 128, "causal")]["ratio"] == 1.5
     assert by_key[(16384, 16384, 64, "full")]["ours_ms"] == 2.0
+    assert (table["q_heads"], table["kv_heads"]) == (32, 8) and "heads 32/8" in table["source"]
+
+
+@pytest.mark.parametrize("heads,why", [
+    (None, "needs 'heads'"),
+    ((32, 32), "multiple of 4"),  # multi-head attention: one head per block, another kernel
+    ((40, 8), "multiple of 4"),  # group 5: head slots left empty
+    ((32, 6), "multiple of 4"),  # kv heads do not divide the query heads
+])
+def test_table_is_written_only_from_a_group_that_fills_the_blocks(heads, why):
+    bench = _bench([_row("4x4096", 128, True, "astrai contiguous", 1.0), _row("4x4096", 128, True, "torch path", 2.0)])
+    if heads is None:
+        del bench["heads"]
+    else:
+        bench["heads"] = list(heads)
+    with pytest.raises(ValueError, match=why):
+        prefill_table.from_bench(bench, commit="x", date="y")
 
 
 def test_table_verdicts_name_the_measurement():
@@ -109,8 +126,8 @@ def runtime(monkeypatch):
         yield rt
 
 
-def _dense(causal=True, tokens=4 * 4096, kv=4096, mode="prefill", mask_ndim=0, needs_grad=False):
-    return AttentionCall(torch.device("cuda", 0), torch.bfloat16, 128, 32, 8, mode, None, causal, mask_ndim, False,
+def _dense(causal=True, tokens=4 * 4096, kv=4096, mode="prefill", mask_ndim=0, needs_grad=False, heads=(32, 8)):
+    return AttentionCall(torch.device("cuda", 0), torch.bfloat16, 128, *heads, mode, None, causal, mask_ndim, False,
                          None, needs_grad, (tokens, kv))
 
 
@@ -137,6 +154,30 @@ def test_dense_prefill_keeps_torch_where_it_is_faster(runtime):
         assert _policy().select(_dense(causal=False)).name == "cuda"
 
 
+@pytest.mark.parametrize("heads,runs", [
+    ((64, 8), "cuda"),  # group 8: the measured blocks of 4 heads, twice per kv head
+    ((32, 32), "torch_native"),  # multi-head attention: one head per block, not measured
+    ((40, 8), "torch_native"),  # group 5: three of eight head slots empty
+    ((16, 8), "torch_native"),  # group 2: blocks of 2 heads
+])
+def test_dense_prefill_table_speaks_only_for_the_measured_heads(runtime, heads, runs):
+    assert _policy().select(_dense(causal=True, heads=heads)).name == runs
+    reason = _trace(runtime)["cuda"].reason
+    if runs == "cuda":
+        assert "measured 1.50x torch" in reason
+    else:
+        assert f"measured at heads 32/8 (GQA group 4); heads {heads[0]}/{heads[1]} run other blocks" in reason
+
+
+def test_a_format_1_table_counts_as_measured_at_32_8(runtime):
+    table = runtime.registry.op_status("attn_prefill", H200).spec.prefer["90"]
+    del table["q_heads"], table["kv_heads"]
+    table["format"] = 1
+    assert _policy().select(_dense(heads=(32, 8))).name == "cuda"
+    assert _policy().select(_dense(heads=(32, 32))).name == "torch_native"
+    assert "heads 32/8" in _trace(runtime)["cuda"].reason
+
+
 def test_dense_prefill_without_a_table_for_the_arch_keeps_torch(runtime, monkeypatch):
     monkeypatch.setattr(cuda_backend, "probe_device", lambda device: L20)
     assert _policy().select(_dense()).name == "torch_native"
@@ -160,3 +201,12 @@ def test_an_unreadable_table_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     assert isinstance(value, str) and "prefill_table.json unreadable: JSONDecodeError" in value
     v = prefer.verdict({"90": value}, 90, (16384, 4096, 128), "causal")
     assert not v.plugin_faster and "unreadable" in v.reason
+
+
+def test_the_shipped_table_parses_and_names_its_heads():
+    table = prefill_table.load()
+    assert table["format"] == prefill_table.FORMAT and table["sm"] == 90
+    group = table["q_heads"] // table["kv_heads"]
+    assert group % prefill_table.PACKED_HEADS == 0
+    parsed = prefer.parse_table(table)
+    assert parsed.peer == "torch" and {c.k for c in parsed.classes} == {64, 128, 256}

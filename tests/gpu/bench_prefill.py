@@ -2,7 +2,7 @@
 pages in order as a fresh cache hands them out and shuffled) side by side with cuDNN and
 FlashAttention-2 through torch SDPA, in one run, for head dims 64 / 128 / 256, causal and
 not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of 128-1024 tokens (GQA
-32/8, bf16). Each peer gets its best case: SDPA is timed on contiguous
+32/8 unless ``--heads`` says otherwise, bf16). Each peer gets its best case: SDPA is timed on contiguous
 ``[B, H, L, D]`` inputs and on the transposed view of ``[B, L, H, D]``, and the faster is
 reported; "torch path" is what ``attention()`` runs without the plugin (SDPA's own choice
 of kernel), "attention()" what it resolves to with it; these two are also timed as eager
@@ -10,10 +10,13 @@ calls (the "eager us" column: what a user sees per call). The ragged batch runs 
 kernel (SDPA has no varlen entry for cuDNN). Times are medians of CUDA-graph replays;
 TFLOP/s count the causal mask's half.
 
-    python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128] [--write-table t.json]
+    python tests/gpu/bench_prefill.py [--json out.json] [--quick] [--dims 128] [--heads 32/32]
+                                      [--write-table t.json]
 
 ``--write-table`` turns the run into the plugin's measured preference table for dense prefill
-(``astrai_attention.prefill_table``), stamped with the commit ($ASTRAI_COMMIT or git's).
+(``astrai_attention.prefill_table``), stamped with the commit ($ASTRAI_COMMIT or git's) and
+the query / kv heads it measured (the table covers calls that pack heads as those did).
+``--heads 32/32`` measures multi-head attention (one query head per K/V head).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-HQ, HKV, DT = 32, 8, torch.bfloat16
+DT = torch.bfloat16
 
 
 # The paged cache's pages as a fresh PagedKVCache hands them out (in order: a tile over 8
@@ -79,17 +82,18 @@ def fa2_varlen(q, k, v, cu, max_len, causal):
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)
 
 
-def flops(lens, d, causal) -> float:
-    return sum(4.0 * HQ * d * n * ((n + 1) / 2 if causal else n) for n in lens)
+def flops(lens, d, causal, hq) -> float:
+    return sum(4.0 * hq * d * n * ((n + 1) / 2 if causal else n) for n in lens)
 
 
-def bench_shape(rows, name, lens, d, causal, ops):
+def bench_shape(rows, name, lens, d, causal, ops, heads):
+    hq, hkv = heads
     total = sum(lens)
-    q = torch.randn(total, HQ, d, device="cuda", dtype=DT)
+    q = torch.randn(total, hq, d, device="cuda", dtype=DT)
     qo, tb, ti = ragged_plan(lens)
     res = {}
     for impl, order in PAGE_ORDERS.items():
-        cache = Paged(lens, 16, HKV, d, DT, spare_pages=0, order=order)
+        cache = Paged(lens, 16, hkv, d, DT, spare_pages=0, order=order)
         res[impl] = time_us(lambda: ops.attn_paged_prefill(
             q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))
         del cache
@@ -97,9 +101,9 @@ def bench_shape(rows, name, lens, d, causal, ops):
     eager = {}  # impl -> eager us per call, for the calls users make
     if uniform:
         b, n = len(lens), lens[0]
-        qd = q.view(b, n, HQ, d)
-        k = torch.randn(b, n, HKV, d, device="cuda", dtype=DT)
-        v = torch.randn(b, n, HKV, d, device="cuda", dtype=DT)
+        qd = q.view(b, n, hq, d)
+        k = torch.randn(b, n, hkv, d, device="cuda", dtype=DT)
+        v = torch.randn(b, n, hkv, d, device="cuda", dtype=DT)
         res["astrai contiguous"] = time_us(lambda: ops.attn_prefill(qd, k, v, is_causal=causal))
         res["sdpa cudnn"] = sdpa_best(SDPBackend.CUDNN_ATTENTION, qd, k, v, causal)
         res["sdpa flash"] = sdpa_best(SDPBackend.FLASH_ATTENTION, qd, k, v, causal)
@@ -111,11 +115,11 @@ def bench_shape(rows, name, lens, d, causal, ops):
         eager = {"torch path": eager_time_ms(lambda: torch_path(qd, k, v, causal)) * 1e3,
                  "attention()": eager_time_ms(lambda: attention(qd, k, v, is_causal=causal)) * 1e3}
     else:
-        k = torch.randn(total, HKV, d, device="cuda", dtype=DT)
-        v = torch.randn(total, HKV, d, device="cuda", dtype=DT)
+        k = torch.randn(total, hkv, d, device="cuda", dtype=DT)
+        v = torch.randn(total, hkv, d, device="cuda", dtype=DT)
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
         res["flash varlen"] = time_us(lambda: fa2_varlen(q, k, v, cu, max(lens), causal))
-    work = flops(lens, d, causal)
+    work = flops(lens, d, causal, hq)
     for impl, t in res.items():
         row = {"shape": name, "d": d, "causal": causal, "impl": impl}
         if isinstance(t, float):
@@ -144,8 +148,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="d128 and the ragged batch only")
     ap.add_argument("--dims", type=int, nargs="*", default=None)
+    ap.add_argument("--heads", default="32/8", help="query / kv heads, e.g. 32/32 for multi-head attention")
     ap.add_argument("--write-table", type=Path, help="write the dense-prefill preference table here")
     args = ap.parse_args()
+    heads = tuple(int(x) for x in args.heads.split("/"))
+    if len(heads) != 2 or heads[0] % heads[1]:
+        ap.error(f"--heads must be Q/KV with KV dividing Q, got {args.heads!r}")
     torch.manual_seed(0)
     from astrai.extension.ops import attention as ops
 
@@ -157,10 +165,11 @@ def main() -> None:
     for d in dims:
         for causal in (True, False):
             for name, lens in shapes.items():
-                bench_shape(rows, name, lens, d, causal, ops)
+                bench_shape(rows, name, lens, d, causal, ops, heads)
                 torch.cuda.empty_cache()
     add_ratios(rows)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  GQA {HQ}/{HKV} bf16, CUDA-graph medians;"
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  heads {heads[0]}/{heads[1]} bf16, "
+          "CUDA-graph medians;"
           " eager us: back-to-back eager calls, what a user sees")
     print(f"{'d':>3} {'mask':<6} {'shape':<19} {'impl':<22} {'us':>9} {'TFLOP/s':>8} {'x cuDNN':>8} {'x FA2':>6}"
           f" {'x torch':>7} {'paged/contig':>12} {'eager us':>9}")
@@ -172,7 +181,7 @@ def main() -> None:
         print(f"{head} {r['us']:9.1f} {r['tflops']:8.1f} {r.get('x_cudnn', float('nan')):8.2f} "
               f"{r.get('x_flash', float('nan')):6.2f} {r.get('x_torch_path', float('nan')):7.2f} "
               f"{r.get('paged_vs_contiguous', float('nan')):12.2f} {r.get('eager_us', float('nan')):9.1f}")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": list(heads), "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.write_table:

@@ -10,7 +10,12 @@ holds both times per shape class, measured side by side on an H200 by
 
 It becomes the ``attn_prefill`` op's ``prefer`` entry for arch 90 (docs/plugins.md), in the
 manifest's generic form: ``m`` = query rows of the call (batch x q_len), ``n`` = KV length,
-``k`` = head_dim, ``mode`` = ``"causal"`` or ``"full"``. Pure Python, no torch.
+``k`` = head_dim, ``mode`` = ``"causal"`` or ``"full"``, and the query / kv heads measured
+(``q_heads`` / ``kv_heads``): the table speaks for calls whose GQA group (q_heads / kv_heads)
+is a multiple of the measured one, which run the same blocks (heuristics.h packs up to
+``PACKED_HEADS`` query heads of a group per K/V tile; a multiple of that many fills every
+block alike). Other groups, multi-head attention among them, keep the torch path: their
+blocks differ (one head per block, or head slots left empty). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FILE = "prefill_table.json"
-FORMAT = 1
+FORMAT = 2  # 2: q_heads / kv_heads (format 1 tables were all measured at 32 / 8)
+PACKED_HEADS = 4  # query heads per prefill block at most (heuristics.h: prefill_head_block)
 PEER = "torch"  # the core's name for its SDPA backend
 OURS, THEIRS = "astrai contiguous", "torch path"  # bench_prefill.py's row names
 
 
 def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, Any]:
     """The table of one ``bench_prefill.py --json`` result: every uniform shape where both the
-    plugin's dense prefill and the torch path were timed."""
+    plugin's dense prefill and the torch path were timed, at the heads it measured (a GQA
+    group that fills the prefill blocks: a multiple of ``PACKED_HEADS``)."""
     rows = bench.get("rows")
     if not isinstance(rows, list) or not rows:
         raise ValueError("benchmark JSON has no 'rows'")
+    q_heads, kv_heads = _heads(bench.get("heads"))
     timed = {(r["shape"], r["d"], r["causal"], r["impl"]): r for r in rows if "us" in r}
     classes = []
     for (shape, d, causal, impl), ours in timed.items():
@@ -53,11 +61,27 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
         "torch": str(bench.get("torch", "")),
         "commit": commit,
         "date": date,
-        "source": "tests/gpu/bench_prefill.py (medians of CUDA-graph replays, GQA 32/8 bf16)",
+        "source": f"tests/gpu/bench_prefill.py (medians of CUDA-graph replays, heads {q_heads}/{kv_heads} bf16)",
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
         "peer": PEER,
         "measured": f"{device}, commit {commit}, {date}",
         "classes": classes,
     }
+
+
+def _heads(value: Any) -> tuple[int, int]:
+    """The benchmark's (query heads, kv heads), checked: a group that fills the blocks."""
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value))
+    if not ok:
+        raise ValueError(f"benchmark JSON needs 'heads': [q_heads, kv_heads], got {value!r}")
+    q_heads, kv_heads = value
+    if q_heads % kv_heads or (q_heads // kv_heads) % PACKED_HEADS:
+        raise ValueError(f"heads {q_heads}/{kv_heads}: a table must be measured at a GQA group that is a multiple "
+                         f"of {PACKED_HEADS} (whole blocks of {PACKED_HEADS} query heads); a run at another group "
+                         "measures blocks that only that group runs")
+    return q_heads, kv_heads
 
 
 def load() -> Any:

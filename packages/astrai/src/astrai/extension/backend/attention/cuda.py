@@ -74,7 +74,10 @@ class CudaBackend(AttentionBackend):
         device = probe_device(call.device)
         status = current_runtime().registry.op_status("attn_prefill", device)
         mode = "masked" if call.mask_ndim else "causal" if call.causal else "full"
-        return prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
+        verdict = prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
+        if verdict is None or not verdict.plugin_faster:
+            return verdict
+        return _unmeasured_group(status.spec.prefer, device.sm, call) or verdict
 
     @staticmethod
     def _op_unsupported(op: str, call: AttentionCall) -> str | None:
@@ -172,6 +175,22 @@ class CudaBackend(AttentionBackend):
 # Per cache, per layer: the binding arguments of the layer's pages (fixed for the cache's
 # life), so a layer's call converts only its own q, k, v and out.
 _LAYER_ARGS: weakref.WeakKeyDictionary[PagedKVCache, dict[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _unmeasured_group(table_by_arch, sm: int, call: AttentionCall) -> prefer.Verdict | None:
+    """Why the dense-prefill table does not speak for the call's GQA group, or None. The table
+    holds the heads it was measured at (format 1: 32 / 8); a group that is a multiple of that
+    one runs the same blocks, repeated per head group. Multi-head attention (one query head per
+    K/V head) runs another kernel, and a group the blocks' head slots do not divide leaves
+    slots empty: neither was measured."""
+    table = table_by_arch.get(str(sm), table_by_arch.get(sm))  # verdict() parsed it: a dict
+    q_heads, kv_heads = table.get("q_heads", 32), table.get("kv_heads", 8)
+    measured = q_heads // kv_heads if isinstance(q_heads, int) and isinstance(kv_heads, int) and kv_heads else 0
+    if measured and call.group % measured == 0:
+        return None
+    return prefer.Verdict(False, f"the measured table for sm_{sm} was measured at heads {q_heads}/{kv_heads} "
+                                 f"(GQA group {measured}); heads {call.q_heads}/{call.kv_heads} run other blocks, "
+                                 f"not measured: {table.get('peer', 'the peer')} is used")
 
 
 def _layer_args(kv_cache: PagedKVCache, layer_id: int) -> tuple:
