@@ -43,6 +43,8 @@ struct AttentionParams {
     int group = 1;        // q_heads / kv_heads
     int head_block = 1;   // prefill: query heads packed per block (HB)
     int blocks_per_tile = 1;  // prefill: blocks sharing one 64-row host Q tile (set by the launcher)
+    int tiles_per_block = 1;  // prefill: host Q tiles one block covers (2: the Hopper kernel's 128-row
+                              // blocks of one query head)
     int head_groups = 1;  // ceil(group / rows-per-block heads): grid.y = kv_heads * head_groups
     bool causal = false;  // bottom-right aligned: row i sees kv j <= i + kv_len - q_len
     // Persistent prefill: the logical grid (x, y) its blocks walk as work items, x fastest.
@@ -85,5 +87,14 @@ struct AttentionParams {
     int64_t k_new_stride_b = 0, k_new_stride_h = 0;
     int64_t v_new_stride_b = 0, v_new_stride_h = 0;
 };
+
+// Query rows a prefill block covers per head slot (rows_blk): a share of one host Q tile, or
+// (tiles_per_block = 2) two whole tiles.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int prefill_block_rows(const AttentionParams& p) {
+    return kQTileRows * p.tiles_per_block / p.blocks_per_tile;
+}
 
 }  // namespace astrai::attn

@@ -127,13 +127,17 @@ inline bool device_is_sm90() { return device_arch() == 90; }
 // launch_prefill_d's layout value that forces the Hopper kernel where it applies.
 constexpr int kPrefillWgmma = 90;
 
-// The warp-specialized Hopper prefill (HB >= 2, sm_90a): 128 (row, head) pairs per work
-// item, packed like the 8-warp mma.sync block; persistent: one block per SM walks them.
+// The warp-specialized Hopper prefill (sm_90a): 128 (row, head) pairs per work item, packed
+// like the 8-warp mma.sync block (HB >= 2), or 128 rows of one head (HB = 1: two host Q
+// tiles per block; packed Q: a block per tile, those of odd tiles empty); persistent: one
+// block per SM walks them.
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
     using C = PrefillWsConfig<D>;
-    p.blocks_per_tile = prefill_blocks_per_tile(p.group, 8);
-    dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    p.blocks_per_tile = p.head_block == 1 ? 1 : prefill_blocks_per_tile(p.group, 8);
+    p.tiles_per_block = p.head_block == 1 ? 2 : 1;
+    const unsigned tiles = QSched::kPacked ? num_q_tiles : unsigned(cdiv(num_q_tiles, p.tiles_per_block));
+    dim3 grid(tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
     if (C::kPersistent) {
         p.work_grid_x = int(grid.x);
         p.work_grid_y = int(grid.y);
@@ -163,7 +167,7 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
-// sm_90a code, HB >= 2), else prefill_warps' mma.sync layout. 4 or 8 forces that many
+// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8 forces that many
 // mma.sync warps, kPrefillWgmma the Hopper kernel where it applies (benchmarks and tests).
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
@@ -175,7 +179,8 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
     ASTRAI_CHECK_LAUNCH();
 #else
     if constexpr (built_for_sm90()) {
-        if ((layout == 0 || layout == kPrefillWgmma) && p.head_block >= 2 && device_is_sm90())
+        if ((layout == 0 || layout == kPrefillWgmma) && (p.head_block >= 2 || ASTRAI_PREFILL_WS_MHA) &&
+            device_is_sm90())
             return launch_prefill_ws<T, D, QSched, KV>(p, num_q_tiles, batch, stream);
     }
     const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);

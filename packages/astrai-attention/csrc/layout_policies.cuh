@@ -1,11 +1,14 @@
 // Policies that plug into the one kernel body per kind.
 //
 // Q schedules turn a block index into (request, request-local row range); a 64-row host Q
-// tile is shared by blocks_per_tile blocks (HB * 64 / rows per block). Causal launches take
-// the host tiles last-first, so the longest rows of each head start first:
-//   DenseQSchedule   grid (num_q_tiles * bpt, kv_heads * head_groups, batch)
+// tile is shared by blocks_per_tile blocks (HB * 64 / rows per block), or a block covers
+// tiles_per_block whole tiles (the Hopper kernel's 128 rows of one query head). Causal
+// launches take the host tiles last-first, so the longest rows of each head start first:
+//   DenseQSchedule   grid (num_q_tiles * bpt / tpb, kv_heads * head_groups, batch)
 //   PackedQSchedule  grid (num_q_tiles * bpt, kv_heads * head_groups, 1) over a packed
-//                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index.
+//                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index;
+//                    with tpb = 2 a block starts at a request's even tiles, and the block of
+//                    an odd tile (covered by the one before) has no rows.
 // KV sources only give a request's KV length and the address of a logical position;
 // they schedule nothing:
 //   ContigKV  k[b, pos, h, :]
@@ -48,7 +51,7 @@ struct DenseQSchedule {
         const int b = c.z;
         QWork w;
         w.b = b;
-        w.row_base = (bx / bpt) * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
+        w.row_base = (bx / bpt) * kQTileRows * p.tiles_per_block + (bx % bpt) * (kQTileRows / bpt);
         w.q_len = p.q_len;
         w.q_off = int64_t(b) * p.q_stride_b;
         w.o_off = int64_t(b) * p.o_stride_b;
@@ -64,10 +67,11 @@ struct PackedQSchedule {
         const int host_tile = bx / bpt;
         const int b = p.q_tile_to_batch[host_tile];
         const int start = p.qo_indptr[b];
+        const int index = p.q_tile_to_index[host_tile];
         QWork w;
         w.b = b;
-        w.row_base = p.q_tile_to_index[host_tile] * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
         w.q_len = p.qo_indptr[b + 1] - start;
+        w.row_base = index % p.tiles_per_block ? w.q_len : index * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
         w.q_off = int64_t(start) * p.q_stride_l;
         w.o_off = int64_t(start) * p.o_stride_l;
         return w;

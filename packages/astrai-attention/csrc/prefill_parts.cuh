@@ -23,7 +23,7 @@ __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, co
                                                     int head_group_index = blockIdx.y) {
     PrefillSpan s;
     const int hb = p.head_block;
-    s.rows_blk = kQTileRows / p.blocks_per_tile;
+    s.rows_blk = prefill_block_rows(p);
     s.kvh = head_group_index / p.head_groups;
     s.head0 = s.kvh * p.group + (head_group_index % p.head_groups) * hb;
     s.nslots = min(hb, s.kvh * p.group + p.group - s.head0);

@@ -19,7 +19,7 @@ struct PrefillTensorMaps {  // CUtensorMap carries its own (64-byte+) alignment
     // (page after page), a box of a whole tile per panel (k_run / v_run, where run_maps).
     CUtensorMap k_run, v_run;
     // O, written by TMA from each consumer warpgroup's half of the staged tile (o_tma): a box
-    // of head_block / 2 heads x rows_blk rows per 64-column panel.
+    // of head_block / 2 heads x rows_blk rows per 64-column panel (one head: 64 rows of it).
     CUtensorMap o;
     // kCpAsync: the producer copies K/V with cp.async. kTma: every tile by TMA (contiguous
     // K/V, zeros past kv_len). kTmaWholeTiles: paged K/V, a box of box_rows positions per
@@ -68,28 +68,31 @@ inline bool encode_kv_map(CUtensorMap* map, const void* base, int outer, int row
 
 // A map over Q or O (the same layout: [batch, q_len, q_heads, head_dim] dense, or [total rows,
 // q_heads, head_dim] packed, q_total_rows > 0) for blocks of head_block heads x rows_blk rows
-// (128 rows, head slot major, as the block's tile), a box of rows_blk rows x box_heads heads.
+// (128 rows, head slot major, as the block's tile), a box of box_rows rows x box_heads heads.
 inline bool encode_rows_map(CUtensorMap* map, const AttentionParams& p, const void* base, int64_t stride_l,
-                            int64_t stride_h, int64_t stride_b, int head_dim, bool packed, int box_heads) {
-    const int rows_blk = kQTileRows / p.blocks_per_tile;
-    if (p.head_block * rows_blk != 128) return false;
+                            int64_t stride_h, int64_t stride_b, int head_dim, bool packed, int box_rows,
+                            int box_heads) {
+    if (p.head_block * prefill_block_rows(p) != 128) return false;
     const int rows = packed ? p.q_total_rows : p.q_len;
     const int outer = packed ? 1 : p.batch;
     return encode_panel_map(map, base, {head_dim, rows, p.q_heads, outer}, {stride_l, stride_h, stride_b},
-                            {64u, cuuint32_t(rows_blk), cuuint32_t(box_heads), 1u});
+                            {64u, cuuint32_t(box_rows), cuuint32_t(box_heads), 1u});
 }
 
 // The Q map: a box is the block's whole Q tile. It may reach past the block's request or head
 // group: those rows are computed and never stored.
 inline bool encode_q_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
-    return encode_rows_map(map, p, p.q, p.q_stride_l, p.q_stride_h, p.q_stride_b, head_dim, packed, p.head_block);
+    return encode_rows_map(map, p, p.q, p.q_stride_l, p.q_stride_h, p.q_stride_b, head_dim, packed,
+                           prefill_block_rows(p), p.head_block);
 }
 
-// The O map: a box is half the block's head slots, one consumer warpgroup's 64 rows (an even
-// head_block).
+// The O map: a box is one consumer warpgroup's 64 (row, head) pairs: half the block's head
+// slots (an even head_block), or the first or second 64 rows of its one head.
 inline bool encode_o_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
-    return p.head_block % 2 == 0 &&
-           encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim, packed, p.head_block / 2);
+    if (p.head_block == 1)
+        return encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim, packed, 64, 1);
+    return p.head_block % 2 == 0 && encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim,
+                                                    packed, prefill_block_rows(p), p.head_block / 2);
 }
 
 // Both K/V maps of a contiguous-K/V launch (tiles of tile_rows positions), or kCpAsync where

@@ -84,6 +84,12 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_PERSISTENT
 #define ASTRAI_PREFILL_PERSISTENT 0
 #endif
+// 1: multi-head attention (one query head per K/V head, HB = 1) runs this kernel too, a block
+// taking 128 rows of its head (two host Q tiles; tiles_per_block); 0: the mma.sync kernel.
+// Off until it has run on a GPU (correctness, then speed against the mma.sync kernel).
+#ifndef ASTRAI_PREFILL_WS_MHA
+#define ASTRAI_PREFILL_WS_MHA 0
+#endif
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -354,9 +360,9 @@ __device__ __forceinline__ void zero_stale_v(uint32_t v_st, int rows, int wg) {
 }
 
 // This warpgroup's 64 rows of O, normalized, through its rows of the Q slot (no longer read)
-// to global memory: by TMA where the block's box lies inside its request and head group
-// (one thread issues a box per panel), else in whole 16-byte chunks (8 threads per 128-byte
-// line). The slot keeps the 128-byte swizzle, so neither the fragment writes nor the chunk
+// to global memory: by TMA where the warpgroup's box (half the head slots, or with one head
+// half the rows) lies inside its request and head group (one thread issues a box per panel),
+// else in whole 16-byte chunks (8 threads per 128-byte line). The slot keeps the 128-byte swizzle, so neither the fragment writes nor the chunk
 // reads conflict in shared memory. Why: the chunk loop's address arithmetic made the
 // epilogue ~1.2 tiles of time per work item (3.2k cycles at d128), most of a short item's cost.
 template <typename T, class C, class QSched>
@@ -378,7 +384,9 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
                          : "memory");
         }
     }
-    const bool by_tma = maps.o_tma && qw.row_base + sp.rows_blk <= qw.q_len && sp.nslots == p.head_block;
+    const bool one_head = p.head_block == 1;
+    const int box_end = qw.row_base + (one_head ? 64 * (wg + 1) : sp.rows_blk);
+    const bool by_tma = maps.o_tma && box_end <= qw.q_len && sp.nslots == p.head_block;
     if (by_tma) sm90::fence_proxy_async();  // the fragments, before the TMA reads them
     sm90::named_barrier_sync(4 + wg, 128);
     if (by_tma) {
@@ -386,8 +394,8 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
             const int2 at = map_rows<QSched>(p, qw);
 #pragma unroll
             for (int c = 0; c < C::D / 64; ++c)
-                sm90::tma_store_4d(&maps.o, q_slot + c * Tile::kPanelBytes + wg * 64 * 128, c * 64, at.x,
-                                   sp.head0 + wg * (p.head_block / 2), at.y);
+                sm90::tma_store_4d(&maps.o, q_slot + c * Tile::kPanelBytes + wg * 64 * 128, c * 64,
+                                   at.x + (one_head ? 64 * wg : 0), sp.head0 + wg * (p.head_block / 2), at.y);
             sm90::tma_store_commit_and_wait_read();
         }
         return;

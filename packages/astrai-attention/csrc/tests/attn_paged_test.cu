@@ -322,6 +322,7 @@ int main(int argc, char** argv) {
         check(prefill_case({1, 1, 1000}, {0, 7, 24}, page, 32, 8, 64, true, false));
         check(prefill_case({257, 64}, {700, 0}, page, 64, 2, 128, false, true));  // G = 32
         check(prefill_case({129, 5}, {64, 1}, page, 16, 8, 256, false, false));   // G = 2
+        check(prefill_case({70, 10, 130}, {0, 33, 64}, page, 8, 8, 128, true, true));  // G = 1: odd tile counts
     }
     // tables half in page order: whole-tile runs and scattered tiles
     g_half_order = true;

@@ -97,6 +97,7 @@ int g_sms = 132;
 bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
 bool g_check = true;     // --bench-only: skip the correctness cases
 int g_dim = 0;           // --dim D: time head dim D alone (0: all)
+int g_prefill_kv_heads = 8;  // --mha: prefill timings with 32 kv heads (multi-head attention), else 8
 std::mt19937 g_rng(1234);
 
 // One prefill (Lq > 1 or causal) or decode (Lq == 1) case; returns pass/fail.
@@ -263,19 +264,20 @@ void bench() {
         std::printf("decode  bf16 GQA 32/8 d128 B=%-3d kv=%d splits=%-2d  %8.2f us  %6.2f TB/s\n", B, S,
                     p.num_splits, us, bytes / us * 1e-6);
     }
+    const int Hkv_p = g_prefill_kv_heads;  // the prefill timings' kv heads
     for (int D : {64, 128, 256})
         if (g_dim == 0 || g_dim == D) for (auto [B_, L_] : {std::pair{4, 4096}, std::pair{1, 16384}, std::pair{16, 1024}}) {
             const int B = B_, L = L_;
-            const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv * D;
+            const size_t qe = size_t(B) * L * Hq * D, ke = size_t(B) * L * Hkv_p * D;
             DeviceBuffer<uint16_t> q(qe), k(ke), v(ke), o(qe);
             HostTensor h; h.random(qe, g_rng, true); q.upload(h.bits);
             h.random(ke, g_rng, true); k.upload(h.bits); v.upload(h.bits);
             AttentionParams p;
             p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr;
             p.q_stride_b = int64_t(L) * Hq * D; p.q_stride_l = Hq * D; p.q_stride_h = D;
-            p.k_stride_b = p.v_stride_b = int64_t(L) * Hkv * D; p.k_stride_l = p.v_stride_l = Hkv * D; p.k_stride_h = p.v_stride_h = D;
+            p.k_stride_b = p.v_stride_b = int64_t(L) * Hkv_p * D; p.k_stride_l = p.v_stride_l = Hkv_p * D; p.k_stride_h = p.v_stride_h = D;
             p.o_stride_b = p.q_stride_b; p.o_stride_l = Hq * D; p.o_stride_h = D;
-            p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv; p.group = Hq / Hkv;
+            p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv_p; p.group = Hq / Hkv_p;
             p.head_block = prefill_head_block(p.group); p.head_groups = prefill_head_groups(p.group);
             p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
             for (bool causal : {true, false}) {
@@ -292,13 +294,13 @@ void bench() {
                         if (D == 256) run(std::integral_constant<int, 256>{});
                     }, 20);
                     const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
-                    std::printf("prefill bf16 GQA 32/8 d%-3d %2dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", D, B,
-                                L, causal ? "causal" : "noncausal", layout, us, flops / us * 1e-6);
+                    std::printf("prefill bf16 GQA %d/%d d%-3d %2dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", Hq,
+                                Hkv_p, D, B, L, causal ? "causal" : "noncausal", layout, us, flops / us * 1e-6);
 #ifdef ASTRAI_PREFILL_TRACE
                     if (layout == kPrefillWgmma) {
                         char label[64];
                         std::snprintf(label, sizeof label, "d%d %dx%d %s", D, B, L, causal ? "causal" : "noncausal");
-                        trace_report(label, size_t(num_q_tiles(L)) * 8 * Hkv * p.head_groups * B, [&] {
+                        trace_report(label, size_t(num_q_tiles(L)) * 8 * Hkv_p * p.head_groups * B, [&] {
                             if (D == 64) run(std::integral_constant<int, 64>{});
                             if (D == 128) run(std::integral_constant<int, 128>{});
                             if (D == 256) run(std::integral_constant<int, 256>{});
@@ -318,6 +320,7 @@ int main(int argc, char** argv) {
         if (std::string(argv[i]) == "--no-bench") do_bench = false;
         if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
         if (std::string(argv[i]) == "--bench-only") g_check = false;
+        if (std::string(argv[i]) == "--mha") g_prefill_kv_heads = 32;
         if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -351,9 +354,13 @@ int main(int argc, char** argv) {
         for (const auto& c : decode_cases) { ++total; fails += !run_case(c, impl, true); }
         for (const auto& c : prefill_cases) { ++total; fails += !run_case(c, impl, false); }
     }
-    // The Hopper kernel (G >= 2): every case above plus fp16 / d256 / large-group ones.
+    // The Hopper kernel (G >= 2, and G = 1 with ASTRAI_PREFILL_WS_MHA): every case above plus
+    // fp16 / d256 / large-group / multi-head ones.
     std::vector<Case> ws_cases = prefill_cases;
     ws_cases.insert(ws_cases.end(), {
+        {2, 333, 333, 16, 16, 128, true, true, false, 0},  // G = 1: 128 rows of one head per block
+        {1, 200, 90, 8, 8, 64, false, true, true, 0},     // G = 1, q > kv
+        {3, 129, 300, 4, 4, 256, true, false, false, 2},   // G = 1, a 64-row tail in the last block
         {2, 333, 333, 32, 8, 256, true, true, false, 0},
         {2, 333, 333, 32, 8, 64, false, true, true, 0},
         {1, 129, 700, 64, 2, 256, false, true, false, 0},  // G = 32, chunked (q < kv)
@@ -362,7 +369,7 @@ int main(int argc, char** argv) {
         {2, 150, 150, 32, 16, 256, true, false, true, 2},
     });
     for (const auto& c : ws_cases)
-        if (c.Hq / c.Hkv >= 2) { ++total; fails += !run_case(c, Impl::Wgmma, false); }
+        if (c.Hq / c.Hkv >= (ASTRAI_PREFILL_WS_MHA ? 1 : 2)) { ++total; fails += !run_case(c, Impl::Wgmma, false); }
     std::printf("\n%d/%d cases passed\n", total - fails, total);
     if (do_bench) bench();
     return fails ? 1 : 0;
