@@ -82,6 +82,46 @@ __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], 
     }
 }
 
+// online_softmax whose rows keep their exponent base until a tile's max exceeds it by more
+// than kSlack (log2 units; FlashAttention-4's trick): P <= 2^kSlack, and O and l stay exact
+// relative to the old base, so most tiles of a long row leave O alone. Returns whether the
+// warp rescales (any of its rows moved; warp-uniform): alpha is then the factor for O, 1 for
+// the rows that kept their base; without a rescale alpha is all ones and O is left as is.
+template <int NT>
+__device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], float scale_log2,
+                                                    float (&alpha)[2]) {
+    constexpr float kSlack = 8.f;
+    float mx[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) mx[r] = fmaxf(mx[r], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+        mx[r] = warp_reduce_max<4>(mx[r]) * scale_log2;
+    }
+    // -inf + kSlack is -inf: a row's first finite max always moves its base
+    const bool rescale = __any_sync(0xffffffffu, mx[0] > st.m[0] + kSlack || mx[1] > st.m[1] + kSlack);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        alpha[r] = 1.f;
+        if (rescale) {
+            const float m = fmaxf(st.m[r], mx[r]);
+            alpha[r] = exp2f(st.m[r] - (m == -INFINITY ? 0.f : m));
+            st.m[r] = m;
+        }
+        const float base = st.m[r] == -INFINITY ? 0.f : st.m[r];
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale_log2, -base));
+            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale_log2, -base));
+            sum += s[j][2 * r] + s[j][2 * r + 1];
+        }
+        st.l[r] = st.l[r] * alpha[r] + sum;
+    }
+    return rescale;
+}
+
 // Quad-reduces the partial row sums; returns 1/l (0 for a row that saw no key).
 __device__ __forceinline__ void finalize_rows(RowState& st, float (&inv_l)[2]) {
 #pragma unroll
