@@ -127,6 +127,26 @@ inline bool device_is_sm90() { return device_arch() == 90; }
 // launch_prefill_d's layout value that forces the Hopper kernel where it applies.
 constexpr int kPrefillWgmma = 90;
 
+// One launch of the warp-specialized prefill with K/V tiles of PrefillWsConfig<D, BN>: its
+// tensor maps, then the kernel. False (nothing launched) where a TMA-only configuration's
+// maps do not all encode.
+template <typename T, int D, int BN, class QSched, class KV>
+bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t stream) {
+    using C = PrefillWsConfig<D, BN>;
+    PrefillTensorMaps maps;
+    if constexpr (ASTRAI_PREFILL_TMA) {
+        maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
+        maps.q_tma = encode_q_map(&maps.q, p, D, QSched::kPacked);
+        maps.o_tma = ASTRAI_PREFILL_TMA_STORE && encode_o_map(&maps.o, p, D, QSched::kPacked);
+    }
+    if (C::kTmaOnly && !(maps.mode == PrefillTensorMaps::kTma && maps.q_tma)) return false;
+    static std::atomic<uint64_t> done{0};
+    set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN>, C::kSmemBytes, done);
+    prefill_ws_kernel<T, D, QSched, KV, BN><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+    ASTRAI_CHECK_LAUNCH();
+    return true;
+}
+
 // The warp-specialized Hopper prefill (sm_90a): 128 (row, head) pairs per work item, packed
 // like the 8-warp mma.sync block (HB >= 2), or 128 rows of one head (HB = 1: two host Q
 // tiles per block; packed Q: a block per tile, those of odd tiles empty); persistent: one
@@ -154,16 +174,12 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
             p.work_counter = counter;
         }
     }
-    PrefillTensorMaps maps;
-    if constexpr (ASTRAI_PREFILL_TMA) {
-        maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
-        maps.q_tma = encode_q_map(&maps.q, p, D, QSched::kPacked);
-        maps.o_tma = ASTRAI_PREFILL_TMA_STORE && encode_o_map(&maps.o, p, D, QSched::kPacked);
+    // Wide K/V tiles: dense calls over contiguous K/V (d128 without a causal mask, d256)
+    constexpr int kWide = kWideTileRows<D>;
+    if constexpr (kWide != 0 && !KV::kPaged && !QSched::kPacked && !C::kPersistent) {
+        if ((D == 256 || !p.causal) && launch_prefill_ws_tiles<T, D, kWide, QSched, KV>(p, grid, stream)) return;
     }
-    static std::atomic<uint64_t> done{0};
-    set_smem_limit(prefill_ws_kernel<T, D, QSched, KV>, C::kSmemBytes, done);
-    prefill_ws_kernel<T, D, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
-    ASTRAI_CHECK_LAUNCH();
+    launch_prefill_ws_tiles<T, D, 0, QSched, KV>(p, grid, stream);
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SS_WIDTHS = (64, 128)  # S = Q K^T: N = K/V rows per tile
+SS_WIDTHS = (64, 80, 128, 176)  # S = Q K^T: N = K/V rows per tile (80, 176: the wide tiles)
 RS_WIDTHS = (64, 128, 256)  # O += P V: N = head_dim
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 

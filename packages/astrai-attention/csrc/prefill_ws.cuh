@@ -96,6 +96,13 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_LAZY_RESCALE
 #define ASTRAI_PREFILL_LAZY_RESCALE 0
 #endif
+// 1: dense prefill over contiguous K/V takes wide K/V tiles where its copies are all TMA (as
+// FlashAttention-3 does): 176 rows at d128 without a causal mask, 80 at d256; the producer
+// keeps 40 registers (it issues TMA alone) so the consumers get 232 for the wider S and P.
+// 0: 128 / 64 rows. Off until measured.
+#ifndef ASTRAI_PREFILL_WIDE_TILES
+#define ASTRAI_PREFILL_WIDE_TILES 0
+#endif
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -108,25 +115,34 @@ __device__ unsigned long long* g_prefill_trace;
 #define PREFILL_TRACE(item, i, value)
 #endif
 
-template <int D_>
+// K/V rows per wide tile at head dim D (ASTRAI_PREFILL_WIDE_TILES), 0: none.
+template <int D>
+constexpr int kWideTileRows = ASTRAI_PREFILL_WIDE_TILES == 0 ? 0 : D == 128 ? 176 : D == 256 ? 80 : 0;
+
+// BN_ = 0: the default K/V tile rows; else a wide tile (kWideTileRows) and a TMA-only producer.
+template <int D_, int BN_ = 0>
 struct PrefillWsConfig {
     static_assert(D_ == 64 || D_ == 128 || D_ == 256, "head_dim must be 64, 128 or 256");
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers
-    static constexpr int kBN = D <= 128 ? 128 : 64;
+    static constexpr int kBN = BN_ != 0 ? BN_ : D <= 128 ? 128 : 64;
+    static_assert(kBN % 16 == 0 && kBN <= 256, "K/V tiles are whole 16-row k-steps of P V, one TMA box");
+    // Copies by TMA alone (the launcher checks that the maps encode): no cp.async paths, so
+    // the producer needs few registers
+    static constexpr bool kTmaOnly = BN_ != 0;
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kThreads = 3 * 128;
     // One block per SM walking the work items (d256's consumers have no registers to spare
     // for the loop: one block per item there).
-    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128;
+    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128 && !kTmaOnly;
     // The block starts with 168 registers a thread (64K / 384, rounded down to 8), and the
     // consumers' setmaxnreg.inc waits until the producer's .dec left that much in the pool:
     // 128 x producer + 256 x consumer <= 384 x 168. Neither role spills (the producer keeps
     // its page ids and copy offsets; d256's O alone takes 128 registers a thread).
     // (A persistent block's consumers keep the item loop's state too: 208 at d128.)
-    static constexpr int kProducerRegs = D == 256 ? 72 : kPersistent && D == 128 ? 88 : 104;
-    static constexpr int kConsumerRegs = D == 256 ? 216 : kPersistent && D == 128 ? 208 : 200;
+    static constexpr int kProducerRegs = kTmaOnly ? 40 : D == 256 ? 72 : kPersistent && D == 128 ? 88 : 104;
+    static constexpr int kConsumerRegs = kTmaOnly ? 232 : D == 256 ? 216 : kPersistent && D == 128 ? 208 : 200;
     static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "register pool overcommitted");
     static constexpr bool kPingPong = ASTRAI_PREFILL_PINGPONG != 0 && D <= 128;  // measured slower at d256
     static constexpr int kTileBytes = kBN * D * 2;
@@ -258,13 +274,14 @@ __device__ __forceinline__ void produce_kv_paged_tma(const AttentionParams& p, c
 }
 
 // The K/V tiles of one work item into their ring stages, each once the consumers released
-// the stage's previous use: by TMA per maps.mode, else cp.async from all 128 threads.
+// the stage's previous use: by TMA per maps.mode, else cp.async from all 128 threads (never
+// in a C::kTmaOnly launch, whose maps are kTma).
 template <typename T, class C, class KV>
 __device__ __forceinline__ void produce_kv(const AttentionParams& p, const PrefillTensorMaps& maps, const QWork& qw,
                                            const PrefillSpan& sp, const PrefillWsSmem<C>& sm, RingPos& pos) {
     using sm90::mbar_arrive_on_cp_async;
     using sm90::mbar_wait;
-    if (maps.mode == PrefillTensorMaps::kTma) {
+    if (C::kTmaOnly || maps.mode == PrefillTensorMaps::kTma) {
         if (threadIdx.x == 0) produce_kv_tma<C>(maps, qw, sp, sm, pos);
         return;
     }
@@ -296,12 +313,12 @@ __device__ __forceinline__ int2 map_rows(const AttentionParams& p, const QWork& 
 
 // The block's Q tile into slot qs, completing its full barrier: by TMA from thread 0 (D / 64
 // boxes of head_block heads x rows_blk rows, the barrier expecting the tile's bytes), else
-// by cp.async from all 128 producer threads.
+// by cp.async from all 128 producer threads (never in a C::kTmaOnly launch).
 template <typename T, class C, class QSched>
 __device__ __forceinline__ void produce_q(const AttentionParams& p, const PrefillTensorMaps& maps, const QWork& qw,
                                           const PrefillSpan& sp, const PrefillWsSmem<C>& sm, int qs) {
     using namespace sm90;
-    if (!maps.q_tma) {
+    if (!C::kTmaOnly && !maps.q_tma) {
         load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
         mbar_arrive_on_cp_async(sm.q_full(qs));
         return;
@@ -641,11 +658,11 @@ __device__ __forceinline__ void consume_persistent(const AttentionParams& p, con
 // One block per work item (launch coordinate), or (C::kPersistent) one block per SM taking
 // the items of the logical grid (work_grid_x, work_grid_y, *) from an atomic counter, its
 // producer running ahead into the next item's Q and K/V while the consumers finish this one.
-template <typename T, int D, class QSched, class KV>
-__global__ void __launch_bounds__(PrefillWsConfig<D>::kThreads, 1)
+template <typename T, int D, class QSched, class KV, int BN = 0>
+__global__ void __launch_bounds__(PrefillWsConfig<D, BN>::kThreads, 1)
     prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
-    using C = PrefillWsConfig<D>;
+    using C = PrefillWsConfig<D, BN>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
     if (threadIdx.x == 0) {
