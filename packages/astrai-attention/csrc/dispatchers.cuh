@@ -154,6 +154,12 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
     using C = PrefillWsConfig<D>;
+    // A group the head slots do not divide (3, 5, 6, 7) would leave slots empty; a block of one
+    // head's 128 rows computes the same (row, head) pairs per K/V tile, none of them wasted.
+    if (ASTRAI_PREFILL_WS_MHA && p.group % p.head_block != 0) {
+        p.head_block = 1;
+        p.head_groups = p.group;
+    }
     p.blocks_per_tile = p.head_block == 1 ? 1 : prefill_blocks_per_tile(p.group, 8);
     p.tiles_per_block = p.head_block == 1 ? 2 : 1;
     const unsigned tiles = QSched::kPacked ? num_q_tiles : unsigned(cdiv(num_q_tiles, p.tiles_per_block));

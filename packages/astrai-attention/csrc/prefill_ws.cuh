@@ -86,6 +86,7 @@ struct PanelTile {
 #endif
 // 1: multi-head attention (one query head per K/V head, HB = 1) runs this kernel too, a block
 // taking 128 rows of its head (two host Q tiles; tiles_per_block); 0: the mma.sync kernel.
+// Groups that leave head slots empty (3, 5, 6, 7) take such blocks too (launch_prefill_ws).
 // Off until it has run on a GPU (correctness, then speed against the mma.sync kernel).
 #ifndef ASTRAI_PREFILL_WS_MHA
 #define ASTRAI_PREFILL_WS_MHA 0
