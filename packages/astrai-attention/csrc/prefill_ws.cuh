@@ -1,7 +1,8 @@
 // Warp-specialized Hopper prefill (sm_90a), split over Q, for head dims 64, 128 and 256.
 //
 // A block of three warpgroups owns 128 (row, head) pairs of one kv-head group, packed as in
-// the 8-warp mma.sync block (HB >= 2 query heads share each K/V tile):
+// the 8-warp mma.sync block (HB >= 2 query heads share each K/V tile), or with
+// ASTRAI_PREFILL_WS_MHA 128 rows of one head (HB = 1):
 //   warpgroup 0 (producer)   setmaxnreg.dec; loads Q once (cp.async), then streams K and V
 //                            tiles through two rings of kStages stages, each tile completing
 //                            on the stage's "full" mbarrier: by TMA where the K/V tensor maps
