@@ -34,7 +34,7 @@ MODULES = ("_attn_decode", "_attn_prefill", "_attn_paged_decode", "_attn_paged_p
 def planner():
     csrc = PLUGIN / "csrc"
     return host_module("_attn_planner", csrc / "tests" / "planner_module.cpp",
-                       [csrc / "heuristics.h", csrc / "common.h"], include_dirs=(csrc,))
+                       [csrc / "heuristics.h", csrc / "common.h", csrc / "prefill_schedule.h"], include_dirs=(csrc,))
 
 
 def cdiv(a, b):

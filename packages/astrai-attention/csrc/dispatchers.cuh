@@ -112,8 +112,8 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
 
 template <typename T, int D, int WARPS, class QSched, class KV>
 void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
-    p.blocks_per_tile = prefill_blocks_per_tile(p.group, WARPS);
-    const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    const PrefillGrid g = prefill_mma_grid(p, num_q_tiles, batch, WARPS);
+    const dim3 grid(g.x, g.y, g.z);
     using C = PrefillMmaConfig<D, WARPS>;
     static std::atomic<uint64_t> done{0};
     set_smem_limit(prefill_mma_kernel<T, D, WARPS, QSched, KV>, C::kSmemBytes, done);
@@ -147,23 +147,13 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
     return true;
 }
 
-// The warp-specialized Hopper prefill (sm_90a): 128 (row, head) pairs per work item, packed
-// like the 8-warp mma.sync block (HB >= 2), or 128 rows of one head (HB = 1: two host Q
-// tiles per block; packed Q: a block per tile, those of odd tiles empty); persistent: one
-// block per SM walks them.
+// The warp-specialized Hopper prefill (sm_90a) over prefill_ws_grid's blocks of 128 (row,
+// head) pairs; persistent: one block per SM walks them.
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
     using C = PrefillWsConfig<D>;
-    // A group the head slots do not divide (3, 5, 6, 7) would leave slots empty; a block of one
-    // head's 128 rows computes the same (row, head) pairs per K/V tile, none of them wasted.
-    if (ASTRAI_PREFILL_WS_MHA && p.group % p.head_block != 0) {
-        p.head_block = 1;
-        p.head_groups = p.group;
-    }
-    p.blocks_per_tile = p.head_block == 1 ? 1 : prefill_blocks_per_tile(p.group, 8);
-    p.tiles_per_block = p.head_block == 1 ? 2 : 1;
-    const unsigned tiles = QSched::kPacked ? num_q_tiles : unsigned(cdiv(num_q_tiles, p.tiles_per_block));
-    dim3 grid(tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
+    const PrefillGrid g = prefill_ws_grid(p, num_q_tiles, batch, QSched::kPacked, ASTRAI_PREFILL_WS_MHA != 0);
+    dim3 grid(g.x, g.y, g.z);
     if (C::kPersistent) {
         p.work_grid_x = int(grid.x);
         p.work_grid_y = int(grid.y);

@@ -1,82 +1,14 @@
-// Policies that plug into the one kernel body per kind.
-//
-// Q schedules turn a block index into (request, request-local row range); a 64-row host Q
-// tile is shared by blocks_per_tile blocks (HB * 64 / rows per block), or a block covers
-// tiles_per_block whole tiles (the Hopper kernel's 128 rows of one query head). Causal
-// launches take the host tiles last-first, so the longest rows of each head start first:
-//   DenseQSchedule   grid (num_q_tiles * bpt / tpb, kv_heads * head_groups, batch)
-//   PackedQSchedule  grid (num_q_tiles * bpt, kv_heads * head_groups, 1) over a packed
-//                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index;
-//                    with tpb = 2 a block starts at a request's even tiles, and the block of
-//                    an odd tile (covered by the one before) has no rows.
-// KV sources only give a request's KV length and the address of a logical position;
-// they schedule nothing:
+// Policies that plug into the one kernel body per kind: the Q schedules (which rows a block
+// takes: prefill_schedule.h, host and device code) and the KV sources. KV sources only give a
+// request's KV length and the address of a logical position; they schedule nothing:
 //   ContigKV  k[b, pos, h, :]
 //   PagedKV   k_cache[kv_indices[kv_indptr[b] + pos / page_size], pos % page_size, h, :]
 #pragma once
 
 #include "common.h"
+#include "prefill_schedule.h"
 
 namespace astrai::attn {
-
-// A block's share of Q: request b, rows [row_base, row_base + rows) of that request,
-// with q_len rows in the request; q_off / o_off are element offsets of its row 0.
-struct QWork {
-    int b;
-    int row_base;
-    int q_len;
-    int64_t q_off;
-    int64_t o_off;
-};
-
-// A block's coordinates in the launch grid, (q tile block, kv head group, request). A
-// persistent kernel walks the same coordinates as work items; grid_x is the grid's x extent.
-struct BlockCoord {
-    int x, y, z, grid_x;
-    __device__ static BlockCoord of_launch() {
-        return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x)};
-    }
-};
-
-// The block's index along the Q tiles: reversed for causal launches.
-__device__ __forceinline__ int q_block_index(const AttentionParams& p, const BlockCoord& c) {
-    return p.causal ? c.grid_x - 1 - c.x : c.x;
-}
-
-struct DenseQSchedule {
-    static constexpr bool kPacked = false;
-    __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
-        const int bpt = p.blocks_per_tile;
-        const int bx = q_block_index(p, c);
-        const int b = c.z;
-        QWork w;
-        w.b = b;
-        w.row_base = (bx / bpt) * kQTileRows * p.tiles_per_block + (bx % bpt) * (kQTileRows / bpt);
-        w.q_len = p.q_len;
-        w.q_off = int64_t(b) * p.q_stride_b;
-        w.o_off = int64_t(b) * p.o_stride_b;
-        return w;
-    }
-};
-
-struct PackedQSchedule {
-    static constexpr bool kPacked = true;
-    __device__ static QWork get(const AttentionParams& p, const BlockCoord& c = BlockCoord::of_launch()) {
-        const int bpt = p.blocks_per_tile;
-        const int bx = q_block_index(p, c);
-        const int host_tile = bx / bpt;
-        const int b = p.q_tile_to_batch[host_tile];
-        const int start = p.qo_indptr[b];
-        const int index = p.q_tile_to_index[host_tile];
-        QWork w;
-        w.b = b;
-        w.q_len = p.qo_indptr[b + 1] - start;
-        w.row_base = index % p.tiles_per_block ? w.q_len : index * kQTileRows + (bx % bpt) * (kQTileRows / bpt);
-        w.q_off = int64_t(start) * p.q_stride_l;
-        w.o_off = int64_t(start) * p.o_stride_l;
-        return w;
-    }
-};
 
 // KV sources resolve a position in two steps so loaders can software-pipeline the
 // dependent page-table read: fetch(pos) issues the (possibly global) lookup one tile ahead,

@@ -10,23 +10,11 @@
 
 namespace astrai::attn {
 
-// What one block works on, besides its rows (QWork): kv head kvh, query heads head0 ..
-// head0 + nslots - 1 (HB slots of rows_blk rows each), and K/V positions [0, kv_end) in
-// n_tiles tiles of BN rows; diag aligns causal masks bottom-right.
-struct PrefillSpan {
-    int kvh, head0, nslots, rows_blk;
-    int kv_len, diag, kv_end, n_tiles;
-};
-
+// The block's PrefillSpan: its head slots and rows (prefill_heads), and its K/V range.
 template <class KV>
 __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, const QWork& qw, int bn,
                                                     int head_group_index = blockIdx.y) {
-    PrefillSpan s;
-    const int hb = p.head_block;
-    s.rows_blk = prefill_block_rows(p);
-    s.kvh = head_group_index / p.head_groups;
-    s.head0 = s.kvh * p.group + (head_group_index % p.head_groups) * hb;
-    s.nslots = min(hb, s.kvh * p.group + p.group - s.head0);
+    PrefillSpan s = prefill_heads(p, head_group_index);
     s.kv_len = KV::kv_len(p, qw.b);
     s.diag = s.kv_len - qw.q_len;
     const int row_last = min(qw.row_base + s.rows_blk, qw.q_len) - 1;
