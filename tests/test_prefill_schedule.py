@@ -38,6 +38,9 @@ def test_every_row_and_head_is_computed_once(planner, q_lens, packed, heads, cau
     for kernel in kernels(*heads):
         cover = planner.prefill_coverage(q_lens, packed, *heads, kernel, causal)
         assert (cover["min"], cover["max"]) == (1, 1), (kernel, cover)
+        if kernel.startswith("ws"):  # the Hopper kernel's O: TMA boxes and chunks, each pair once
+            assert (cover["store_min"], cover["store_max"]) == (1, 1), (kernel, cover)
+            assert cover["pairs_outside_boxes"] == 0, (kernel, cover)
 
 
 def test_one_head_blocks_take_two_host_tiles(planner):
@@ -48,6 +51,9 @@ def test_one_head_blocks_take_two_host_tiles(planner):
     # packed: a block per host tile, those of a request's odd tiles empty
     cover = planner.prefill_coverage([70, 10, 130], True, 8, 8, "ws_mha", False)
     assert cover["blocks"] == 6 * 8 and cover["empty_blocks"] == 2 * 8  # tiles 2 + 1 + 3, odd ones: 1 + 1
+    # O by TMA where a warpgroup's 64 rows lie in the request: rows 0-63 of the 70 and of the 130,
+    # 64-127 of the 130; the 70's rows 64-69, the 10 and the 130's last 2 by chunks
+    assert cover["tma_boxes"] == 3 * 8
 
 
 @pytest.mark.parametrize("group,packed_heads", [(2, 2), (3, 1), (4, 4), (5, 1), (6, 1), (7, 1), (8, 4), (32, 4)])

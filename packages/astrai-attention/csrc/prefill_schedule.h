@@ -110,6 +110,36 @@ ASTRAI_HD PrefillSpan prefill_heads(const AttentionParams& p, int head_group_ind
     return s;
 }
 
+// The box of O that one consumer warpgroup (64 of the block's 128 (row, head) pairs) of the
+// Hopper kernel stores by TMA, the O tensor map's box (encode_o_map): half the block's head
+// slots (rows_blk rows x head_block / 2 heads), or with one head half its rows (64 x 1).
+struct OBoxShape {
+    int rows, heads;
+};
+
+ASTRAI_HD OBoxShape o_box_shape(const AttentionParams& p) {
+    return p.head_block == 1 ? OBoxShape{64, 1} : OBoxShape{prefill_block_rows(p), p.head_block / 2};
+}
+
+// Warpgroup wg's (0 or 1) box in a block: its first row past the block's row_base, its first
+// head, and whether it lies in the request and the head group (else the warpgroup stores its
+// pairs in 16-byte chunks).
+struct OStoreBox {
+    OBoxShape shape;
+    int row_off, head;
+    bool inside;
+};
+
+ASTRAI_HD OStoreBox o_store_box(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp, int wg) {
+    const bool one_head = p.head_block == 1;
+    OStoreBox b;
+    b.shape = o_box_shape(p);
+    b.row_off = one_head ? 64 * wg : 0;
+    b.head = sp.head0 + (one_head ? 0 : wg * b.shape.heads);
+    b.inside = qw.row_base + b.row_off + b.shape.rows <= qw.q_len && sp.nslots == p.head_block;
+    return b;
+}
+
 // A launch grid (CUDA's dim3, without CUDA).
 struct PrefillGrid {
     unsigned x, y, z;

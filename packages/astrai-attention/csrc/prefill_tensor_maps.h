@@ -10,6 +10,7 @@
 
 #include "astrai/tensor_map.h"
 #include "common.h"
+#include "prefill_schedule.h"
 
 namespace astrai::attn {
 
@@ -86,13 +87,13 @@ inline bool encode_q_map(CUtensorMap* map, const AttentionParams& p, int head_di
                            prefill_block_rows(p), p.head_block);
 }
 
-// The O map: a box is one consumer warpgroup's 64 (row, head) pairs: half the block's head
-// slots (an even head_block), or the first or second 64 rows of its one head.
+// The O map: a box is one consumer warpgroup's 64 (row, head) pairs (o_box_shape): half the
+// block's head slots (an even head_block), or the first or second 64 rows of its one head.
 inline bool encode_o_map(CUtensorMap* map, const AttentionParams& p, int head_dim, bool packed) {
-    if (p.head_block == 1)
-        return encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim, packed, 64, 1);
-    return p.head_block % 2 == 0 && encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim,
-                                                    packed, prefill_block_rows(p), p.head_block / 2);
+    if (p.head_block != 1 && p.head_block % 2 != 0) return false;
+    const OBoxShape box = o_box_shape(p);
+    return encode_rows_map(map, p, p.o, p.o_stride_l, p.o_stride_h, p.o_stride_b, head_dim, packed, box.rows,
+                           box.heads);
 }
 
 // Both K/V maps of a contiguous-K/V launch (tiles of tile_rows positions), or kCpAsync where

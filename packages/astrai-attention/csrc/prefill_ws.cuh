@@ -409,9 +409,8 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
                          : "memory");
         }
     }
-    const bool one_head = p.head_block == 1;
-    const int box_end = qw.row_base + (one_head ? 64 * (wg + 1) : sp.rows_blk);
-    const bool by_tma = maps.o_tma && box_end <= qw.q_len && sp.nslots == p.head_block;
+    const OStoreBox box = o_store_box(p, qw, sp, wg);
+    const bool by_tma = maps.o_tma && box.inside;
     if (by_tma) sm90::fence_proxy_async();  // the fragments, before the TMA reads them
     sm90::named_barrier_sync(4 + wg, 128);
     if (by_tma) {
@@ -419,8 +418,8 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
             const int2 at = map_rows<QSched>(p, qw);
 #pragma unroll
             for (int c = 0; c < C::D / 64; ++c)
-                sm90::tma_store_4d(&maps.o, q_slot + c * Tile::kPanelBytes + wg * 64 * 128, c * 64,
-                                   at.x + (one_head ? 64 * wg : 0), sp.head0 + wg * (p.head_block / 2), at.y);
+                sm90::tma_store_4d(&maps.o, q_slot + c * Tile::kPanelBytes + wg * 64 * 128, c * 64, at.x + box.row_off,
+                                   box.head, at.y);
             sm90::tma_store_commit_and_wait_read();
         }
         return;

@@ -2,7 +2,8 @@
 // C++ only (no CUDA toolkit), so the CPU tests check the rules themselves instead of a
 // Python copy. The kernel modules bind the same functions (decode_plan, prefill_plan).
 // prefill_coverage walks every block of a prefill launch through the kernels' own schedule
-// code (prefill_schedule.h) and counts how often each (request, row, query head) is computed.
+// code (prefill_schedule.h) and counts how often each (request, row, query head) is computed
+// and, for the Hopper kernel, stored (a warpgroup's TMA box of O or its 16-byte chunks).
 //
 //   c++ -O1 -std=c++17 -shared -fPIC $(python3 -m pybind11 --includes) -I csrc \
 //       csrc/tests/planner_module.cpp -o _attn_planner$(python3-config --extension-suffix)
@@ -53,9 +54,11 @@ pybind11::dict prefill_coverage(const std::vector<int>& q_lens, bool packed, int
     const PrefillGrid g = kernel.rfind("mma", 0) == 0
                               ? prefill_mma_grid(p, tiles, launch_batch, kernel == "mma8" ? 8 : kPrefillWarps)
                               : prefill_ws_grid(p, tiles, launch_batch, packed, kernel == "ws_mha");
-    std::vector<std::vector<int>> counts(batch);  // [b][row * q_heads + head]
+    std::vector<std::vector<int>> counts(batch), stores(batch);  // [b][row * q_heads + head]
     for (int b = 0; b < batch; ++b) counts[b].assign(size_t(q_lens[b]) * q_heads, 0);
-    int blocks = 0, empty = 0;
+    stores = counts;
+    const bool hopper = kernel.rfind("ws", 0) == 0;
+    int blocks = 0, empty = 0, tma_boxes = 0, boxes_outside = 0;
     for (unsigned z = 0; z < g.z; ++z)
         for (unsigned y = 0; y < g.y; ++y)
             for (unsigned x = 0; x < g.x; ++x) {
@@ -70,13 +73,45 @@ pybind11::dict prefill_coverage(const std::vector<int>& q_lens, bool packed, int
                 for (int slot = 0; slot < s.nslots; ++slot)
                     for (int r = 0; r < s.rows_blk && qw.row_base + r < qw.q_len; ++r)
                         ++counts[qw.b][size_t(qw.row_base + r) * q_heads + s.head0 + slot];
+                if (!hopper) continue;
+                // each consumer warpgroup's 64 pairs (block rows 64 wg ..): a TMA box where it
+                // lies inside, else the chunk loop's (slot, row) pairs inside the request
+                for (int wg = 0; wg < 2; ++wg) {
+                    const OStoreBox box = o_store_box(p, qw, s, wg);
+                    if (box.inside) {
+                        ++tma_boxes;
+                        for (int h = box.head; h < box.head + box.shape.heads; ++h)
+                            for (int r = qw.row_base + box.row_off; r < qw.row_base + box.row_off + box.shape.rows;
+                                 ++r) {
+                                const bool in = r < qw.q_len && h >= s.head0 && h < s.head0 + s.nslots;
+                                if (in) ++stores[qw.b][size_t(r) * q_heads + h];
+                                boxes_outside += !in;
+                            }
+                        continue;
+                    }
+                    for (int pair = 64 * wg; pair < 64 * wg + 64; ++pair) {
+                        const int slot = pair / s.rows_blk, row = qw.row_base + pair % s.rows_blk;
+                        if (slot < s.nslots && row < qw.q_len) ++stores[qw.b][size_t(row) * q_heads + s.head0 + slot];
+                    }
+                }
             }
-    int lo = 1 << 30, hi = 0;
-    for (const auto& per_request : counts)
-        for (int n : per_request) { lo = std::min(lo, n); hi = std::max(hi, n); }
+    auto range = [](const std::vector<std::vector<int>>& per_request) {
+        int lo = 1 << 30, hi = 0;
+        for (const auto& v : per_request)
+            for (int n : v) { lo = std::min(lo, n); hi = std::max(hi, n); }
+        return std::pair{lo, hi};
+    };
+    const auto [lo, hi] = range(counts);
     pybind11::dict out;
     out["min"] = lo;
     out["max"] = hi;
+    if (hopper) {
+        const auto [store_lo, store_hi] = range(stores);
+        out["store_min"] = store_lo;
+        out["store_max"] = store_hi;
+        out["tma_boxes"] = tma_boxes;
+        out["pairs_outside_boxes"] = boxes_outside;  // (row, head) pairs a box reached outside its block
+    }
     out["blocks"] = blocks;
     out["empty_blocks"] = empty;
     out["head_block"] = p.head_block;
