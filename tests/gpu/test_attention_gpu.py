@@ -73,6 +73,12 @@ PREFILL = [
     (2, 333, 2049, 16, 2, 64, BF16, False, None, "BHLD"),  # G = 8
     (1, 63, 4097, 32, 8, 128, BF16, True, None, "BLHD"),  # one key past the last full tile
     (2, 129, 129, 16, 4, 64, FP16, False, None, "BLHD"),
+    # one head per K/V head, and group 5: the Hopper kernel's one-head blocks of 128 rows where
+    # the plugin is built with ASTRAI_PREFILL_WS_MHA (mma.sync otherwise)
+    (2, 333, 333, 16, 16, 128, BF16, True, None, "BLHD"),
+    (1, 129, 300, 8, 8, 64, FP16, False, None, "BHLD"),
+    (1, 1000, 1000, 4, 4, 256, BF16, True, "2d", "BLHD"),
+    (1, 200, 200, 40, 8, 128, BF16, True, None, "BLHD"),
 ]
 
 
@@ -134,6 +140,8 @@ PAGED_PREFILL_RUNS = [
     ([1000, 513], [24, 0], 8, 32, 8, 64, FP16, True),
     ([700, 129], [0, 300], 16, 16, 8, 256, BF16, False),
     ([300, 900], [5, 0], 64, 32, 8, 128, BF16, False),
+    ([70, 10, 1300], [0, 33, 64], 16, 8, 8, 128, BF16, True),  # multi-head: odd tile counts
+    ([129, 300], [0, 17], 16, 40, 8, 64, FP16, False),  # group 5
 ]
 
 
