@@ -179,8 +179,9 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
-// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8 forces that many
-// mma.sync warps, kPrefillWgmma the Hopper kernel where it applies (benchmarks and tests).
+// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8
+// forces that many mma.sync warps, kPrefillWgmma the Hopper kernel where it applies
+// (benchmarks and tests).
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
 #ifdef ASTRAI_NO_MMA

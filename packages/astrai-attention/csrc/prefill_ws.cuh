@@ -385,10 +385,11 @@ __device__ __forceinline__ void zero_stale_v(uint32_t v_st, int rows, int wg) {
 }
 
 // This warpgroup's 64 rows of O, normalized, through its rows of the Q slot (no longer read)
-// to global memory: by TMA where the warpgroup's box (half the head slots, or with one head
-// half the rows) lies inside its request and head group (one thread issues a box per panel),
-// else in whole 16-byte chunks (8 threads per 128-byte line). The slot keeps the 128-byte swizzle, so neither the fragment writes nor the chunk
-// reads conflict in shared memory. Why: the chunk loop's address arithmetic made the
+// to global memory: by TMA where the warpgroup's box (o_store_box: half the head slots, or
+// with one head half the rows) lies inside its request and head group (one thread issues a
+// box per panel), else in whole 16-byte chunks (8 threads per 128-byte line). The slot keeps
+// the 128-byte swizzle, so neither the fragment writes nor the chunk reads conflict in shared
+// memory. Why: the chunk loop's address arithmetic made the
 // epilogue ~1.2 tiles of time per work item (3.2k cycles at d128), most of a short item's cost.
 template <typename T, class C, class QSched>
 __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4], RowState& st,
