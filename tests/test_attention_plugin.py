@@ -34,7 +34,8 @@ MODULES = ("_attn_decode", "_attn_prefill", "_attn_paged_decode", "_attn_paged_p
 def planner():
     csrc = PLUGIN / "csrc"
     return host_module("_attn_planner", csrc / "tests" / "planner_module.cpp",
-                       [csrc / "heuristics.h", csrc / "common.h", csrc / "prefill_schedule.h"], include_dirs=(csrc,))
+                       [csrc / "heuristics.h", csrc / "common.h", csrc / "prefill_schedule.h", csrc / "fast_exp2.h"],
+                       include_dirs=(csrc,))
 
 
 def cdiv(a, b):
@@ -382,7 +383,8 @@ def test_standalone_tests_compile():
 
 # The Hopper prefill's build knobs written before a GPU could run them (prefill_ws.cuh): they
 # must keep compiling to sm_90a code without spills or serialized wgmma until they are measured.
-PENDING_KNOBS = ("-DASTRAI_PREFILL_WS_MHA=1", "-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1")
+PENDING_KNOBS = ("-DASTRAI_PREFILL_WS_MHA=1", "-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
+                 "-DASTRAI_PREFILL_EXP2_EMULATE=4")
 
 
 @pytest.mark.parametrize("name", ["attn_test.cu", "attn_paged_test.cu"])

@@ -105,6 +105,13 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_WIDE_TILES
 #define ASTRAI_PREFILL_WIDE_TILES 0
 #endif
+// k > 0: the exponents of every k-th 8-column n-tile of S run on the FMA pipe (exp2_fma), the
+// rest on the special-function unit, whose 16 results per clock per SM take as long as the
+// tensor cores' work per tile at d64; 0: all on the special-function unit. Off until measured
+// (predicted at d64 with k = 4 or 8: +5-15 %; at d128 / d256, where ex2 is not the limit, none).
+#ifndef ASTRAI_PREFILL_EXP2_EMULATE
+#define ASTRAI_PREFILL_EXP2_EMULATE 0
+#endif
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -487,8 +494,10 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
             const int col0 = t * C::kBN;
             if (tile_needs_mask<C::kBN>(p, qw, sp, col0, mask)) mask_scores(s, p, qw, sp, col0, row0, mask);
-            if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0) return online_softmax_lazy<NT>(st, s, p.scale_log2, alpha);
-            online_softmax<NT>(st, s, p.scale_log2, alpha);
+            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
+            if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
+                return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
+            online_softmax<NT, kEmu>(st, s, p.scale_log2, alpha);
             return true;
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
