@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import sleep_cycles_per_ms  # noqa: E402
+from graph_timing import linear_shape_args, sleep_cycles_per_ms  # noqa: E402
 
 BF16 = torch.bfloat16
 DEV = "cuda"
@@ -68,9 +68,7 @@ def on_device_thread(fn, calls: int, spin: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, default=1024)
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--k", type=int, default=8192)
+    linear_shape_args(ap)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     m, n, k, calls = args.m, args.n, args.k, args.calls

@@ -42,7 +42,7 @@ from astrai.extension._fp8 import scaling as scaling_mod
 from astrai.extension.fp8 import DelayedScaling, DynamicScaling, fp8_autocast, fp8_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import sleep_cycles_per_ms  # noqa: E402
+from graph_timing import linear_shape_args, sleep_cycles_per_ms  # noqa: E402
 from step_threads_profile import patched, profile_threads
 
 DEV = "cuda"
@@ -319,9 +319,7 @@ def knobs() -> list[tuple[str, object]]:
 # ---------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, default=1024)
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--k", type=int, default=8192)
+    linear_shape_args(ap)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="+", metavar="TEXT",

@@ -111,3 +111,10 @@ def sleep_cycles_per_ms() -> float:
     end.record()
     end.synchronize()
     return cycles / start.elapsed_time(end)
+
+
+def linear_shape_args(ap) -> None:
+    """--m / --n / --k of the FP8 host diagnostics' linear (the 1024 x 8192 x 8192 step the
+    host-path bar is set at)."""
+    for name, default in (("--m", 1024), ("--n", 8192), ("--k", 8192)):
+        ap.add_argument(name, type=int, default=default)

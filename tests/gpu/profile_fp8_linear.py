@@ -28,7 +28,7 @@ from astrai.extension.backend import fp8 as backend
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.ops import fp8 as fp8_ops
 from diag_fp8_step_threads import Bf16Linear
-from graph_timing import graph_time_ms
+from graph_timing import graph_time_ms, linear_shape_args
 
 
 def host_us(fn, calls: int = 100) -> float:
@@ -217,9 +217,7 @@ def profile(fn, calls: int, label: str, top: int = 28) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, default=1024)
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--k", type=int, default=8192)
+    linear_shape_args(ap)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     lin = torch.nn.Linear(args.k, args.n, device="cuda", dtype=torch.bfloat16)
