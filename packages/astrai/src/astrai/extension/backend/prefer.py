@@ -103,13 +103,19 @@ def parse_table(raw: object, where: str = "prefer table") -> PreferTable:
     return PreferTable(peer, measured, tuple(classes))
 
 
-def table_for(prefer: object, sm: int | None) -> PreferTable | None:
-    """The table of ``prefer`` (the manifest value) for ``sm``; None when there is none."""
+def raw_table(prefer: object, sm: int | None) -> object:
+    """The entry of ``prefer`` (the manifest value) for ``sm`` as the manifest holds it, keys
+    an op's policy reads beside the generic ones included; None when there is none."""
     if prefer is None or sm is None:
         return None
     if not isinstance(prefer, Mapping):
         raise PreferTableError(f"'prefer' must be a dict keyed by arch, got {type(prefer).__name__}")
-    raw = prefer.get(str(sm), prefer.get(sm))
+    return prefer.get(str(sm), prefer.get(sm))
+
+
+def table_for(prefer: object, sm: int | None) -> PreferTable | None:
+    """The table of ``prefer`` (the manifest value) for ``sm``; None when there is none."""
+    raw = raw_table(prefer, sm)
     return None if raw is None else parse_table(raw, f"prefer table for sm_{sm}")
 
 

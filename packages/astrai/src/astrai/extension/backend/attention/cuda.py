@@ -177,13 +177,13 @@ class CudaBackend(AttentionBackend):
 _LAYER_ARGS: weakref.WeakKeyDictionary[PagedKVCache, dict[int, tuple]] = weakref.WeakKeyDictionary()
 
 
-def _unmeasured_group(table_by_arch, sm: int, call: AttentionCall) -> prefer.Verdict | None:
+def _unmeasured_group(prefer_entry, sm: int, call: AttentionCall) -> prefer.Verdict | None:
     """Why the dense-prefill table does not speak for the call's GQA group, or None. The table
     holds the heads it was measured at (format 1: 32 / 8); a group that is a multiple of that
     one runs the same blocks, repeated per head group. Multi-head attention (one query head per
     K/V head) runs another kernel, and a group the blocks' head slots do not divide leaves
     slots empty: neither was measured."""
-    table = table_by_arch.get(str(sm), table_by_arch.get(sm))  # verdict() parsed it: a dict
+    table = prefer.raw_table(prefer_entry, sm)  # verdict() parsed it: a dict
     q_heads, kv_heads = table.get("q_heads", 32), table.get("kv_heads", 8)
     measured = q_heads // kv_heads if isinstance(q_heads, int) and isinstance(kv_heads, int) and kv_heads else 0
     if measured and call.group % measured == 0:
