@@ -16,12 +16,21 @@ def attention_ref(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
+    *,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention in float64. ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``;
     query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``mask`` bool (True = keep)
     ``[B, Lkv]`` or ``[B, Lq, Lkv]``; causal is bottom-right aligned (row ``i`` keeps
     ``j <= i + Lkv - Lq``). Rows that keep no key are zeros; masked-out keys and values are
-    never read. Returns float64 ``[B, Lq, Hq, D]``."""
+    never read. Returns float64 ``[B, Lq, Hq, D]``.
+
+    Variants: ``window_left = W >= 0`` keeps ``j >= i + Lkv - Lq - W``; scores ``s = scale * q.k``
+    (``scale`` default ``1/sqrt(D)``) become ``c * tanh(s / c)`` with ``logits_soft_cap = c``;
+    ``sinks[h]`` adds ``exp(sinks[h])`` to head ``h``'s softmax denominator."""
     q, k, v = (t.detach().to(torch.float64).cpu() for t in (q, k, v))
     b, lq, hq, d = q.shape
     lkv, hkv = k.shape[1], k.shape[2]
@@ -30,19 +39,30 @@ def attention_ref(
     if mask is not None:
         mask = mask.cpu()
         keep &= mask[:, None, :] if mask.dim() == 2 else mask
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lkv)[None, :]
     if is_causal:
-        i = torch.arange(lq)[:, None]
-        j = torch.arange(lkv)[None, :]
         keep &= j <= i + (lkv - lq)
+    if window_left >= 0:
+        keep &= j >= i + (lkv - lq) - window_left
     has_key = keep.any(dim=-1, keepdim=True)  # [B, Lq, 1]
     out = torch.zeros(b, lq, hq, d, dtype=torch.float64)
+    scale = 1 / math.sqrt(d) if scale is None else scale
     for h in range(hq):
         kh, vh = k[:, :, h // group], v[:, :, h // group]  # [B, Lkv, D]
-        scores = torch.einsum("bid,bjd->bij", q[:, :, h], kh) / math.sqrt(d)
+        scores = torch.einsum("bid,bjd->bij", q[:, :, h], kh) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         scores = scores.masked_fill(~keep, float("-inf"))
         # Masked-out keys/values are never read (not even as 0 * NaN); rows without a key
         # are zeros; NaN/Inf at kept positions propagate.
-        probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        if sinks is None:
+            probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        else:
+            sink = float(sinks[h])
+            top = torch.maximum(scores.amax(dim=-1, keepdim=True), torch.tensor(sink, dtype=torch.float64))
+            e = torch.exp(scores - top)
+            probs = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
         terms = torch.where(keep[..., None], probs[..., None] * vh[:, None, :, :], 0.0)  # [B, Lq, Lkv, D]
         out[:, :, h] = terms.sum(dim=2)
     return out
@@ -54,11 +74,17 @@ def attention_ref64(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
+    *,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_ref`` computed with float64 matmuls on the inputs' device (fast enough for
     the GPU tests' long sequences), with the scale of its rounding errors: returns
     ``(out, magnitude)``, both float64 ``[B, Lq, Hq, D]``, ``magnitude = sum_j p_j |v_j|``
-    (see ``checks.attention_mismatch``). Values at masked-out positions must be finite."""
+    (see ``checks.attention_mismatch``). Values at masked-out positions must be finite.
+    The variant arguments as in :func:`attention_ref`."""
     q, k, v = (t.detach().to(torch.float64) for t in (q, k, v))
     b, lq, hq, d = q.shape
     lkv, hkv = k.shape[1], k.shape[2]
@@ -67,15 +93,26 @@ def attention_ref64(
     if mask is not None:
         mask = mask.to(q.device)
         keep &= mask[:, None, :] if mask.dim() == 2 else mask
+    i = torch.arange(lq, device=q.device)[:, None]
+    j = torch.arange(lkv, device=q.device)[None, :]
     if is_causal:
-        i = torch.arange(lq, device=q.device)[:, None]
-        keep &= torch.arange(lkv, device=q.device)[None, :] <= i + (lkv - lq)
+        keep &= j <= i + (lkv - lq)
+    if window_left >= 0:
+        keep &= j >= i + (lkv - lq) - window_left
     # [B, Hkv, G * Lq, D] against [B, Hkv, Lkv, D]: head h reads kv head h // group
     qh = q.permute(0, 2, 1, 3).reshape(b, hkv, group * lq, d)
     kh, vh = (t.permute(0, 2, 1, 3).contiguous() for t in (k, v))
-    scores = (qh @ kh.transpose(-1, -2)).view(b, hkv, group, lq, lkv) / math.sqrt(d)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    scores = (qh @ kh.transpose(-1, -2)).view(b, hkv, group, lq, lkv) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     keep = keep[:, None, None]
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        sink = sinks.to(q.device, torch.float64).view(1, hkv, group, 1, 1).expand(b, hkv, group, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     probs = torch.where(keep.any(dim=-1, keepdim=True), probs, 0.0)  # rows without a key: 0
     probs = probs.view(b, hkv, group * lq, lkv)
 

@@ -161,24 +161,29 @@ class BatchPlan:
         valid = rows < self._q_lens_device()[:, None]
         return torch.where(valid, self.qo_indptr.long()[:-1, None] + rows, 0), valid
 
-    def keep_mask(self, causal: bool) -> torch.Tensor:
+    def keep_mask(self, causal: bool, window_left: int = -1) -> torch.Tensor:
         """Bool ``[B, max_q, max_kv]``: which cached tokens each (padded) query row attends to.
 
-        Request ``b``'s new tokens are its last ``q_len`` positions, so with ``causal`` row
-        ``i`` keeps ``j <= i + kv_len - q_len``; padding keys are never kept. Built once per
-        plan and causal flag, then shared by every layer.
+        Request ``b``'s new tokens are its last ``q_len`` positions, so row ``i`` sits at
+        position ``i + kv_len - q_len``: with ``causal`` it keeps ``j <= i + kv_len - q_len``,
+        with ``window_left = W >= 0`` it keeps ``j >= i + kv_len - q_len - W``; padding keys are
+        never kept. Built once per plan, causal flag and window, then shared by every layer.
         """
-        name = "_keep_causal" if causal else "_keep_full"
+        name = f"_keep_{causal:d}_{window_left}"
         cached = self.__dict__.get(name)
         if cached is None:
             _, kv_valid = self.padded_index
             device = kv_valid.device
             cached = kv_valid[:, None, :].expand(self.batch_size, self.max_q_len, self.max_kv_len)
-            if causal and self.max_q_len > 1:
+            if (causal and self.max_q_len > 1) or window_left >= 0:
                 offset = self.kv_lens.long() - torch.tensor(self.q_lens_host, device=device)
                 rows = torch.arange(self.max_q_len, device=device)[None, :, None]
                 cols = torch.arange(self.max_kv_len, device=device)[None, None, :]
-                cached = cached & (cols <= rows + offset[:, None, None])
+                position = rows + offset[:, None, None]
+                if causal and self.max_q_len > 1:
+                    cached = cached & (cols <= position)
+                if window_left >= 0:
+                    cached = cached & (cols >= position - window_left)
             self.__dict__[name] = cached  # frozen dataclass: memoised like the cached properties
         return cached
 

@@ -66,6 +66,9 @@ class OpSpec:
     head_dims: tuple[int, ...] | None = None
     min_sm: int | None = None
     native_sm: tuple[int, ...] | None = None
+    # attention variant features the op's kernels apply (backend/attention/variant.FEATURES);
+    # a plugin that states none takes plain attention only
+    variants: tuple[str, ...] = ()
     # optional per-arch measured tables, kept raw: the op's policy validates them, so a
     # malformed one costs only the preference, never the plugin (docs/plugins.md)
     prefer: object = field(default=None, compare=False, hash=False)
@@ -145,7 +148,8 @@ def _op(name: str, raw: object) -> OpSpec:
     return OpSpec(name=name, module=_get(raw, "module", str, where), abi=_get(raw, "abi", int, where),
                   dtypes=tuple(_str_list(raw, "dtypes", where)),
                   head_dims=_int_list(raw, "head_dims", where), min_sm=min_sm,
-                  native_sm=_int_list(raw, "native_sm", where), prefer=raw.get("prefer"))
+                  native_sm=_int_list(raw, "native_sm", where), prefer=raw.get("prefer"),
+                  variants=tuple(_str_list(raw, "variants", where)) if "variants" in raw else ())
 
 
 class UnsupportedApiVersion(ManifestError):

@@ -38,12 +38,14 @@ from .cuda import CudaBackend
 from .flash import FlashAttnBackend
 from .torch_native import TorchNativeBackend
 from .validation import describe_call
+from .variant import PLAIN, AttentionVariant, check_variant
 
 __all__ = [
     "ATTN_BACKEND",
     "AttentionBackend",
     "AttentionCall",
     "AttentionPolicy",
+    "AttentionVariant",
     "CudaBackend",
     "FlashAttnBackend",
     "TorchNativeBackend",
@@ -142,18 +144,19 @@ class AttentionPolicy:
         self._dense_calls: dict[tuple, _Described] = {}
         _POLICIES[id(self)] = self
 
-    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal) -> _Described:
+    def _describe(self, q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant) -> _Described:
         """``describe_call``, remembered by the facts it depends on: a repeated call shape costs
         one tuple and one dict lookup instead of the checks. Dense calls are remembered by the
         policy (bounded); cache calls by their batch's plan, for every layer (so per batch,
         every call after the first, and forgotten with the plan): ``layer_id``, the one fact
         that varies between the layers, is checked on every call. For cache calls the strides
         are part of the key, for the backends' eager runners (which convert the layouts once)."""
+        args = (q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant.features)
         if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
+            return _Described(*describe_call(*args), False)
         if kv_cache is None:
             if layer_id is not None:
-                return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
+                return _Described(*describe_call(*args), False)
             memo = self._dense_calls
             if len(memo) >= 512:  # many shapes (varying lengths): start over
                 memo.clear()
@@ -161,16 +164,17 @@ class AttentionPolicy:
             try:
                 memo = kv_cache.active_plan.launches
             except RuntimeError:  # no plan: describe_call says so
-                return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
+                return _Described(*describe_call(*args), False)
         else:
-            return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), False)
+            return _Described(*describe_call(*args), False)
         key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                fwd, type(is_causal), is_causal, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                              or v.requires_grad),
-               None if kv_cache is None else (q.stride(), k.stride(), v.stride()))
+               None if kv_cache is None else (q.stride(), k.stride(), v.stride()),
+               variant.memo_key() if variant.features else None)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal), True)
+            found = memo[key] = _Described(*describe_call(*args), True)
         elif kv_cache is not None and not 0 <= layer_id < kv_cache.num_layers:
             kv_cache.check_layer(layer_id)  # raises naming layer_id
         return found
@@ -198,14 +202,15 @@ class AttentionPolicy:
         mask: torch.Tensor | None = None,
         is_causal: bool | None = None,
         appended: bool = False,
+        variant: AttentionVariant = PLAIN,
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            call, causal = describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant.features)
             name = _select_while_compiling(id(self), str(call.device), call.dtype, *call[2:])
             backend = next(b for b in self.backends if b.name == name)
             selected = state = run = None
         else:
-            described = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+            described = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant)
             call, causal = described.call, described.causal
             resolver = current_runtime().resolver
             state = (_explicit.get(), resolver, resolver.generation, _env_raw.raw())  # what select() reads
@@ -216,13 +221,13 @@ class AttentionPolicy:
                 state = None  # nothing to remember
         try:
             if state is not None:  # a newly selected backend: its runner, for the calls to come
-                if described.remembered:
+                if described.remembered and not call.features:
                     run = backend.eager_runner(call, q, k, v, kv_cache)
                 described.selection = (state, backend, run)
             if run is not None:
                 return run(q, k, v, kv_cache, layer_id, appended)
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
-                                   appended=appended)
+                                   appended=appended, variant=variant)
         except RuntimeError:
             # A plugin whose compiled module fails to load is marked unusable by the registry
             # (with a warning) on its first call: its check now says why. Decide again without
@@ -233,7 +238,7 @@ class AttentionPolicy:
             current_runtime().resolver.clear()
             backend = self.select(call)
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
-                                   appended=appended)
+                                   appended=appended, variant=variant)
 
 
 # Policies by id, for the trace-time decision below (dynamo passes only constants to it).
@@ -263,8 +268,12 @@ def attention(
     *,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     rope_interleaved: bool = True,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention (scale ``1/sqrt(head_dim)``) on the best available backend.
+    """Scaled dot-product attention on the best available backend that can run the call.
 
     Args:
         q: ``[batch, q_len, q_heads, head_dim]``.
@@ -289,10 +298,24 @@ def attention(
             ``v`` written into their pages, in one kernel on CUDA (``apply_rotary_emb``'s
             layouts; ``rope_interleaved=False`` is NeoX).
 
+        window_left: ``-1`` (no window) or ``W >= 0``: a query at absolute position ``p`` (its
+            row plus ``kv_len - q_len``; with a cache, its position in its sequence) sees keys
+            ``j >= p - W`` only (Mistral's ``sliding_window`` is ``W + 1``). Kernels skip the
+            pages and tiles left of the window.
+        logits_soft_cap: ``None`` or ``c > 0``: scaled scores ``s`` become ``c * tanh(s / c)``
+            (Gemma 2).
+        sinks: ``None`` or float32 ``[q_heads]``: one extra logit per query head in the softmax
+            denominator, with no value row (gpt-oss).
+        scale: ``None`` (``1/sqrt(head_dim)``) or a positive float multiplying ``q @ k^T``.
+
+    A backend that lacks a feature the call uses is passed over with the reason
+    (``explain()``); the torch path runs every feature.
+
     Returns ``q``'s shape and dtype. A query row that keeps no key yields zeros.
     Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument before any work.
     """
+    variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) else PLAIN
     if rope is not None:
         q = rope_and_append(q, k, v, kv_cache, layer_id, rope, rope_interleaved)
-        return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, appended=True)
-    return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal)
+        return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, appended=True, variant=variant)
+    return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant=variant)

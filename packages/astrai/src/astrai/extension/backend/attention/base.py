@@ -24,7 +24,11 @@ Calling convention of ``fwd_decode`` / ``fwd_prefill`` (keyword arguments after 
   ``[total_q, Hq, D]`` either way. ``mask`` is None; ``is_causal`` is per request, with the
   new tokens at the end of each request's cache.
 
-The result has ``q``'s shape and dtype. Scale is ``1 / sqrt(head_dim)``.
+``variant`` (an :class:`~.variant.AttentionVariant`) carries the window, soft-cap, sinks and
+scale of the call (``PLAIN``: none, scale ``1 / sqrt(head_dim)``); ``call.features`` names the
+ones that are set, and ``check`` must reject a call with a feature the backend lacks.
+
+The result has ``q``'s shape and dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ...kv_cache import PagedKVCache
+from .variant import PLAIN, AttentionVariant
 
 __all__ = ["AttentionBackend", "AttentionCall"]
 
@@ -60,6 +65,8 @@ class AttentionCall(NamedTuple):
     # preference tables; () for every other call
     size_class: tuple[int, ...] = ()
     op: str = "attention"
+    features: tuple[str, ...] = ()  # the variant's arguments that are set (variant.FEATURES)
+    kv_dtype: torch.dtype | None = None  # a cache's storage dtype (fp8 caches differ from dtype)
 
     @property
     def device_type(self) -> str:
@@ -89,8 +96,11 @@ class AttentionCall(NamedTuple):
             parts.append(f"mask {self.mask_ndim}D")
         if self.paged:
             parts.append(f"paged (page {self.page_size})")
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype:
+            parts.append(f"kv {str(self.kv_dtype).replace('torch.', '')}")
         if self.needs_grad:
             parts.append("grad")
+        parts.extend(self.features)
         return " ".join(parts)
 
 
@@ -115,6 +125,7 @@ class AttentionBackend(ABC):
         layer_id: int | None,
         mask: torch.Tensor | None,
         is_causal: bool,
+        variant: AttentionVariant = PLAIN,
     ) -> torch.Tensor:
         """Attention for one new query token per request."""
 
@@ -129,6 +140,7 @@ class AttentionBackend(ABC):
         layer_id: int | None,
         mask: torch.Tensor | None,
         is_causal: bool,
+        variant: AttentionVariant = PLAIN,
     ) -> torch.Tensor:
         """Attention for any number of query tokens per request."""
 
@@ -144,18 +156,20 @@ class AttentionBackend(ABC):
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
         appended: bool = False,
+        variant: AttentionVariant = PLAIN,
     ) -> torch.Tensor:
         """Write the new tokens to the cache (if any, unless ``appended``: already written), then
         run decode or prefill by ``call.mode``."""
         if kv_cache is not None and not appended:
             kv_cache.append(layer_id, k, v, checked=True)  # the policy layer validated k, v, layer_id
         run = self.fwd_decode if call.mode == "decode" else self.fwd_prefill
-        return run(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
+        return run(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal, variant=variant)
 
     def eager_runner(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: PagedKVCache | None):
         """Optional: what this backend runs for eager calls like this one (plain tensors of the
-        same shapes, dtypes and devices; with a cache, also the same strides and plan), the
+        same shapes, dtypes and devices; with a cache, also the same strides and plan; never for a
+        call with variant features), the
         per-call work reduced to a launch: ``run(q, k, v, kv_cache, layer_id, appended)`` doing
         what :meth:`forward` does. None (the default): the policy calls :meth:`forward`."""
         return None

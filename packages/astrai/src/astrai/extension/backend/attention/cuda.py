@@ -33,6 +33,7 @@ from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
+from .variant import PLAIN, missing_features
 
 __all__ = ["CudaBackend"]
 
@@ -54,6 +55,8 @@ class CudaBackend(AttentionBackend):
             return self._op_unsupported("attn_prefill", call)
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
+        if call.kv_dtype is not None and call.kv_dtype != call.dtype:
+            return f"the paged CUDA kernels read {call.dtype} caches, not {call.kv_dtype}"
         return self._op_unsupported("attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill", call)
 
     def slower_than_peer(self, call: AttentionCall) -> str | None:
@@ -84,8 +87,13 @@ class CudaBackend(AttentionBackend):
         status = current_runtime().registry.op_status(op, probe_device(call.device))
         if not status.usable:
             return f"{op}: {status.reason}"
-        # dtypes and head dims as the plugin's manifest states them (archs: the registry)
-        return status.spec.unsupported(str(call.dtype).removeprefix("torch."), call.head_dim)
+        # dtypes, head dims and variants as the plugin's manifest states them (archs: the registry)
+        reason = status.spec.unsupported(str(call.dtype).removeprefix("torch."), call.head_dim)
+        missing = missing_features(call.features, status.spec.variants) if reason is None else ()
+        if missing:
+            takes = ", ".join(status.spec.variants) or "no variant"
+            return f"{op} lacks {', '.join(missing)} in this build (it takes {takes})"
+        return reason
 
     def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
         if kv_cache is None:  # dense prefill: the contiguous kernel on the caller's tensors

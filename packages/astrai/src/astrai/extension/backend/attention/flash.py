@@ -7,17 +7,20 @@ gather each request's K/V from the cache (``kv_cache.gather_flat``) and use the 
 bottom-right (the convention of this package) and returns zeros for rows that see no key.
 
 It takes no explicit mask, so it serves mask-free and causal calls only, on CUDA, in
-float16 / bfloat16, with head_dim a multiple of 8 up to 256.
+float16 / bfloat16, with head_dim a multiple of 8 up to 256. Of the variants it takes a window
+(``window_size=(W, 0 or -1)``, aligned bottom-right like ours), a custom scale and, where its
+``flash_attn_varlen_func`` has ``softcap`` (flash-attn >= 2.6), the soft-cap; never sinks.
 """
 
 from __future__ import annotations
 
-import math
+import inspect
 from types import ModuleType
 
 import torch
 
 from .base import AttentionBackend, AttentionCall
+from .variant import PLAIN, missing_features
 
 __all__ = ["FlashAttnBackend"]
 
@@ -46,6 +49,7 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self, module: ModuleType | None = _flash_attn, unavailable: str | None = _IMPORT_ERROR) -> None:
         self.module = module
         self.unavailable = unavailable if module is None else None
+        self.variants = ("window_left", "scale") + (("logits_soft_cap",) if _has_softcap(module) else ())
 
     def check(self, call: AttentionCall) -> str | None:
         if self.module is None:
@@ -58,12 +62,18 @@ class FlashAttnBackend(AttentionBackend):
             return f"flash-attn takes no explicit mask (got a {call.mask_ndim}D mask): mask-free or causal calls only"
         if call.head_dim % 8 or call.head_dim > _MAX_HEAD_DIM:
             return f"flash-attn needs head_dim a multiple of 8 up to {_MAX_HEAD_DIM}, got {call.head_dim}"
+        if call.kv_dtype is not None and call.kv_dtype != call.dtype:
+            return f"flash-attn reads the cache in {call.dtype}, not a {call.kv_dtype} cache"
+        missing = missing_features(call.features, self.variants)
+        if missing:
+            return f"flash-attn lacks {', '.join(missing)} (it takes {', '.join(self.variants)})"
         return None
 
-    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
-        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
+    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
+        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
+                                variant=variant)
 
-    def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
+    def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
         if kv_cache is not None:
             plan = kv_cache.active_plan
             q_flat = plan.packed(q, "q")
@@ -78,6 +88,11 @@ class FlashAttnBackend(AttentionBackend):
             v_flat = v.reshape(b * max_k, *v.shape[2:])
             cu_q = torch.arange(0, (b + 1) * max_q, max_q, dtype=torch.int32, device=q.device)
             cu_k = torch.arange(0, (b + 1) * max_k, max_k, dtype=torch.int32, device=q.device)
+        extra = {}
+        if variant.window_left >= 0:
+            extra["window_size"] = (variant.window_left, 0 if is_causal else -1)
+        if variant.logits_soft_cap is not None:
+            extra["softcap"] = variant.logits_soft_cap
         out = self.module.flash_attn_varlen_func(
             q_flat,
             k_flat,
@@ -87,7 +102,18 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_q=max_q,
             max_seqlen_k=max_k,
             dropout_p=0.0,
-            softmax_scale=1.0 / math.sqrt(q.shape[-1]),
+            softmax_scale=variant.softmax_scale(q.shape[-1]),
             causal=bool(is_causal),
+            **extra,
         )
         return out.reshape(q.shape)
+
+
+def _has_softcap(module: ModuleType | None) -> bool:
+    """Whether ``module.flash_attn_varlen_func`` takes ``softcap`` (flash-attn >= 2.6)."""
+    fn = getattr(module, "flash_attn_varlen_func", None)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # None, or a builtin without a signature
+        return False
+    return "softcap" in params

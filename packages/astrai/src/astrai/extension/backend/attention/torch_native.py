@@ -12,6 +12,9 @@
   reaches the rows that drop it: ``0 * NaN`` in the probability-value product.)
 - Paged calls gather each request's K/V from the cache into ``[B, max_kv, Hkv, D]`` and
   mask the padding; ragged queries are padded to ``[B, max_q, Hq, D]`` the same way.
+- Variants (:mod:`.variant`): a window is one more term of the keep mask; a custom scale is
+  SDPA's ``scale``; a soft-cap or sinks take :func:`_explicit_attention` (scores materialized,
+  float32 or float64 arithmetic), the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from ...kv_cache import PagedKVCache
 from .base import AttentionBackend, AttentionCall
+from .variant import PLAIN, AttentionVariant
 
 __all__ = ["TorchNativeBackend", "sdpa"]
 
@@ -34,6 +38,43 @@ def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
     rows = torch.arange(lq, device=device)[:, None]
     cols = torch.arange(lkv, device=device)[None, :]
     return cols <= rows + (lkv - lq)
+
+
+def _window_mask(lq: int, lkv: int, window_left: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[Lq, Lkv]``: row ``i`` (absolute position ``i + Lkv - Lq``) keeps ``j >= i + Lkv - Lq - W``."""
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lkv, device=device)[None, :]
+    return cols >= rows + (lkv - lq - window_left)
+
+
+def _needs_explicit(variant: AttentionVariant) -> bool:
+    return variant.logits_soft_cap is not None or variant.sinks is not None
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+                        variant: AttentionVariant) -> torch.Tensor:
+    """Attention with every variant feature, scores materialized: ``[B, H, L, D]`` layout, ``keep``
+    None or bool ``[B, Lq, Lkv]``. float64 inputs compute in float64, others in float32. The
+    ``G`` query heads of a kv head are stacked along the query axis, as in :func:`_sdpa_masked`."""
+    b, hq, lq, d = q.shape
+    hkv, lkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = (q.reshape(b, hkv, group * lq, d).to(acc) @ k.to(acc).transpose(-1, -2)) * variant.softmax_scale(d)
+    cap = variant.logits_soft_cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    if keep is not None:
+        keep_g = keep[:, None, None].expand(b, 1, group, lq, lkv).reshape(b, 1, group * lq, lkv)
+        scores = scores.masked_fill(~keep_g, float("-inf"))
+    if variant.sinks is not None:
+        sink = variant.sinks.to(acc).reshape(1, hkv, group, 1, 1).expand(b, hkv, group, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink.reshape(b, hkv, group * lq, 1)], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:  # rows that keep no key: zeros (without sinks their softmax is NaN)
+        probs = torch.where(keep_g.any(dim=-1, keepdim=True), probs, 0.0)
+    return (probs @ v.to(acc)).reshape(b, hq, lq, d).to(q.dtype)
 
 
 _WIDE = (torch.float32, torch.float64)  # sums that need no wider accumulator
@@ -52,28 +93,32 @@ def _finite_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
     return math.isfinite(q.sum(dtype=torch.float32).item() + k.sum(dtype=torch.float32).item())
 
 
-def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, finite: bool) -> torch.Tensor:
+def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, finite: bool,
+                  scale: float | None = None) -> torch.Tensor:
     """``[B, H, L, D]`` layout; ``is_causal`` only when Lq == Lkv (top-left == bottom-right);
     ``finite``: what :func:`_finite_on_cpu` said of q and k (asked before the transposes:
     sums over the caller's contiguous tensors are cheaper than over the views)."""
     if not finite:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # plain softmax: NaN stays NaN
+        scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))  # plain softmax: NaN stays NaN
         if is_causal:
             scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
     group = q.shape[1] // k.shape[1]
     if group > 1 and _HAS_ENABLE_GQA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True, scale=scale)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
-def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                 variant: AttentionVariant = PLAIN) -> torch.Tensor:
     """``[B, H, L, D]`` layout with a bool ``keep`` of shape ``[B, Lq, Lkv]``."""
+    if _needs_explicit(variant):
+        return _explicit_attention(q, k, v, keep, variant)
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -83,7 +128,7 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.
     # Stack the G query heads of each kv head along the query axis: [B, Hkv, G*Lq, D].
     qg = q.reshape(b, hkv, group * lq, d)
     mask = keep[:, None, None].expand(b, 1, group, lq, keep.shape[-1]).reshape(b, 1, group * lq, keep.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(b, hq, lq, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=variant.scale).reshape(b, hq, lq, d)
     return torch.where(has_key[:, None, :, None], out, 0.0)  # not a product: NaN * 0 is NaN
 
 
@@ -93,6 +138,7 @@ def sdpa(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
+    variant: AttentionVariant = PLAIN,
 ) -> torch.Tensor:
     """Dense attention in the public layout: ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``.
 
@@ -102,9 +148,13 @@ def sdpa(
     b, lq, _, _ = q.shape
     lkv = k.shape[1]
     causal = is_causal and lq > 1
-    if mask is None and (not causal or lq == lkv):
+    window = variant.window_left >= 0
+    if _needs_explicit(variant) and mask is None and not causal and not window:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _explicit_attention(qt, kt, vt, None, variant).transpose(1, 2)
+    if mask is None and not window and not _needs_explicit(variant) and (not causal or lq == lkv):
         finite = _finite_on_cpu(q, k)
-        out = _sdpa_no_mask(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, finite)
+        out = _sdpa_no_mask(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, finite, variant.scale)
     else:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         keep = torch.ones(b, lq, lkv, dtype=torch.bool, device=q.device)
@@ -116,11 +166,14 @@ def sdpa(
             kt, vt = kt.masked_fill(dropped, 0), vt.masked_fill(dropped, 0)
         if causal:
             keep = keep & _causal_mask(lq, lkv, q.device)
-        out = _sdpa_masked(qt, kt, vt, keep)
+        if window:
+            keep = keep & _window_mask(lq, lkv, variant.window_left, q.device)
+        out = _sdpa_masked(qt, kt, vt, keep, variant)
     return out.transpose(1, 2)
 
 
-def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal: bool) -> torch.Tensor:
+def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal: bool,
+               variant: AttentionVariant = PLAIN) -> torch.Tensor:
     """Attention of the plan's new tokens over the cache (after this step's append).
 
     ``q`` as the backend contract allows (``[B, L, Hq, D]`` or packed); returns ``q``'s shape.
@@ -134,25 +187,27 @@ def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal
     else:
         index, q_valid = plan.q_padded_index
         q_pad = qp[index]  # [B, max_q, Hq, D]
-    keep = plan.keep_mask(is_causal)
-    out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep).transpose(1, 2)
+    keep = plan.keep_mask(is_causal, variant.window_left)
+    out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, variant).transpose(1, 2)
     out = out.reshape(plan.total_q, *out.shape[2:]) if uniform else out[q_valid]
     return out.reshape(q.shape)
 
 
 class TorchNativeBackend(AttentionBackend):
-    """SDPA over dense or gathered K/V; runs every call the policy layer accepts."""
+    """SDPA over dense or gathered K/V; runs every call the policy layer accepts, every variant
+    feature included."""
 
     name = "torch_native"
 
     def check(self, call: AttentionCall) -> str | None:
         return None
 
-    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
+    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False,
+                variant=PLAIN):
         if kv_cache is None:  # dense: straight to SDPA (the common tiny call pays no dispatch)
-            return sdpa(q, k, v, mask, is_causal)
+            return sdpa(q, k, v, mask, is_causal, variant)
         return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
-                               appended=appended)
+                               appended=appended, variant=variant)
 
     def eager_runner(self, call, q, k, v, kv_cache):
         """Dense calls without a mask (causal only where Lq == Lkv): ``sdpa``'s path with its
@@ -175,10 +230,11 @@ class TorchNativeBackend(AttentionBackend):
 
         return run
 
-    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
-        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal)
+    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
+        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
+                                variant=variant)
 
-    def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal):
+    def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
         if kv_cache is not None:
-            return paged_sdpa(q, kv_cache, layer_id, is_causal)
-        return sdpa(q, k, v, mask, is_causal)
+            return paged_sdpa(q, kv_cache, layer_id, is_causal, variant)
+        return sdpa(q, k, v, mask, is_causal, variant)

@@ -104,8 +104,10 @@ def describe_call(
     fwd: str | None,
     mask: torch.Tensor | None,
     is_causal: bool | None,
+    features: tuple[str, ...] = (),
 ) -> tuple[AttentionCall, bool]:
-    """Validate the arguments of ``attention``; return ``(call, effective is_causal)``."""
+    """Validate the arguments of ``attention``; return ``(call, effective is_causal)``.
+    ``features``: those of the call's variant (``check_variant`` validated its values)."""
     qs, ks = _check_qkv(q, k, v)
     if fwd is not None and fwd not in FWD_MODES:
         raise ValueError(f"fwd must be None, 'decode' or 'prefill', got {fwd!r}")
@@ -122,7 +124,7 @@ def describe_call(
             raise ValueError(f"fwd='decode' needs q with one token per request, got q shape {tuple(qs)}")
         causal = is_causal is True
         decode = fwd == "decode" or (fwd is None and qs[1] == 1)
-        page_size = None
+        page_size = kv_dtype = None
     else:
         if mask is not None:
             raise ValueError(
@@ -133,6 +135,7 @@ def describe_call(
         causal = is_causal is not False
         decode = fwd == "decode" or (fwd is None and plan.is_decode)
         page_size = kv_cache.page_size
+        kv_dtype = kv_cache.kv_dtype
     call = AttentionCall(
         q.device,
         q.dtype,
@@ -147,6 +150,9 @@ def describe_call(
         page_size,
         (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled(),
         _size_class(qs, ks) if kv_cache is None and not decode and q.device.type == "cuda" else (),
+        "attention",
+        features,
+        kv_dtype,
     )
     return call, causal
 
