@@ -39,6 +39,11 @@ Example (plan once, run many)::
     ([71, 11], True)
 
 Writes are detached: the cache is inference state, gradients never flow into it.
+
+FP8 storage: ``PagedKVCache(..., kv_dtype=torch.float8_e4m3fn)`` (or ``float8_e5m2``) stores
+one byte per value with per-layer K and V scales (:mod:`~astrai.extension.kv_quant`):
+:meth:`~PagedKVCache.append` quantizes, the gathers dequantize into the compute dtype
+(:attr:`~PagedKVCache.dtype`). Design and error bound: docs/kv_cache_fp8.md.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 
 from .batch_plan import BatchPlan
 from .device_page_table import DevicePageTable
+from .kv_quant import LayerScales, check_granularity, check_kv_dtype, dequantize, quantize
 
 __all__ = ["BatchPlan", "CacheFullError", "PagedKVCache"]
 
@@ -78,15 +84,25 @@ class PagedKVCache:
         num_pages: pages per layer (shared by all sequences).
         page_size: tokens per page, >= 1.
         kv_heads, head_dim: shape of one token's keys (and values).
-        dtype, device: of the storage; ``attention`` requires q/k/v of the same dtype and device.
+        dtype, device: the compute dtype and the device; ``attention`` requires q/k/v of this
+            dtype and device.
+        kv_dtype: the storage dtype: None (or ``dtype``) stores pages in ``dtype``;
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` store one byte per value, with
+            per-layer dequantization scales (:meth:`set_kv_scales`, else calibrated on the
+            layer's first append).
+        kv_scale_granularity: of an FP8 cache's scales: ``"tensor"`` (one K and one V scale per
+            layer, shape ``[1]``) or ``"head"`` (one per KV head, shape ``[kv_heads]``).
         page_order: the order free pages are handed out (a permutation of ``range(num_pages)``);
             default ascending. A shuffled order gives non-contiguous page tables.
 
     Storage: :attr:`k_pages` / :attr:`v_pages` are ``[num_layers, num_pages, page_size,
-    kv_heads, head_dim]``; :meth:`k_cache` / :meth:`v_cache` give one layer's
-    ``[num_pages, page_size, kv_heads, head_dim]`` view (what the paged kernels take).
+    kv_heads, head_dim]`` of :attr:`kv_dtype`; :meth:`k_cache` / :meth:`v_cache` give one
+    layer's ``[num_pages, page_size, kv_heads, head_dim]`` view (what the paged kernels take;
+    raw FP8 bytes for a quantized cache). :meth:`gather_flat` / :meth:`gather_padded` return
+    :attr:`dtype` values (dequantized).
 
-    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`append` and the
+    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`append`,
+    :meth:`set_kv_scales` and the
     readers of the page accounting hold one lock, so request threads may add and release
     sequences while an engine thread plans and runs batches: a page is never handed out
     twice and free + owned pages always make up the cache. The batch itself stays the
@@ -106,6 +122,8 @@ class PagedKVCache:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         page_order: Sequence[int] | None = None,
+        kv_dtype: torch.dtype | None = None,
+        kv_scale_granularity: str = "tensor",
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -120,6 +138,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        storage = check_kv_dtype(kv_dtype, dtype)
+        check_granularity(kv_scale_granularity)
         if page_order is None:
             order = list(range(num_pages))
         else:
@@ -131,14 +151,22 @@ class PagedKVCache:
         self.page_size = page_size
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        self.kv_scale_granularity = kv_scale_granularity
+        self._dtype = dtype
         shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-        self.k_pages = torch.empty(shape, dtype=dtype, device=device)
-        self.v_pages = torch.empty(shape, dtype=dtype, device=device)
+        self.k_pages = torch.empty(shape, dtype=storage, device=device)
+        self.v_pages = torch.empty(shape, dtype=storage, device=device)
         self._k_layers = self.k_pages.unbind(0)  # one view per layer, made once
         self._v_layers = self.v_pages.unbind(0)
         flat = (num_layers, num_pages * page_size, kv_heads, head_dim)  # token slots, for writes
-        self._k_slots = self.k_pages.view(flat).unbind(0)
-        self._v_slots = self.v_pages.view(flat).unbind(0)
+        self._scales: LayerScales | None = None
+        if storage == dtype:
+            self._k_slots = self.k_pages.view(flat).unbind(0)
+            self._v_slots = self.v_pages.view(flat).unbind(0)
+        else:  # fp8 slots as bytes: index_copy_ has no fp8 kernel, and a byte copy is exact
+            self._scales = LayerScales(num_layers, kv_heads, kv_scale_granularity, storage, self.k_pages.device)
+            self._k_slots = self.k_pages.view(torch.uint8).view(flat).unbind(0)
+            self._v_slots = self.v_pages.view(torch.uint8).view(flat).unbind(0)
         self._lock = threading.RLock()
         self._free: list[int] = order[::-1]  # pop() hands out page_order[0] first
         self._table = DevicePageTable(self.k_pages.device)
@@ -151,6 +179,12 @@ class PagedKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: of q/k/v and of what the gathers return."""
+        return self._dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The storage dtype of the pages (:attr:`dtype` unless the cache is FP8)."""
         return self.k_pages.dtype
 
     @property
@@ -208,6 +242,29 @@ class PagedKVCache:
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self._v_layers[self.check_layer(layer_id)]
 
+    @_locked
+    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer_id``'s ``(k_scale, v_scale)`` dequantization scales, float32 ``[1]`` or
+        ``[kv_heads]`` on the cache's device (live views: change them with :meth:`set_kv_scales`);
+        None for an unquantized cache and before the layer's scales are set or calibrated."""
+        layer_id = self.check_layer(layer_id)
+        return None if self._scales is None else self._scales.get(layer_id)
+
+    @_locked
+    def set_kv_scales(self, layer_id: int, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
+        """Fix layer ``layer_id``'s dequantization scales (instead of calibrating on its first append).
+
+        Each a positive finite number (every group) or a floating tensor of the granularity's
+        shape on the cache's device. Refused (nothing changes) for bad scales, and while the
+        layer's pages hold values quantized with its current scales.
+        """
+        layer_id = self.check_layer(layer_id)
+        if self._scales is None:
+            raise TypeError(
+                f"set_kv_scales needs an FP8 cache: this one stores {self.kv_dtype} (build it with "
+                "kv_dtype=torch.float8_e4m3fn or torch.float8_e5m2)")
+        self._scales.set(layer_id, k_scale, v_scale)
+
     # -- sequences and pages
 
     @_locked
@@ -226,6 +283,8 @@ class PagedKVCache:
         self._free.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
         self._table.release(seq_id)
+        if self._scales is not None and not any(self._lens.values()):
+            self._scales.forget_writes()
         if self._active is not None and seq_id in self._active.seq_ids:
             self._active = None
 
@@ -361,13 +420,20 @@ class PagedKVCache:
             k = self._check_tokens("k", k, plan)
             v = self._check_tokens("v", v, plan)
         index = plan.write_index
-        self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)
-        self._v_slots[layer_id].index_copy_(0, index, v.detach() if v.requires_grad else v)
+        if self._scales is None:
+            self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)
+            self._v_slots[layer_id].index_copy_(0, index, v.detach() if v.requires_grad else v)
+            return
+        k_scale, v_scale = self._scales.for_append(layer_id, k, v)
+        self._k_slots[layer_id].index_copy_(0, index, quantize(k, k_scale, self.kv_dtype).view(torch.uint8))
+        self._v_slots[layer_id].index_copy_(0, index, quantize(v, v_scale, self.kv_dtype).view(torch.uint8))
 
     def gather_flat(self, layer_id: int, plan: BatchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of every request, concatenated: ``[total_kv, kv_heads, head_dim]`` each."""
         plan = self.active_plan if plan is None else plan
         index = plan.flat_index
+        if self._scales is not None:
+            return self._dequantized(layer_id, index)
         return self._flat(self.k_cache(layer_id))[index], self._flat(self.v_cache(layer_id))[index]
 
     def gather_padded(
@@ -379,7 +445,17 @@ class PagedKVCache:
         """
         plan = self.active_plan if plan is None else plan
         index, valid = plan.padded_index
+        if self._scales is not None:
+            return *self._dequantized(layer_id, index), valid
         return self._flat(self.k_cache(layer_id))[index], self._flat(self.v_cache(layer_id))[index], valid
+
+    def _dequantized(self, layer_id: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 layer's keys/values at the token slots ``index``, gathered as bytes, in :attr:`dtype`."""
+        layer_id = self.check_layer(layer_id)
+        k_scale, v_scale = self._scales.for_read(layer_id)
+        k = self._k_slots[layer_id][index].view(self.kv_dtype)
+        v = self._v_slots[layer_id][index].view(self.kv_dtype)
+        return dequantize(k, k_scale, self._dtype), dequantize(v, v_scale, self._dtype)
 
     def _flat(self, pages: torch.Tensor) -> torch.Tensor:
         return pages.view(self.num_pages * self.page_size, self.kv_heads, self.head_dim)
@@ -387,6 +463,7 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
-            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"{f'kv_dtype={self.kv_dtype}, ' if self._scales is not None else ''}device={self.device}, "
             f"sequences={len(self._pages)}, free_pages={self.free_pages})"
         )

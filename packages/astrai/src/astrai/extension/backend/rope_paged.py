@@ -4,7 +4,9 @@
 step's new keys ``k`` at their cache positions, writes the rotated keys and ``v`` into the
 layer's pages at the plan's slots, and returns the rotated ``q`` (``q``'s shape). On CUDA,
 with the astrai-rotary plugin's ``rope_paged_append`` usable for the dtype, that is one
-kernel; otherwise ``apply_rotary_emb_qk`` then ``PagedKVCache.append``.
+kernel; otherwise ``apply_rotary_emb_qk`` then ``PagedKVCache.append``. An FP8 cache
+(``kv_dtype`` != ``dtype``) always takes the second route: the kernel writes unquantized
+pages only.
 
 What it needs from the batch plan, per new token in packed query order: the cache slot
 (``plan.write_index``, int64 ``[total_q]``) and the token's position in its sequence
@@ -81,7 +83,8 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return q_rot
 
     needs_grad = torch.is_grad_enabled() and q.requires_grad
-    if choose(q3, needs_grad, OP) == "cuda" and not needs_grad:
+    quantized = kv_cache.kv_dtype != kv_cache.dtype  # the kernel does not quantize: append() does
+    if choose(q3, needs_grad, OP) == "cuda" and not needs_grad and not quantized:
         kernel = lambda: ops_rope_paged.rope_paged_append_unchecked(  # noqa: E731
             q3, k3.detach(), v3.detach(), kv_cache.k_cache(layer), kv_cache.v_cache(layer), cos, sin, positions, slots,
             interleaved)
