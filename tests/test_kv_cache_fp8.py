@@ -360,8 +360,9 @@ def test_attention_over_fp8_cache(kv_dtype, granularity):
                 exact = attention_ref(q[rows][None], k_all[None], v_all[None], is_causal=True)[0]
                 lq, lkv = rows.stop - rows.start, k_all.shape[0]
                 keep = torch.arange(lkv)[None, :] <= torch.arange(lq)[:, None] + (lkv - lq)
-                bound = attention_error_bound(q[rows], k_all, v_all, fp8_error_bound(k_all, per_head(k_scale), kv_dtype),
-                                              fp8_error_bound(v_all, per_head(v_scale), kv_dtype), keep)
+                k_bound = fp8_error_bound(k_all, per_head(k_scale), kv_dtype)
+                v_bound = fp8_error_bound(v_all, per_head(v_scale), kv_dtype)
+                bound = attention_error_bound(q[rows], k_all, v_all, k_bound, v_bound, keep)
                 assert ((out[rows].double() - exact).abs() <= bound * SLACK + 2e-5).all()
 
 
@@ -379,9 +380,11 @@ def test_rope_with_an_fp8_cache_takes_the_torch_path(monkeypatch):
     with_kernel, torch_only = cache_of(E4M3, "head"), cache_of(E4M3, "head")
     freqs = rope_tables(64, 32)
     gen = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(1, 5, HQ, D, generator=gen), torch.randn(1, 5, HKV, D, generator=gen), torch.randn(1, 5, HKV, D)
+    q = torch.randn(1, 5, HQ, D, generator=gen)
+    k, v = torch.randn(1, 5, HKV, D, generator=gen), torch.randn(1, 5, HKV, D, generator=gen)
+    no_plugins = Runtime(Registry(entry_points()))
     outs = []
-    for cache, context in ((with_kernel, use_runtime(runtime)), (torch_only, use_runtime(Runtime(Registry(entry_points()))))):
+    for cache, context in ((with_kernel, use_runtime(runtime)), (torch_only, use_runtime(no_plugins))):
         cache.plan(["a", "b"], [3, 2])
         with context, torch.no_grad():
             outs.append(attention(q, k, v, kv_cache=cache, layer_id=0, rope=freqs))
