@@ -35,9 +35,17 @@ def rand(shape, dtype, device="cuda", layout="BLHD", gen=None) -> torch.Tensor:
     return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
 
-def reference(q, k, v, mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``(out, magnitude)`` on the inputs' device (``reference.attention_ref64``)."""
-    return attention_ref64(q, k, v, mask, causal)
+def reference(q, k, v, mask=None, causal=False, **variant) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(out, magnitude)`` on the inputs' device (``reference.attention_ref64``);
+    ``variant``: its window_left / logits_soft_cap / sinks / scale keywords."""
+    return attention_ref64(q, k, v, mask, causal, **variant)
+
+
+def variant_arg(window_left=-1, logits_soft_cap=None, sinks=None, scale=None):
+    """The modules' ``variant`` argument for the keywords of ``attention()`` (None: plain)."""
+    if window_left == -1 and logits_soft_cap is None and sinks is None and scale is None:
+        return None
+    return (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), abi(sinks))
 
 
 def assert_close(got: torch.Tensor, ref, dtype: torch.dtype, what: str) -> None:
@@ -72,30 +80,30 @@ def decode_workspace(mod, batch, q_heads, kv_heads, head_dim, kv_hint, device="c
     return splits, ws_o, ws_lse
 
 
-def direct_decode(q, k, v, mask=None):
+def direct_decode(q, k, v, mask=None, variant=None):
     mod = module("attn_decode")
     out = poisoned_like(q)
     splits, ws_o, ws_lse = decode_workspace(mod, q.shape[0], q.shape[2], k.shape[2], q.shape[3], k.shape[1])
     mod.attn_decode(abi(q), abi(k), abi(v), abi(out), abi(mask), splits, abi(ws_o), abi(ws_lse),
-                    stream_handle(q.device))
+                    stream_handle(q.device), variant=variant)
     return out, splits
 
 
-def direct_prefill(q, k, v, mask=None, causal=False):
+def direct_prefill(q, k, v, mask=None, causal=False, variant=None):
     mod = module("attn_prefill")
     out = poisoned_like(q)
-    mod.attn_prefill(abi(q), abi(k), abi(v), abi(out), abi(mask), causal, stream_handle(q.device))
+    mod.attn_prefill(abi(q), abi(k), abi(v), abi(out), abi(mask), causal, stream_handle(q.device), variant=variant)
     return out
 
 
-def direct_paged_decode(q, cache: Paged):
+def direct_paged_decode(q, cache: Paged, variant=None):
     mod = module("attn_paged_decode")
     out = poisoned_like(q)
     hint = -(-cache.kv_indices.numel() * cache.page // q.shape[0])
     splits, ws_o, ws_lse = decode_workspace(mod, q.shape[0], q.shape[2], cache.k_cache.shape[2], q.shape[3], hint)
     mod.attn_paged_decode(abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(cache.kv_indptr),
                           abi(cache.kv_indices), abi(cache.kv_lens), splits, abi(ws_o), abi(ws_lse),
-                          stream_handle(q.device))
+                          stream_handle(q.device), variant=variant)
     return out, splits
 
 
@@ -119,7 +127,7 @@ def take_new_tokens(cache):
     return k_new, v_new, *full
 
 
-def direct_paged_decode_appending(q, cache, k_new, v_new, splits=1, in_kernel_merge=False):
+def direct_paged_decode_appending(q, cache, k_new, v_new, splits=1, in_kernel_merge=False, variant=None):
     """``attn_paged_decode`` with ``append_last`` (k_new / v_new ``[B, 1, Hkv, D]``) into a
     NaN-poisoned out, with ``splits`` splits (merged in the kernel with ``in_kernel_merge``);
     returns (out, the merge's counters or None)."""
@@ -134,15 +142,15 @@ def direct_paged_decode_appending(q, cache, k_new, v_new, splits=1, in_kernel_me
     module("attn_paged_decode").attn_paged_decode(
         abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(cache.kv_indptr), abi(cache.kv_indices),
         abi(cache.kv_lens), splits, abi(ws_o), abi(ws_lse), stream_handle(q.device), abi(ws_count), False,
-        abi(k_new), abi(v_new), None, True)
+        abi(k_new), abi(v_new), None, True, variant=variant)
     return out, ws_count
 
 
-def direct_paged_prefill(q, cache: Paged, q_lens, causal=True):
+def direct_paged_prefill(q, cache: Paged, q_lens, causal=True, variant=None):
     mod = module("attn_paged_prefill")
     out = poisoned_like(q)
     qo, tb, ti = ragged_plan(q_lens, q.device)
     mod.attn_paged_prefill(abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(qo), abi(cache.kv_indptr),
                            abi(cache.kv_indices), abi(cache.kv_lens), abi(tb), abi(ti), causal,
-                           stream_handle(q.device))
+                           stream_handle(q.device), variant=variant)
     return out

@@ -52,7 +52,13 @@ struct AttentionParams {
     // Dynamic persistent prefill: {next work item, blocks finished}, 0 at launch and left 0
     // (the last block to finish resets them).
     int* work_counter = nullptr;
-    float scale_log2 = 0.f;  // softmax scale * log2(e)
+    float scale_log2 = 0.f;  // what a raw score q.k is multiplied by before exp2 (variant.cuh)
+
+    // The variant (variant.cuh; set by set_variant_params): soft-cap factors (cap_log2 = 0:
+    // none), the window (-1: none) and the sinks (float32 [q_heads], natural-log units; null: none).
+    float cap_in = 0.f, cap_log2 = 0.f;
+    int window_left = -1;
+    const float* sinks = nullptr;
 
     // Paged K/V.
     const int32_t* kv_indptr = nullptr;

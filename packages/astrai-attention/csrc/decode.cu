@@ -6,6 +6,7 @@
 //     tensors are (data_ptr, shape, strides, dtype_code) tuples (ABI 1)
 //   ws_count: optional int32 [>= B * Hkv * head_groups] arrival counters, all 0 (left 0):
 //     with num_splits > 1 the kernel merges its own splits and no combine kernel runs
+//   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
 //   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
 //     blocks start while the stream's previous kernel drains); off by default (slower
 //     in the measurements: dispatchers.cuh)
@@ -21,7 +22,7 @@ namespace py = pybind11;
 
 void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
                  int64_t num_splits, py::handle ws_o_a, py::handle ws_lse_a, py::handle stream_a,
-                 py::handle ws_count_a, bool pdl) {
+                 py::handle ws_count_a, bool pdl, py::handle variant_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k", k_a);
     const TensorArg v = bind::tensor_arg("v", v_a);
@@ -51,6 +52,7 @@ void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_
     if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, 1, S);
     p.kv_len = int(S);
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
+    set_variant(p, variant_a, Hq, D);
     if (B == 0) return;
     dispatch_decode<ContigKV>(p, q.dtype, int(D), stream, pdl);
 }
@@ -63,7 +65,7 @@ PYBIND11_MODULE(_attn_decode, m) {
     m.def("attn_decode", &astrai::attn::attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask") = py::none(), py::arg("num_splits") = 1, py::arg("ws_o") = py::none(),
           py::arg("ws_lse") = py::none(), py::arg("stream") = 0, py::arg("ws_count") = py::none(),
-          py::arg("pdl") = false,
+          py::arg("pdl") = false, py::arg("variant") = py::none(),
           "Decode attention over contiguous K/V into out (split-KV; num_splits > 1 needs ws_o/ws_lse).");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),

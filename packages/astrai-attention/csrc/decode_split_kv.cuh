@@ -29,9 +29,11 @@ __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParam
     const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
     const int kv_len = KV::kv_len(p, b);
     const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
-    const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int begin = min(kv_len, split * per_split * C::kBN);
-    const int end = min(kv_len, begin + per_split * C::kBN);
+    const int first_key = window_first_key(p, kv_len - 1);
+    const int t_lo = first_key / C::kBN;
+    const int per_split = (n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
+    const int begin = max(first_key, min(kv_len, (t_lo + split * per_split) * C::kBN));
+    const int end = min(kv_len, (t_lo + (split + 1) * per_split) * C::kBN);
     const uint8_t* mask = p.mask ? p.mask + int64_t(b) * p.mask_stride_b : nullptr;
     auto keep = [&](int pos) { return !mask || mask[int64_t(pos) * p.mask_stride_k] != 0; };
 
@@ -39,7 +41,8 @@ __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParam
         const int h = head0 + r;
         const T* q_row = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
         const auto st = scalar_row_attention<T, D, KV>(p, q_row, b, kvh, begin, end, keep);
-        const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
+        // one split: the sink joins the denominator here; several: in decode_combine_kernel
+        const float inv = p.num_splits == 1 ? scalar_row_norm(p, st, h) : st.l > 0.f ? 1.f / st.l : 0.f;
         if (p.num_splits == 1) {
             T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(h) * p.o_stride_h;
 #pragma unroll

@@ -34,6 +34,7 @@
 #include "common.h"
 #include "layout_policies.cuh"
 #include "mma_utils.cuh"
+#include "variant.cuh"
 
 namespace astrai::attn {
 
@@ -63,15 +64,16 @@ struct DecodeMmaConfig {
 
 // Turns the log2-sum-exps lse[s * ld] (s < S <= 64) of one output row into normalized
 // split weights exp2(lse_s - max) / sum in place: one warp, lanes over the splits. A row
-// that no split saw (all -inf) gets zero weights.
-__device__ __forceinline__ void split_weights_warp(float* lse, int ld, int S, int lane) {
+// that no split saw (all -inf) gets zero weights. `sink` (log2 domain, -inf: none) is one
+// more term of the sum with no partial: the attention sink, added once per row here.
+__device__ __forceinline__ void split_weights_warp(float* lse, int ld, int S, int lane, float sink = -INFINITY) {
     static_assert(kMaxDecodeSplits <= 64, "two splits per lane");
     const float a = lane < S ? lse[lane * ld] : -INFINITY;
     const float c = lane + 32 < S ? lse[(lane + 32) * ld] : -INFINITY;
-    const float m = warp_reduce_max(fmaxf(a, c));
+    const float m = fmaxf(warp_reduce_max(fmaxf(a, c)), sink);
     const float base = m == -INFINITY ? 0.f : m;
     const float ea = exp2f(a - base), ec = exp2f(c - base);
-    const float l = warp_reduce_sum(ea + ec);
+    const float l = warp_reduce_sum(ea + ec) + exp2f(sink - base);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (lane < S) lse[lane * ld] = ea * inv;
     if (lane + 32 < S) lse[(lane + 32) * ld] = ec * inv;
@@ -108,7 +110,8 @@ __device__ __forceinline__ void decode_merge_splits(const AttentionParams& p, ui
         sW[s * kHeads + r] = __ldcg(p.ws_lse + s * split_rows + bh0 + r);
     }
     __syncthreads();
-    for (int row = tid / 32; row < nh; row += kThreads / 32) split_weights_warp(sW + row, kHeads, S, tid % 32);
+    for (int row = tid / 32; row < nh; row += kThreads / 32)
+        split_weights_warp(sW + row, kHeads, S, tid % 32, sink_log2(p, head0 + row));
     float4 acc[kOwn];
 #pragma unroll
     for (int k = 0; k < kOwn; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -151,7 +154,9 @@ __device__ __forceinline__ void decode_merge_splits(const AttentionParams& p, ui
     }
 }
 
-template <typename T, int D, class KV>
+// kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
+// unlike the other variants: the transform's registers spilled the d256 body at its 255.
+template <typename T, int D, class KV, bool kSoftCap = false>
 __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
@@ -180,8 +185,11 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
     const typename KV::Request req = KV::request(p, b);
     const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
-    const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int t_begin = min(n_tiles, split * per_split);
+    // The window's first key: the splits share the tiles from its tile on (none skipped without one).
+    const int first_key = window_first_key(p, kv_len - 1);
+    const int t_lo = first_key / C::kBN;
+    const int per_split = (n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
+    const int t_begin = min(n_tiles, t_lo + split * per_split);
     const int t_end = min(n_tiles, t_begin + per_split);
     const int my_tiles = t_end - t_begin;
     // The in-kernel append's position (the header explains the scheme); -1 matches none.
@@ -309,13 +317,14 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             mma_sync<T>(s[0], qa, {kb[0], kb[1]});
             mma_sync<T>(s[1], qa, {kb[2], kb[3]});
         }
+        if constexpr (kSoftCap) soft_cap_tile(s, p);
         const int col0 = (t_begin + i) * C::kBN + warp * 16;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                bool keep = col < kv_len;
+                bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);
                 if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
                 if (!keep) s[j][e] = -INFINITY;
             }
@@ -398,7 +407,11 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             acc += f * sO[(w * C::kHeads + row) * D + d];
             l += f * sL[w * C::kHeads + row];
         }
-        const float out = l > 0.f ? acc / l : 0.f;
+        // one split: the sink joins the denominator here; several: in the merge of the splits
+        const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, head0 + row))
+                          : l > 0.f                            ? 1.f / l
+                                                               : 0.f;
+        const float out = acc * inv;
         if (p.num_splits == 1) {
             T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(head0 + row) * p.o_stride_h;
             dst[d] = Elem<T>::from_float(out);
@@ -462,7 +475,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const AttentionPara
     load(0);
     for (int s = tid; s < S; s += kThreads) sw[s] = p.ws_lse[s * stride + bh];
     __syncthreads();
-    if (tid < 32) split_weights_warp(sw, 1, S, tid);
+    if (tid < 32) split_weights_warp(sw, 1, S, tid, sink_log2(p, h));
     __syncthreads();
     float acc[kCols] = {};
     for (int s0 = 0; s0 < S; s0 += kChunk) {

@@ -98,9 +98,14 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     ASTRAI_CHECK_LAUNCH();
 #else
     using C = DecodeMmaConfig<D>;
-    static std::atomic<uint64_t> done{0};
-    set_smem_limit(decode_mma_kernel<T, D, KV>, C::kSmemBytes, done);
-    launch_pdl(decode_mma_kernel<T, D, KV>, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+    static std::atomic<uint64_t> done{0}, done_capped{0};
+    if (p.cap_log2 != 0.f) {
+        set_smem_limit(decode_mma_kernel<T, D, KV, true>, C::kSmemBytes, done_capped);
+        launch_pdl(decode_mma_kernel<T, D, KV, true>, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+    } else {
+        set_smem_limit(decode_mma_kernel<T, D, KV>, C::kSmemBytes, done);
+        launch_pdl(decode_mma_kernel<T, D, KV>, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+    }
     if (p.ws_count != nullptr) return;  // the kernel merged its own splits
 #endif
     // The combine grid is scheduled while the split grid drains and waits in
@@ -179,7 +184,8 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
-// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8
+// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA, no variant beyond a scale: the Hopper body
+// has no window, soft-cap or sinks yet), else prefill_warps' mma.sync layout. 4 or 8
 // forces that many mma.sync warps, kPrefillWgmma the Hopper kernel where it applies
 // (benchmarks and tests).
 template <typename T, int D, class QSched, class KV>
@@ -193,7 +199,7 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 #else
     if constexpr (built_for_sm90()) {
         if ((layout == 0 || layout == kPrefillWgmma) && (p.head_block >= 2 || ASTRAI_PREFILL_WS_MHA) &&
-            device_is_sm90())
+            !has_score_variant(p) && device_is_sm90())
             return launch_prefill_ws<T, D, QSched, KV>(p, num_q_tiles, batch, stream);
     }
     const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);

@@ -15,6 +15,7 @@
 #include "astrai/tensor_arg.h"
 #include "common.h"
 #include "heuristics.h"
+#include "variant.cuh"
 
 namespace astrai::attn {
 
@@ -178,6 +179,34 @@ inline void set_page_table(AttentionParams& p, const TensorArg& indptr, const Te
     p.kv_lens = lens.data<const int32_t>();
     p.page_size = int(page);
     p.page_shift = page_shift_of(page);
+}
+
+// The `variant` argument of the four modules (variant.cuh): None (plain attention) or the
+// tuple (scale, logits_soft_cap, window_left, sinks): scale 0 means 1 / sqrt(head_dim), a
+// soft-cap of 0 none, window_left -1 none, sinks None or float32 [q_heads] on q's device.
+inline void set_variant(AttentionParams& p, pybind11::handle variant_a, int64_t q_heads, int64_t head_dim) {
+    if (variant_a.is_none()) return;
+    const auto v = pybind11::reinterpret_borrow<pybind11::tuple>(variant_a);
+    ASTRAI_CHECK(v.size() == 4, "variant: expected (scale, logits_soft_cap, window_left, sinks), got ", v.size(),
+                 " items");
+    const double scale = v[0].cast<double>(), cap = v[1].cast<double>();
+    const int64_t window = v[2].cast<int64_t>();
+    ASTRAI_CHECK(std::isfinite(scale) && scale >= 0, "scale: must be a positive finite float (0: 1/sqrt(head_dim)), got ",
+                 scale);
+    ASTRAI_CHECK(std::isfinite(cap) && cap >= 0, "logits_soft_cap: must be a positive finite float (0: none), got ",
+                 cap);
+    ASTRAI_CHECK(window >= -1 && window < (int64_t(1) << 31), "window_left: must be -1 (none) or >= 0, got ", window);
+    const float* sinks = nullptr;
+    if (!v[3].is_none()) {
+        const TensorArg s = bind::tensor_arg("sinks", v[3]);
+        expect_dtype(s, DType::Float32);
+        ASTRAI_CHECK(s.ndim() == 1 && s.size(0) == q_heads, "sinks: expected shape [q_heads] = [", q_heads, "], got ",
+                     shape_str(s.shape));
+        ASTRAI_CHECK(s.size(0) <= 1 || s.stride(0) == 1, "sinks: must be contiguous");
+        expect_data(s, 4);
+        sinks = s.data<const float>();
+    }
+    set_variant_params(p, int(head_dim), scale, cap, int(window), sinks);
 }
 
 // (head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch (the wgmma

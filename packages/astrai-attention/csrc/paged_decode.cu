@@ -2,7 +2,7 @@
 //
 //   attn_paged_decode(q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_lens,
 //                     num_splits=1, ws_o=None, ws_lse=None, stream=0, ws_count=None,
-//                     pdl=False, k_new=None, v_new=None, slots=None, append_last=False)
+//                     pdl=False, k_new=None, v_new=None, slots=None, append_last=False, variant=None)
 //     q, out [B, 1, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; kv_indptr int32 [B+1];
 //     kv_indices int32 [nnz_pages]; kv_lens int32 [B] (tokens; the caller guarantees
 //     kv_lens[b] <= (kv_indptr[b+1] - kv_indptr[b]) * page)
@@ -20,6 +20,7 @@
 //     rows the page table gives that position itself: one launch per step (the scheme and
 //     why it is race-free: decode_split_kv_mma.cuh). Where it can't (rows not 16-byte
 //     aligned, a scalar-kernel build) kv_append writes them first, rows from the page table.
+//   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
 //   kv_append(k_new, v_new, k_cache, v_cache, slots, stream): the append alone (kv_append.cuh)
 //   decode_plan(...) as in _attn_decode
 #include <pybind11/pybind11.h>
@@ -35,7 +36,8 @@ namespace py = pybind11;
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
                        py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
-                       py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last) {
+                       py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last,
+                       py::handle variant_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -61,6 +63,7 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
+    set_variant(p, variant_a, Hq, D);  // checked before the append below writes anything
     if (append_last) {
         ASTRAI_CHECK(slots_a.is_none(), "slots: append_last derives each request's row from the page table; "
                      "pass slots=None");
@@ -113,7 +116,7 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
           py::arg("stream") = 0, py::arg("ws_count") = py::none(), py::arg("pdl") = false,
           py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
-          py::arg("append_last") = false,
+          py::arg("append_last") = false, py::arg("variant") = py::none(),
           "Decode attention over a paged KV cache into out (split-KV), after writing k_new / v_new\n"
           "to rows slots of the caches when given, or (append_last) to each request's last position\n"
           "in the same launch.");

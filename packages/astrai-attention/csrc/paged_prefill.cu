@@ -2,9 +2,10 @@
 // cache (split-Q, O(1) tile -> request lookup).
 //
 //   attn_paged_prefill(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_lens,
-//                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0)
+//                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0, variant=None)
 //     q, out [total_q, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; int32 metadata as
 //     built by BatchPlan (64-row Q tiles). Causal is bottom-right aligned per request.
+//   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
 //   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
@@ -20,7 +21,7 @@ namespace py = pybind11;
 
 void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle qo_a,
                         py::handle indptr_a, py::handle indices_a, py::handle lens_a, py::handle tb_a,
-                        py::handle ti_a, bool is_causal, py::handle stream_a) {
+                        py::handle ti_a, bool is_causal, py::handle stream_a, py::handle variant_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -61,6 +62,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     p.q_total_rows = int(total_q);
     p.batch = int(B);
     p.causal = is_causal;
+    set_variant(p, variant_a, Hq, D);
     p.head_block = prefill_head_block(p.group);
     p.head_groups = prefill_head_groups(p.group);
     check_grid(tb.size(0) * p.head_block, Hkv * p.head_groups, 1);
@@ -76,7 +78,7 @@ PYBIND11_MODULE(_attn_paged_prefill, m) {
     m.def("attn_paged_prefill", &astrai::attn::attn_paged_prefill, py::arg("q"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("out"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
           py::arg("kv_lens"), py::arg("q_tile_to_batch"), py::arg("q_tile_to_index"), py::arg("is_causal") = true,
-          py::arg("stream") = 0, "Ragged prefill attention over a paged KV cache into out.");
+          py::arg("stream") = 0, py::arg("variant") = py::none(), "Ragged prefill attention over a paged KV cache into out.");
     m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
           "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;

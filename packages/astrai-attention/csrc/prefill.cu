@@ -1,8 +1,9 @@
 // Module astrai_attention._attn_prefill: prefill over contiguous K/V (split-Q).
 //
-//   attn_prefill(q, k, v, out, mask=None, is_causal=False, stream=0)
+//   attn_prefill(q, k, v, out, mask=None, is_causal=False, stream=0, variant=None)
 //     q, out [B, Lq, Hq, D]; k, v [B, Lkv, Hkv, D]; mask bool [B, Lkv] or [B, Lq, Lkv];
 //     causal is bottom-right aligned: row i sees kv j <= i + Lkv - Lq
+//   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
 //   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
@@ -14,7 +15,7 @@ namespace astrai::attn {
 namespace py = pybind11;
 
 void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
-                  bool is_causal, py::handle stream_a) {
+                  bool is_causal, py::handle stream_a, py::handle variant_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k", k_a);
     const TensorArg v = bind::tensor_arg("v", v_a);
@@ -42,6 +43,7 @@ void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out
     if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, Lq, Lkv);
     p.batch = int(B); p.q_len = int(Lq); p.kv_len = int(Lkv);
     p.causal = is_causal;
+    set_variant(p, variant_a, Hq, D);
     p.head_block = prefill_head_block(p.group);
     p.head_groups = prefill_head_groups(p.group);
     const int64_t tiles = num_q_tiles(Lq);
@@ -57,6 +59,7 @@ PYBIND11_MODULE(_attn_prefill, m) {
     astrai::bind::init_module(m);
     m.def("attn_prefill", &astrai::attn::attn_prefill, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask") = py::none(), py::arg("is_causal") = false, py::arg("stream") = 0,
+          py::arg("variant") = py::none(),
           "Prefill attention over contiguous K/V into out (split-Q, GQA head packing).");
     m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
           "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");

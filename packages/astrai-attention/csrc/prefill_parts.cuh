@@ -7,11 +7,13 @@
 #include "common.h"
 #include "layout_policies.cuh"
 #include "mma_utils.cuh"
+#include "variant.cuh"
 
 namespace astrai::attn {
 
-// The block's PrefillSpan: its head slots and rows (prefill_heads), and its K/V range.
-template <class KV>
+// The block's PrefillSpan: its head slots and rows (prefill_heads), and its K/V range
+// (kWindow: the kernel serves windows, whose hidden first tiles are skipped).
+template <class KV, bool kWindow = false>
 __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, const QWork& qw, int bn,
                                                     int head_group_index = blockIdx.y) {
     PrefillSpan s = prefill_heads(p, head_group_index);
@@ -19,7 +21,9 @@ __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, co
     s.diag = s.kv_len - qw.q_len;
     const int row_last = min(qw.row_base + s.rows_blk, qw.q_len) - 1;
     s.kv_end = max(0, p.causal ? min(s.kv_len, row_last + s.diag + 1) : s.kv_len);
-    s.n_tiles = (s.kv_end + bn - 1) / bn;
+    // the tiles wholly left of the first row's window are skipped
+    s.t_begin = kWindow ? min(window_first_key(p, qw.row_base + s.diag), s.kv_end) / bn : 0;
+    s.n_tiles = (s.kv_end + bn - 1) / bn - s.t_begin;
     return s;
 }
 
@@ -43,7 +47,7 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, const QWor
 // K/V tile copies: 8 neighbouring threads copy one 128-byte line of a row per instruction
 // (a warp: 4 rows x one line each) and a thread keeps its row for all D / 64 lines, so a
 // tile costs kPasses page lookups per thread. Page-table reads run one tile ahead: fetch
-// tile t + 1 after issuing the copies of tile t.
+// tile t + 1 after issuing the copies of tile t. Tiles are numbered from the span's t_begin.
 template <typename T, class KV, class Tile, int D, int BN, int THREADS>
 struct KvTileLoader {
     static constexpr int kThreadsPerRow = 8;
@@ -54,17 +58,17 @@ struct KvTileLoader {
 
     const AttentionParams& p;
     const typename KV::Request req;
-    const int kvh, kv_end, ld_r, ld_c;
+    const int kvh, kv_end, kv_begin, ld_r, ld_c;
     typename KV::Handle hnd[kPasses];
 
     __device__ KvTileLoader(const AttentionParams& p_, const QWork& qw, const PrefillSpan& sp)
-        : p(p_), req(KV::request(p_, qw.b)), kvh(sp.kvh), kv_end(sp.kv_end),
+        : p(p_), req(KV::request(p_, qw.b)), kvh(sp.kvh), kv_end(sp.kv_end), kv_begin(sp.t_begin * BN),
           ld_r(threadIdx.x / kThreadsPerRow), ld_c(threadIdx.x % kThreadsPerRow) {}
 
     __device__ __forceinline__ void fetch(int tile) {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
-            const int pos = tile * BN + ld_r + pass * kRowsPerPass;
+            const int pos = kv_begin + tile * BN + ld_r + pass * kRowsPerPass;
             hnd[pass] = pos < kv_end ? KV::fetch(p, req, pos) : 0;
         }
     }
@@ -85,7 +89,7 @@ struct KvTileLoader {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int r = ld_r + pass * kRowsPerPass;
-            const int pos = tile * BN + r;
+            const int pos = kv_begin + tile * BN + r;
             const bool ok = pos < kv_end;
             int64_t ko = 0, vo = 0;
             if (ok) KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
@@ -129,33 +133,41 @@ __device__ __forceinline__ void refill_kv_ring(Loader& kv, int t, int n_tiles, L
 }
 
 // Whether K/V tile [col0, col0 + BN) needs per-element masking for a block whose first row
-// is row_base: the end of K/V, a user mask, or the causal diagonal crosses it.
-template <int BN>
+// is row_base: the end of K/V, a user mask, the causal diagonal or (kWindow) the window's
+// left edge of the block's last row crosses it.
+template <int BN, bool kWindow = false>
 __device__ __forceinline__ bool tile_needs_mask(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
                                                 int col0, const uint8_t* mask) {
-    return col0 + BN > sp.kv_len || mask != nullptr || (p.causal && col0 + BN - 1 > qw.row_base + sp.diag);
+    const bool left = kWindow && p.window_left >= 0 &&
+                      col0 < window_first_key(p, min(qw.row_base + sp.rows_blk, qw.q_len) - 1 + sp.diag);
+    return col0 + BN > sp.kv_len || mask != nullptr || (p.causal && col0 + BN - 1 > qw.row_base + sp.diag) || left;
 }
 
 // Sets masked scores of a 16-row accumulator s[NT][4] (mma C layout: this thread's rows
-// row0 and row0 + 8, columns col0 + 8j + 2 (lane & 3) + {0, 1}) to -inf.
-template <int NT>
+// row0 and row0 + 8, columns col0 + 8j + 2 (lane & 3) + {0, 1}) to -inf. kWindow: the
+// kernel serves windows (the columns left of each row's window are masked too).
+template <bool kWindow = false, int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionParams& p, const QWork& qw,
                                             const PrefillSpan& sp, int col0, int row0, const uint8_t* mask) {
     const int lane = threadIdx.x % 32;
     if (mask == nullptr) {
-        // Without a user mask each row keeps a prefix of the tile: one compare per score
-        // against the row's limit, relative to this thread's first column.
-        int limit[2];
+        // Without a user mask each row keeps a range of the tile: one compare per score
+        // against the row's limit (and with a window its start), relative to this thread's
+        // first column.
+        int limit[2], start[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int end = p.causal ? min(sp.kv_len, row0 + 8 * h + sp.diag + 1) : sp.kv_len;
             limit[h] = end - col0 - 2 * (lane & 3);
+            start[h] = kWindow ? window_first_key(p, row0 + 8 * h + sp.diag) - col0 - 2 * (lane & 3) : 0;
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (8 * j + (e & 1) >= limit[e >> 1]) s[j][e] = -INFINITY;
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + (e & 1);
+                if (c >= limit[e >> 1] || (kWindow && c < start[e >> 1])) s[j][e] = -INFINITY;
+            }
         return;
     }
 #pragma unroll
@@ -165,6 +177,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionPa
             const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
             const int row = row0 + 8 * (e >> 1);
             bool keep = col < sp.kv_len && (!p.causal || col <= row + sp.diag);
+            if (kWindow) keep = keep && col >= window_first_key(p, row + sp.diag);
             if (keep && mask)
                 keep = mask[int64_t(min(row, qw.q_len - 1)) * p.mask_stride_q + int64_t(col) * p.mask_stride_k] != 0;
             if (!keep) s[j][e] = -INFINITY;
@@ -195,13 +208,19 @@ __device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const float (&al
     }
 }
 
-// Normalizes and stores this thread's two output rows (row0, row0 + 8) of query head `head`.
-template <typename T, int D>
+// Normalizes and stores this thread's two output rows (row0, row0 + 8) of query head `head`
+// (kSinks: the kernel serves sinks).
+template <typename T, int D, bool kSinks = false>
 __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], RowState& st, const AttentionParams& p,
                                            const QWork& qw, int head, int row0) {
     const int lane = threadIdx.x % 32;
     float inv_l[2];
     finalize_rows(st, inv_l);
+    if (kSinks && p.sinks != nullptr) {  // the head's sink joins each row's denominator
+        const float sink = sink_log2(p, head);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) inv_l[r] = fold_sink(st.m[r], st.l[r], sink);
+    }
     T* out = static_cast<T*>(p.o) + qw.o_off + int64_t(head) * p.o_stride_h;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -93,10 +93,11 @@ struct PackedQSchedule {
 
 // What one block works on, besides its rows (QWork): kv head kvh, query heads head0 ..
 // head0 + nslots - 1 (HB slots of rows_blk rows each), and K/V positions [0, kv_end) in
-// n_tiles tiles of BN rows (prefill_span); diag aligns causal masks bottom-right.
+// tiles of BN rows, of which the n_tiles from t_begin on are read (prefill_span; t_begin > 0
+// only where a window hides the first ones); diag aligns causal masks bottom-right.
 struct PrefillSpan {
     int kvh, head0, nslots, rows_blk;
-    int kv_len, diag, kv_end, n_tiles;
+    int kv_len, diag, kv_end, n_tiles, t_begin;
 };
 
 // The head slots and rows of the block in head group head_group_index (grid.y).

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const QWork qw = QSched::get(p);
     if (qw.row_base >= qw.q_len) return;  // uniform per block
-    const PrefillSpan sp = prefill_span<KV>(p, qw, C::kBN);
+    const PrefillSpan sp = prefill_span<KV, true>(p, qw, C::kBN);
     const int wph = C::kWarps / p.head_block;
 
     // Q: block row r = slot * rows_blk + local row; warp w reads rows w*16 .. w*16+15.
@@ -117,8 +117,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
             }
         }
 
-        const int col0 = t * C::kBN;
-        if (tile_needs_mask<C::kBN>(p, qw, sp, col0, mask)) mask_scores(s, p, qw, sp, col0, row0, mask);
+        if (has_soft_cap(p)) soft_cap_tile(s, p);
+        const int col0 = (sp.t_begin + t) * C::kBN;
+        if (tile_needs_mask<C::kBN, true>(p, qw, sp, col0, mask)) mask_scores<true>(s, p, qw, sp, col0, row0, mask);
 
         float alpha[2];
         online_softmax<C::kBN / 8>(st, s, p.scale_log2, alpha);
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     }
     cp_async_wait<0>();
 
-    if (warp_active) store_rows<T, D>(o, st, p, qw, sp.head0 + slot, row0);
+    if (warp_active) store_rows<T, D, true>(o, st, p, qw, sp.head0 + slot, row0);
 #endif
 }
 

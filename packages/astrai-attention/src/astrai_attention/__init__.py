@@ -26,6 +26,8 @@ _COMMON: dict[str, Any] = {
     "dtypes": ["bfloat16", "float16"],
     "head_dims": [64, 128, 256],
     "min_sm": 80,
+    # the variant features every kernel applies (csrc/variant.cuh; the modules' `variant` argument)
+    "variants": ["window_left", "logits_soft_cap", "sinks", "scale"],
 }
 
 _OPS: dict[str, dict[str, Any]] = {

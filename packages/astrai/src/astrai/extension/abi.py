@@ -134,14 +134,15 @@ def tensor_arg(t: torch.Tensor | None) -> TensorArg | None:
     return t.data_ptr(), tuple(t.shape), t.stride(), dtype_code(t) if code is None else code
 
 
-def launch(device: torch.device, fn, *args) -> None:
+def launch(device: torch.device, fn, *args, **kwargs) -> None:
     """Call a compiled entry point with ``device`` current (the binaries launch on the
     current device, like torch's own kernels) and its current stream appended as the last
-    argument; the device is looked up once, as this is every launch's host path."""
+    positional argument (``kwargs`` follow it); the device is looked up once, as this is
+    every launch's host path."""
     index = device.index
     current = current_device()
     if index is None or index == current:
-        fn(*args, _raw_stream(current) if _raw_stream is not None else stream_handle(device))
+        fn(*args, _raw_stream(current) if _raw_stream is not None else stream_handle(device), **kwargs)
     else:
         with torch.cuda.device(device):
-            fn(*args, stream_handle(device))
+            fn(*args, stream_handle(device), **kwargs)

@@ -11,7 +11,9 @@
 =====================  ===========================================================================
 
 bf16 or fp16, head_dim 64/128/256, ``Hq`` a multiple of ``Hkv``; index tensors int32 on the
-same device (the :class:`~astrai.extension.kv_cache.BatchPlan` fields). Any strides with a
+same device (the :class:`~astrai.extension.kv_cache.BatchPlan` fields). Every op also takes the
+variant keywords of ``attention()``: ``scale``, ``logits_soft_cap``, ``window_left`` and
+``sinks`` (float32 ``[Hq]``), validated by the compiled module. Any strides with a
 contiguous last dim are accepted (BHLD is a permuted view); rows that are not 16-byte
 aligned are copied first. Masks are bool, True = keep; causal is bottom-right aligned;
 scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros.
@@ -114,16 +116,38 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
     return int(_plugin.require("attn_paged_prefill", device).Q_TILE_ROWS)
 
 
+def variant_arg(scale: float | None, logits_soft_cap: float | None, window_left: int,
+                sinks: torch.Tensor | None) -> tuple | None:
+    """The modules' ``variant`` argument: None for plain attention, else ``(scale, soft-cap,
+    window_left, sinks)`` with 0 for an unset scale or soft-cap (csrc/entry_utils.h)."""
+    if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None:
+        return None
+    return (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))
+
+
+def variant_kwargs(variant) -> dict:
+    """The ops' variant keywords of ``variant`` (an ``AttentionVariant`` of the backend layer, or
+    None): none for plain attention."""
+    if variant is None or not variant.features:
+        return {}
+    return dict(scale=variant.scale, logits_soft_cap=variant.logits_soft_cap, window_left=variant.window_left,
+                sinks=variant.sinks)
+
+
 # ---- attn_decode ----------------------------------------------------------------------
 
-def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over contiguous K/V (split-KV). See the module docstring."""
-    _check_tensors("attn_decode", q, q=q, k=k, v=v, mask=mask)
-    return _attn_decode_op(q, k, v, mask)
+    _check_tensors("attn_decode", q, q=q, k=k, v=v, mask=mask, sinks=sinks)
+    return _attn_decode_op(q, k, v, mask, scale, logits_soft_cap, window_left, sinks)
 
 
 @_plugin.plugin_op("astrai::attn_decode")
-def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require("attn_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
@@ -131,36 +155,39 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kv_len = k.shape[1] if k.dim() == 4 else 1
     splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
     launch(q.device, module.attn_decode, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), splits, tensor_arg(ws_o),
-         tensor_arg(ws_lse))
+         tensor_arg(ws_lse), variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
 @_attn_decode_op.op.register_fake
-def _(q, k, v, mask):
+def _(q, k, v, mask, scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 # ---- attn_prefill ---------------------------------------------------------------------
 
 def attn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                 is_causal: bool = False) -> torch.Tensor:
+                 is_causal: bool = False, *, scale: float | None = None, logits_soft_cap: float | None = None,
+                 window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention over contiguous K/V (split-Q). See the module docstring."""
-    _check_tensors("attn_prefill", q, q=q, k=k, v=v, mask=mask)
-    return _attn_prefill_op(q, k, v, mask, bool(is_causal))
+    _check_tensors("attn_prefill", q, q=q, k=k, v=v, mask=mask, sinks=sinks)
+    return _attn_prefill_op(q, k, v, mask, bool(is_causal), scale, logits_soft_cap, window_left, sinks)
 
 
 @_plugin.plugin_op("astrai::attn_prefill")
 def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     is_causal: bool) -> torch.Tensor:
+                     is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
+                     window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require("attn_prefill", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
-    launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal)
+    launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
+           variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
 @_attn_prefill_op.op.register_fake
-def _(q, k, v, mask, is_causal):
+def _(q, k, v, mask, is_causal, scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -180,7 +207,9 @@ def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[in
 
 
 def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                      kv_indices: torch.Tensor, kv_lens: torch.Tensor, *, num_splits: int = 0) -> torch.Tensor:
+                      kv_indices: torch.Tensor, kv_lens: torch.Tensor, *, num_splits: int = 0,
+                      scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (split-KV). See the module docstring.
 
     ``num_splits``: the split-KV count (a :func:`~.attention_plan.plan_paged_decode` plan's);
@@ -190,13 +219,16 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                        num_pages=num_pages)
     _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
-                   kv_indices=kv_indices, kv_lens=kv_lens)
-    return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits))
+                   kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks)
+    return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits), scale,
+                                 logits_soft_cap, window_left, sinks)
 
 
 @_plugin.plugin_op("astrai::attn_paged_decode")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                          kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0) -> torch.Tensor:
+                          kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0,
+                          scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require("attn_paged_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
@@ -209,12 +241,14 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
         splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
-         tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse))
+         tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse),
+           variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
 @_attn_paged_decode_op.op.register_fake
-def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0):
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0, scale=None, logits_soft_cap=None,
+      window_left=-1, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -223,34 +257,38 @@ def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0):
 def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                        q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
-                       is_causal: bool = True) -> torch.Tensor:
+                       is_causal: bool = True, *, scale: float | None = None, logits_soft_cap: float | None = None,
+                       window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
     total_q, page_size, num_pages = _cache_geometry("attn_paged_prefill", q, k_cache)
     check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
                         q_tile_to_index, page_size=page_size, num_pages=num_pages)
     _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
-                   q_tile_to_index=q_tile_to_index)
+                   q_tile_to_index=q_tile_to_index, sinks=sinks)
     if debug_checks_enabled():
         check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
-                                               q_tile_to_batch, q_tile_to_index, bool(is_causal))
+                                  q_tile_to_batch, q_tile_to_index, bool(is_causal), scale, logits_soft_cap,
+                                  window_left, sinks)
 
 
 @_plugin.plugin_op("astrai::attn_paged_prefill")
 def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                            q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
-                           is_causal: bool) -> torch.Tensor:
+                           is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
+                           window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require("attn_paged_prefill", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
          tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
-         is_causal)
+         is_causal, variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
 @_attn_paged_prefill_op.op.register_fake
-def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal):
+def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal,
+      scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

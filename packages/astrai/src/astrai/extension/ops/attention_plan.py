@@ -34,20 +34,27 @@ import torch
 from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
 from . import _plugin
 from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
-                        attn_paged_prefill)
+                        attn_paged_prefill, variant_arg, variant_kwargs)
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
 
 
-def _run(device_index: int, entry, head: tuple, tail: tuple) -> None:
-    """``entry(*head, stream, *tail)`` on ``device_index``'s current stream."""
+def _run(device_index: int, entry, head: tuple, tail: tuple, variant=None) -> None:
+    """``entry(*head, stream, *tail)`` on ``device_index``'s current stream (with ``variant``,
+    the modules' variant argument, where given)."""
+    kwargs = {} if variant is None else {"variant": variant}
     current = current_device()
     if device_index == current:
-        entry(*head, current_stream(current), *tail)
+        entry(*head, current_stream(current), *tail, **kwargs)
     else:
         with torch.cuda.device(device_index):
-            entry(*head, current_stream(device_index), *tail)
+            entry(*head, current_stream(device_index), *tail, **kwargs)
+
+
+def _variant_binding_arg(variant):
+    return None if variant is None else variant_arg(variant.scale, variant.logits_soft_cap, variant.window_left,
+                                                    variant.sinks)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,7 +65,8 @@ class PagedDecodeLaunch:
     and a call with ``k_new`` / ``v_new`` (``[B, 1, Hkv, D]`` or ``[1, B, Hkv, D]``) writes
     them to the caches in the same binding call: with :attr:`append_last`, inside the decode
     launch, to each request's last position through the page table; else first, to rows
-    ``slots`` (int64 ``[B]``, the plan's ``write_index``).
+    ``slots`` (int64 ``[B]``, the plan's ``write_index``). ``variant`` (an ``AttentionVariant``
+    of the backend layer, or None) carries a call's window, soft-cap, sinks and scale.
     """
 
     kv_indptr: torch.Tensor
@@ -85,26 +93,27 @@ class PagedDecodeLaunch:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
-                 cache_args: tuple | None = None) -> torch.Tensor:
+                 cache_args: tuple | None = None, variant=None) -> torch.Tensor:
         """``cache_args``: ``(tensor_arg(k_cache), tensor_arg(v_cache))`` when the caller keeps them."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
             if k_new is not None:
                 raise ValueError("k_new: the fused append runs in eager mode only (append first)")
             return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
-                                     num_splits=self.num_splits)
+                                     num_splits=self.num_splits, **variant_kwargs(variant))
         if k_new is not None and self._append_args is None:
             raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
-        return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new)
+        return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new,
+                              variant=variant)
 
     def run_eager(self, q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None = None,
-                  v_new: torch.Tensor | None = None) -> torch.Tensor:
+                  v_new: torch.Tensor | None = None, *, variant=None) -> torch.Tensor:
         """The call for a caller that checked what ``__call__`` checks (plain tensors, eager
         mode, ``k_new`` only where :attr:`appends`) and keeps the layer's ``cache_args``."""
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper to call than torch.empty
         head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
         tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
                                                       *self._append_args)
-        _run(self._device_index, self._entry, head, tail)
+        _run(self._device_index, self._entry, head, tail, _variant_binding_arg(variant))
         return out
 
     def runner(self, q: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
@@ -162,15 +171,17 @@ class PagedPrefillLaunch:
     _table_args: tuple
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 is_causal: bool = True) -> torch.Tensor:
+                 is_causal: bool = True, *, variant=None) -> torch.Tensor:
+        """``variant``: an ``AttentionVariant`` of the backend layer, or None (plain)."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
             return attn_paged_prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.kv_indices,
-                                      self.kv_lens, self.q_tile_to_batch, self.q_tile_to_index, is_causal)
+                                      self.kv_lens, self.q_tile_to_batch, self.q_tile_to_index, is_causal,
+                                      **variant_kwargs(variant))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q = _rows_aligned(q)
         head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args,
                 bool(is_causal))
-        _run(self._device_index, self._entry, head, ())
+        _run(self._device_index, self._entry, head, (), _variant_binding_arg(variant))
         return out
 
 

@@ -11,6 +11,9 @@ count from the plugin's C++ planner, workspaces, converted page table), by the f
 call and, from then on, by ``PagedKVCache.plan`` through a preparer this backend registers
 on the cache; every layer's call then only launches.
 
+Variants (window, soft-cap, sinks, scale) run in the kernels where the op's manifest states
+them (``variants``); the values reach the launch beside the call.
+
 Dense prefill (no cache, no gradients) runs ``attn_prefill`` where the plugin's measured
 table for the device's arch (the op's manifest ``prefer`` entry, against the torch path)
 says it is faster at the call's size class; elsewhere the backend is passed over with the
@@ -60,8 +63,10 @@ class CudaBackend(AttentionBackend):
         return self._op_unsupported("attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill", call)
 
     def slower_than_peer(self, call: AttentionCall) -> str | None:
-        """Dense prefill: why torch runs instead, unless the measured table says we are faster."""
-        if call.paged:
+        """Dense prefill: why torch runs instead, unless the measured table says we are faster.
+        The table measured plain attention against SDPA; a window, soft-cap or sinks send torch
+        to its masked or explicit path, which it did not measure: the kernel runs those."""
+        if call.paged or _beyond_scale(call):
             return None
         verdict = self._measured(call)
         if verdict is None:
@@ -69,6 +74,8 @@ class CudaBackend(AttentionBackend):
         return None if verdict.plugin_faster else f"attn_prefill: {verdict.reason}"
 
     def why_capable(self, call: AttentionCall) -> str | None:
+        if not call.paged and _beyond_scale(call):
+            return f"attn_prefill: {', '.join(call.features)} (torch runs them unfused)"
         verdict = None if call.paged else self._measured(call)
         return None if verdict is None else f"attn_prefill: {verdict.reason}"
 
@@ -95,15 +102,17 @@ class CudaBackend(AttentionBackend):
             return f"{op} lacks {', '.join(missing)} in this build (it takes {takes})"
         return reason
 
-    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False):
+    def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False,
+                variant=PLAIN):
         if kv_cache is None:  # dense prefill: the contiguous kernel on the caller's tensors
-            return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal))
+            return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal), **attn_ops.variant_kwargs(variant))
         if call.mode == "decode" and type(q) is torch.Tensor and not torch.compiler.is_compiling():
-            return self._decode_step(q, k, v, kv_cache, layer_id, appended)
+            return self._decode_step(q, k, v, kv_cache, layer_id, appended, variant)
         return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
-                               appended=appended)
+                               appended=appended, variant=variant)
 
-    def _decode_step(self, q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
+    def _decode_step(self, q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool,
+                     variant=PLAIN) -> torch.Tensor:
         """An eager decode call, validated by the policy layer: the step's keys/values are
         written by the decode launch itself where the compiled module can (one binding call;
         with ``append_last``, one kernel launch)."""
@@ -111,12 +120,13 @@ class CudaBackend(AttentionBackend):
         launch = self._launch(kv_cache, plan, q.shape[2], True)
         cache_args = _layer_args(kv_cache, layer_id)
         q_rows = q if q.shape[1] == 1 else q.reshape(q.shape[1], 1, q.shape[2], q.shape[3])  # packed [1, B, ...]
+        launch_variant = variant if variant.features else None
         if launch.appends and not appended:
-            out = launch.run_eager(q_rows, cache_args, k, v)
+            out = launch.run_eager(q_rows, cache_args, k, v, variant=launch_variant)
         else:
             if not appended:
                 kv_cache.append(layer_id, k, v, plan, checked=True)
-            out = launch.run_eager(q_rows, cache_args)
+            out = launch.run_eager(q_rows, cache_args, variant=launch_variant)
         return out if q_rows is q else out.reshape(q.shape)
 
     def eager_runner(self, call, q, k, v, kv_cache):
@@ -143,17 +153,21 @@ class CudaBackend(AttentionBackend):
 
         return run
 
-    def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
+    def fwd_decode(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal,
+                   variant=PLAIN) -> torch.Tensor:
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q").unsqueeze(1)  # [B, 1, Hq, D], one row per request
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
         if torch.compiler.is_compiling():  # the registered op plans inside the traced graph
-            out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens)
+            out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
+                                             **attn_ops.variant_kwargs(variant))
         else:
-            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages)
+            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages,
+                                                                      variant=variant if variant.features else None)
         return out.reshape(q.shape)
 
-    def fwd_prefill(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal) -> torch.Tensor:
+    def fwd_prefill(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal,
+                    variant=PLAIN) -> torch.Tensor:
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q")  # [total_q, Hq, D]
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
@@ -162,9 +176,11 @@ class CudaBackend(AttentionBackend):
             tiles = (launch.q_tile_to_batch, launch.q_tile_to_index) if launch is not None else \
                 plan.q_tiles(attn_ops.q_tile_rows(q.device))
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
-                                              plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal))
+                                              plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal),
+                                              **attn_ops.variant_kwargs(variant))
         else:
-            out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal))
+            out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal),
+                                                                       variant=variant if variant.features else None)
         return out.reshape(q.shape)
 
     @staticmethod
@@ -178,6 +194,11 @@ class CudaBackend(AttentionBackend):
             kv_cache.add_preparer(key, lambda cache, p: _plan_launch(cache, p, q_heads, decode)
                                   if p.is_decode == decode else None)
         return launch
+
+
+def _beyond_scale(call: AttentionCall) -> bool:
+    """Whether the call has a variant feature besides a custom scale."""
+    return any(f != "scale" for f in call.features)
 
 
 # Per cache, per layer: the binding arguments of the layer's pages (fixed for the cache's

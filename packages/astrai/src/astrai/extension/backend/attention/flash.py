@@ -62,8 +62,6 @@ class FlashAttnBackend(AttentionBackend):
             return f"flash-attn takes no explicit mask (got a {call.mask_ndim}D mask): mask-free or causal calls only"
         if call.head_dim % 8 or call.head_dim > _MAX_HEAD_DIM:
             return f"flash-attn needs head_dim a multiple of 8 up to {_MAX_HEAD_DIM}, got {call.head_dim}"
-        if call.kv_dtype is not None and call.kv_dtype != call.dtype:
-            return f"flash-attn reads the cache in {call.dtype}, not a {call.kv_dtype} cache"
         missing = missing_features(call.features, self.variants)
         if missing:
             return f"flash-attn lacks {', '.join(missing)} (it takes {', '.join(self.variants)})"
