@@ -43,7 +43,7 @@ def fake_module(monkeypatch, module):
     monkeypatch.setattr(attention_plan._plugin, "require", lambda op, device=None: module)
     monkeypatch.setattr(attention_plan, "_device_index", lambda t: 0)
     monkeypatch.setattr(attention_plan, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail, variant=None: entry(*head, 0, *tail))
+    monkeypatch.setattr(attention_plan, "_run", lambda index, entry, head, tail, kwargs=None: entry(*head, 0, *tail))
     monkeypatch.setattr(attention_plan, "current_device", lambda: 0)  # the runners launch on the current stream
     monkeypatch.setattr(attention_plan, "current_stream", lambda index: 0)
     return module

@@ -30,8 +30,13 @@ from astrai.extension.ops import attention as ops  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 
 
+PLAIN_ONLY = False  # --plain: the plain rows alone (an A/B against a build without variants)
+
+
 def variants(kv_len: int) -> dict:
     sinks = torch.randn(HQ, device="cuda")
+    if PLAIN_ONLY:
+        return {"plain": {}}
     return {"plain": {}, "softcap 50": dict(logits_soft_cap=50.0), "sinks": dict(sinks=sinks),
             "window 4096": dict(window_left=4095) if kv_len >= 8192 else None}
 
@@ -67,12 +72,12 @@ def decode_rows(batch: int, kv_len: int) -> list[dict]:
         if kw is None:
             continue
         out = torch.empty_like(q)
-        arg = variant_arg(**kw)
+        arg = {} if not kw else {"variant": variant_arg(**kw)}  # a plugin built before variants takes none
 
         def direct():
             mod.attn_paged_decode(abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(cache.kv_indptr),
                                   abi(cache.kv_indices), abi(cache.kv_lens), splits, abi(ws_o), abi(ws_lse),
-                                  stream_handle(q.device), variant=arg)
+                                  stream_handle(q.device), **arg)
 
         def public():
             return ops.attn_paged_decode(q, cache.k_cache, cache.v_cache, cache.kv_indptr, cache.kv_indices,
@@ -105,8 +110,11 @@ def prefill_rows(seq: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plain", action="store_true", help="plain attention only (A/B against an older build)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    global PLAIN_ONLY
+    PLAIN_ONLY = args.plain
     rows = decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
     rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
     print(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'cuDNN us':>9} {'cuDNN/ours':>10}")

@@ -117,12 +117,13 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
 
 
 def variant_arg(scale: float | None, logits_soft_cap: float | None, window_left: int,
-                sinks: torch.Tensor | None) -> tuple | None:
-    """The modules' ``variant`` argument: None for plain attention, else ``(scale, soft-cap,
-    window_left, sinks)`` with 0 for an unset scale or soft-cap (csrc/entry_utils.h)."""
+                sinks: torch.Tensor | None) -> dict:
+    """The modules' ``variant`` keyword: none for plain attention (so a plugin built before
+    variants still runs it), else ``(scale, soft-cap, window_left, sinks)`` with 0 for an unset
+    scale or soft-cap (csrc/entry_utils.h)."""
     if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None:
-        return None
-    return (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))
+        return {}
+    return {"variant": (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))}
 
 
 def variant_kwargs(variant) -> dict:
@@ -155,7 +156,7 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kv_len = k.shape[1] if k.dim() == 4 else 1
     splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
     launch(q.device, module.attn_decode, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), splits, tensor_arg(ws_o),
-         tensor_arg(ws_lse), variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
+         tensor_arg(ws_lse), **variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
@@ -182,7 +183,7 @@ def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
     launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
-           variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
+           **variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
@@ -242,7 +243,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
          tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse),
-           variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
+           **variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 
@@ -284,7 +285,7 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
          tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
-         is_causal, variant=variant_arg(scale, logits_soft_cap, window_left, sinks))
+         is_causal, **variant_arg(scale, logits_soft_cap, window_left, sinks))
     return out
 
 

@@ -40,10 +40,9 @@ from .page_table import check_decode_table, check_prefill_table, check_q_tiles, 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
 
 
-def _run(device_index: int, entry, head: tuple, tail: tuple, variant=None) -> None:
-    """``entry(*head, stream, *tail)`` on ``device_index``'s current stream (with ``variant``,
-    the modules' variant argument, where given)."""
-    kwargs = {} if variant is None else {"variant": variant}
+def _run(device_index: int, entry, head: tuple, tail: tuple, kwargs: dict | None = None) -> None:
+    """``entry(*head, stream, *tail, **kwargs)`` on ``device_index``'s current stream."""
+    kwargs = kwargs or {}
     current = current_device()
     if device_index == current:
         entry(*head, current_stream(current), *tail, **kwargs)
@@ -52,9 +51,9 @@ def _run(device_index: int, entry, head: tuple, tail: tuple, variant=None) -> No
             entry(*head, current_stream(device_index), *tail, **kwargs)
 
 
-def _variant_binding_arg(variant):
-    return None if variant is None else variant_arg(variant.scale, variant.logits_soft_cap, variant.window_left,
-                                                    variant.sinks)
+def _variant_binding_arg(variant) -> dict:
+    return {} if variant is None else variant_arg(variant.scale, variant.logits_soft_cap, variant.window_left,
+                                                  variant.sinks)
 
 
 @dataclass(frozen=True, eq=False)
