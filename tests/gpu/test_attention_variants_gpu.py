@@ -113,7 +113,7 @@ PREFILL = [
     (1, 200, 200, 8, 8, 128, BF16, True, None),
     (2, 100, 300, 32, 8, 64, FP16, True, None),
     (2, 65, 129, 16, 16, 256, BF16, False, "2d"),
-    (1, 1000, 1000, 32, 8, 128, BF16, True, None),  # the Hopper kernel's shape when plain
+    (1, 1000, 1000, 32, 8, 128, BF16, True, None),
     (2, 333, 2049, 16, 2, 64, BF16, False, None),
     (1, 129, 300, 40, 8, 128, FP16, True, "3d"),  # G = 5
 ]

@@ -133,11 +133,11 @@ inline bool device_is_sm90() { return device_arch() == 90; }
 constexpr int kPrefillWgmma = 90;
 
 // One launch of the warp-specialized prefill with K/V tiles of PrefillWsConfig<D, BN>: its
-// tensor maps, then the kernel. False (nothing launched) where a TMA-only configuration's
-// maps do not all encode.
+// tensor maps, then the kernel (its variant instantiation where p has a window, soft-cap or
+// sinks). False (nothing launched) where a TMA-only configuration's maps do not all encode.
 template <typename T, int D, int BN, class QSched, class KV>
 bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t stream) {
-    using C = PrefillWsConfig<D, BN>;
+    using C = PrefillWsConfig<D, BN>;  // the variant instantiation's copies and shared memory are the same
     PrefillTensorMaps maps;
     if constexpr (ASTRAI_PREFILL_TMA) {
         maps = KV::kPaged ? paged_kv_maps(p, D, C::kBN) : contig_kv_maps(p, D, C::kBN);
@@ -145,9 +145,14 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
         maps.o_tma = ASTRAI_PREFILL_TMA_STORE && encode_o_map(&maps.o, p, D, QSched::kPacked);
     }
     if (C::kTmaOnly && !(maps.mode == PrefillTensorMaps::kTma && maps.q_tma)) return false;
-    static std::atomic<uint64_t> done{0};
-    set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN>, C::kSmemBytes, done);
-    prefill_ws_kernel<T, D, QSched, KV, BN><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+    static std::atomic<uint64_t> done{0}, done_variant{0};
+    if (has_score_variant(p)) {
+        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, true>, C::kSmemBytes, done_variant);
+        prefill_ws_kernel<T, D, QSched, KV, BN, true><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+    } else {
+        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN>, C::kSmemBytes, done);
+        prefill_ws_kernel<T, D, QSched, KV, BN><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+    }
     ASTRAI_CHECK_LAUNCH();
     return true;
 }
@@ -178,14 +183,15 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
     // Wide K/V tiles: dense calls over contiguous K/V (d128 without a causal mask, d256)
     constexpr int kWide = kWideTileRows<D>;
     if constexpr (kWide != 0 && !KV::kPaged && !QSched::kPacked && !C::kPersistent) {
-        if ((D == 256 || !p.causal) && launch_prefill_ws_tiles<T, D, kWide, QSched, KV>(p, grid, stream)) return;
+        if ((D == 256 || !p.causal) && !has_score_variant(p) &&
+            launch_prefill_ws_tiles<T, D, kWide, QSched, KV>(p, grid, stream))
+            return;
     }
     launch_prefill_ws_tiles<T, D, 0, QSched, KV>(p, grid, stream);
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
-// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA, no variant beyond a scale: the Hopper body
-// has no window, soft-cap or sinks yet), else prefill_warps' mma.sync layout. 4 or 8
+// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8
 // forces that many mma.sync warps, kPrefillWgmma the Hopper kernel where it applies
 // (benchmarks and tests).
 template <typename T, int D, class QSched, class KV>
@@ -199,7 +205,7 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 #else
     if constexpr (built_for_sm90()) {
         if ((layout == 0 || layout == kPrefillWgmma) && (p.head_block >= 2 || ASTRAI_PREFILL_WS_MHA) &&
-            !has_score_variant(p) && device_is_sm90())
+            device_is_sm90())
             return launch_prefill_ws<T, D, QSched, KV>(p, num_q_tiles, batch, stream);
     }
     const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);

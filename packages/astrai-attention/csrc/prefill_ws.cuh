@@ -129,13 +129,17 @@ template <int D>
 constexpr int kWideTileRows = ASTRAI_PREFILL_WIDE_TILES == 0 ? 0 : D == 128 ? 176 : D == 256 ? 80 : 0;
 
 // BN_ = 0: the default K/V tile rows; else a wide tile (kWideTileRows) and a TMA-only producer.
-template <int D_, int BN_ = 0>
+// V_: the instantiation with the window, soft-cap and sinks (kVariant).
+template <int D_, int BN_ = 0, bool V_ = false>
 struct PrefillWsConfig {
     static_assert(D_ == 64 || D_ == 128 || D_ == 256, "head_dim must be 64, 128 or 256");
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers
     static constexpr int kBN = BN_ != 0 ? BN_ : D <= 128 ? 128 : 64;
+    // The instantiation that serves a window, soft-cap and sinks (variant.cuh): the plain one
+    // keeps none of their registers
+    static constexpr bool kVariant = V_;
     static_assert(kBN % 16 == 0 && kBN <= 256, "K/V tiles are whole 16-row k-steps of P V, one TMA box");
     // Copies by TMA alone (the launcher checks that the maps encode): no cp.async paths, so
     // the producer needs few registers
@@ -214,7 +218,8 @@ __device__ __forceinline__ void produce_kv_tma(const PrefillTensorMaps& maps, co
         mbar_arrive_expect_tx(bar, C::kTileBytes);
 #pragma unroll
         for (int c = 0; c < kPanels; ++c)
-            tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes, map, bar, c * 64, sp.kvh, t * C::kBN, qw.b);
+            tma_load_4d(dst + c * PanelTile<C::kBN>::kPanelBytes, map, bar, c * 64, sp.kvh, (sp.t_begin + t) * C::kBN,
+                        qw.b);
     };
     for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
         const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
@@ -264,11 +269,12 @@ __device__ __forceinline__ void produce_kv_paged_tma(const AttentionParams& p, c
     };
     for (int t = 0; t < sp.n_tiles; ++t, ++pos.tiles) {
         const int s = pos.tiles % C::kStages, use = pos.tiles / C::kStages;
-        const int rows = min(C::kBN, sp.kv_len - t * C::kBN);
+        const int tile0 = (sp.t_begin + t) * C::kBN;
+        const int rows = min(C::kBN, sp.kv_len - tile0);
         const int boxes = (rows + maps.box_rows - 1) / maps.box_rows;
         int page = 0, slot = 0;
         if (lane < boxes) {
-            const int first = t * C::kBN + lane * maps.box_rows, page_index = KV::page_of(req, first);
+            const int first = tile0 + lane * maps.box_rows, page_index = KV::page_of(req, first);
             page = __ldg(req.pages + page_index);
             slot = first - page_index * p.page_size;
         }
@@ -407,6 +413,14 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, tid = threadIdx.x % 128;
     float inv_l[2];
     finalize_rows(st, inv_l);
+    if constexpr (C::kVariant) {
+        if (p.sinks != nullptr) {  // the warp's head's sink joins each row's denominator
+            const int head = min(sp.head0 + cw / (8 / p.head_block), p.q_heads - 1);  // an empty slot: any head
+            const float sink = sink_log2(p, head);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) inv_l[r] = fold_sink(st.m[r], st.l[r], sink);
+        }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = 16 * cw + (lane >> 2) + 8 * h;
@@ -492,8 +506,12 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         float s[NT][4];
         // Whether O needs the rescale by alpha (always, unless ASTRAI_PREFILL_LAZY_RESCALE).
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            const int col0 = t * C::kBN;
-            if (tile_needs_mask<C::kBN>(p, qw, sp, col0, mask)) mask_scores(s, p, qw, sp, col0, row0, mask);
+            if constexpr (C::kVariant) {
+                if (has_soft_cap(p)) soft_cap_tile(s, p);
+            }
+            const int col0 = (sp.t_begin + t) * C::kBN;
+            if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
+                mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
             constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
             if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
                 return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
@@ -550,7 +568,8 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         const int sv = stage(n - 1);
         mbar_wait(sm.full_v(sv), parity(n - 1));
         fence_proxy_async();
-        if (stale_tail && n * C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - (n - 1) * C::kBN, wg);
+        const int last0 = (sp.t_begin + n - 1) * C::kBN;  // the last tile's first position
+        if (stale_tail && last0 + C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - last0, wg);
         my_turn();
         fence_accumulators(o);
         fence_fragments(pa);
@@ -569,7 +588,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     if (aligned) {
         store_rows_staged<T, C, QSched>(o, st, p, maps, qw, sp, sm.q_slot(qs), wg);
     } else if (slot < sp.nslots) {
-        store_rows<T, C::D>(o, st, p, qw, sp.head0 + slot, row0);
+        store_rows<T, C::D, C::kVariant>(o, st, p, qw, sp.head0 + slot, row0);
     }
     // The slot may take a later item's Q.
     mbar_arrive(sm.q_empty(qs));
@@ -618,7 +637,7 @@ __device__ __forceinline__ void produce_persistent(const AttentionParams& p, con
         const BlockCoord c = work_coord(p, w < p.num_work ? w : 0);
         const QWork qw = QSched::get(p, c);
         if (w < p.num_work && qw.row_base < qw.q_len) {
-            produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, qs);
+            produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, qs);
         } else if (!maps.q_tma || threadIdx.x == 0) {
             mbar_arrive(sm.q_full(qs));  // in place of the Q arrivals
         }
@@ -629,7 +648,7 @@ __device__ __forceinline__ void produce_persistent(const AttentionParams& p, con
         const int next = take(i);
         const BlockCoord c = work_coord(p, w);
         const QWork qw = QSched::get(p, c);
-        if (qw.row_base < qw.q_len) produce_kv<T, C, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+        if (qw.row_base < qw.q_len) produce_kv<T, C, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
         // With K/V by TMA, lanes 1-31 wait here for lane 0's tiles: a warp whose other lanes
         // spin on an mbarrier can be suspended with lane 0 (measured: ~30k cycles per item).
         if (!solo && maps.mode == PrefillTensorMaps::kTma) __syncwarp();
@@ -660,7 +679,7 @@ __device__ __forceinline__ void consume_persistent(const AttentionParams& p, con
             ++pos.items;
             continue;
         }
-        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos, stale_tail,
+        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos, stale_tail,
                                              w);
     }
 }
@@ -669,11 +688,11 @@ __device__ __forceinline__ void consume_persistent(const AttentionParams& p, con
 // One block per work item (launch coordinate), or (C::kPersistent) one block per SM taking
 // the items of the logical grid (work_grid_x, work_grid_y, *) from an atomic counter, its
 // producer running ahead into the next item's Q and K/V while the consumers finish this one.
-template <typename T, int D, class QSched, class KV, int BN = 0>
-__global__ void __launch_bounds__(PrefillWsConfig<D, BN>::kThreads, 1)
+template <typename T, int D, class QSched, class KV, int BN = 0, bool kVariant = false>
+__global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
     prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
-    using C = PrefillWsConfig<D, BN>;
+    using C = PrefillWsConfig<D, BN, kVariant>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
     if (threadIdx.x == 0) {
@@ -709,7 +728,7 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN>::kThreads, 1)
             const BlockCoord c = BlockCoord::of_launch();
             const QWork qw = QSched::get(p, c);
             if (qw.row_base < qw.q_len)  // the same items are skipped by every role
-                prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos);
+                prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
         }
         cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {
@@ -722,7 +741,7 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN>::kThreads, 1)
             if (qw.row_base >= qw.q_len) return;
             const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
             PREFILL_TRACE(item, 7, entry);
-            prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV>(p, qw, C::kBN, c.y), sm, pos,
+            prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos,
                                          maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
         }
     }
