@@ -4,7 +4,8 @@ sinks, and a 4096-token window at kv 32768. Each row has the CUDA-graph time (me
 graph replays, tests/gpu/graph_timing.py) and the eager per-call time of the public op;
 cuDNN runs on contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the
 faster is reported), plain causal (it has no soft-cap or sinks; for the window rows it runs
-the full context, the work the window saves).
+the full context, the work the window saves). Decode rows also time the binding alone, eager
+("binding us": the host path below the op wrapper).
 
     python tests/gpu/bench_variants.py [--quick] [--json out.json]
 """
@@ -65,8 +66,8 @@ def decode_rows(batch: int, kv_len: int) -> list[dict]:
     q = torch.randn(batch, 1, HQ, D, device="cuda").to(torch.bfloat16)
     mod = module("attn_paged_decode")
     splits, ws_o, ws_lse = decode_workspace(mod, batch, HQ, HKV, D, kv_len)
-    k = torch.randn(batch, kv_len, HKV, D, device="cuda").to(torch.bfloat16)
-    peer = cudnn_us(q, k, k, False)
+    k, v = (torch.randn(batch, kv_len, HKV, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    peer = cudnn_us(q, k, v, False)
     rows = []
     for name, kw in variants(kv_len).items():
         if kw is None:
@@ -84,7 +85,8 @@ def decode_rows(batch: int, kv_len: int) -> list[dict]:
                                          cache.kv_lens, num_splits=splits, **kw)
         graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
         rows.append(dict(kind="paged decode", shape=f"B={batch} kv={kv_len}", variant=name, graph_us=graph,
-                         eager_us=eager_time_ms(public) * 1e3, cudnn_us=peer, vs_cudnn=peer / graph))
+                         eager_us=eager_time_ms(public) * 1e3, binding_us=eager_time_ms(direct) * 1e3,
+                         cudnn_us=peer, vs_cudnn=peer / graph))
     return rows
 
 
@@ -117,10 +119,11 @@ def main() -> None:
     PLAIN_ONLY = args.plain
     rows = decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
     rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
-    print(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'cuDNN us':>9} {'cuDNN/ours':>10}")
+    print(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
+          f"{'cuDNN us':>9} {'cuDNN/ours':>10}")
     for r in rows:
         print(f"{r['kind']:16} {r['shape']:14} {r['variant']:12} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
-              f"{r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
+              f"{r.get('binding_us', float('nan')):10.1f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
