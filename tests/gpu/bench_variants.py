@@ -7,7 +7,7 @@ faster is reported), plain causal (it has no soft-cap or sinks; for the window r
 the full context, the work the window saves). Decode rows also time the binding alone, eager
 ("binding us": the host path below the op wrapper).
 
-    python tests/gpu/bench_variants.py [--quick] [--json out.json]
+    python tests/gpu/bench_variants.py [--quick] [--plain] [--only decode|prefill] [--json out.json]
 """
 
 from __future__ import annotations
@@ -113,12 +113,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--plain", action="store_true", help="plain attention only (A/B against an older build)")
+    ap.add_argument("--only", choices=("decode", "prefill"), help="one kind of row")
     ap.add_argument("--json")
     args = ap.parse_args()
     global PLAIN_ONLY
     PLAIN_ONLY = args.plain
-    rows = decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
-    rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
+    rows = []
+    if args.only != "prefill":
+        rows += decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
+    if args.only != "decode":
+        rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
     print(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
           f"{'cuDNN us':>9} {'cuDNN/ours':>10}")
     for r in rows:
