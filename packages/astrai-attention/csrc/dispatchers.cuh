@@ -133,8 +133,8 @@ inline bool device_is_sm90() { return device_arch() == 90; }
 constexpr int kPrefillWgmma = 90;
 
 // One launch of the warp-specialized prefill with K/V tiles of PrefillWsConfig<D, BN>: its
-// tensor maps, then the kernel (its variant instantiations where p has a soft-cap, or a window
-// or sinks). False (nothing launched) where a TMA-only configuration's maps do not all encode.
+// tensor maps, then the kernel (its variant instantiation where p has a window, soft-cap or
+// sinks). False (nothing launched) where a TMA-only configuration's maps do not all encode.
 template <typename T, int D, int BN, class QSched, class KV>
 bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t stream) {
     using C = PrefillWsConfig<D, BN>;  // the variant instantiation's copies and shared memory are the same
@@ -145,13 +145,10 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
         maps.o_tma = ASTRAI_PREFILL_TMA_STORE && encode_o_map(&maps.o, p, D, QSched::kPacked);
     }
     if (C::kTmaOnly && !(maps.mode == PrefillTensorMaps::kTma && maps.q_tma)) return false;
-    static std::atomic<uint64_t> done{0}, done_variant{0}, done_capped{0};
-    if (p.cap_log2 != 0.f) {
-        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, 2>, C::kSmemBytes, done_capped);
-        prefill_ws_kernel<T, D, QSched, KV, BN, 2><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
-    } else if (has_score_variant(p)) {
-        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, 1>, C::kSmemBytes, done_variant);
-        prefill_ws_kernel<T, D, QSched, KV, BN, 1><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+    static std::atomic<uint64_t> done{0}, done_variant{0};
+    if (has_score_variant(p)) {
+        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, true>, C::kSmemBytes, done_variant);
+        prefill_ws_kernel<T, D, QSched, KV, BN, true><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
     } else {
         set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN>, C::kSmemBytes, done);
         prefill_ws_kernel<T, D, QSched, KV, BN><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);

@@ -112,12 +112,6 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_EXP2_EMULATE
 #define ASTRAI_PREFILL_EXP2_EMULATE 0
 #endif
-// The same for the soft-capped instantiation, whose tanh is a second special-function op per
-// score: the unit then takes longer than a tile's GEMMs at every head dim (2 ops at 16 per
-// clock per SM against the tensor cores' 512 flop per score at d128).
-#ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
-#define ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE 2
-#endif
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -135,19 +129,17 @@ template <int D>
 constexpr int kWideTileRows = ASTRAI_PREFILL_WIDE_TILES == 0 ? 0 : D == 128 ? 176 : D == 256 ? 80 : 0;
 
 // BN_ = 0: the default K/V tile rows; else a wide tile (kWideTileRows) and a TMA-only producer.
-// V_: the variants the instantiation serves (kVariant): 0 none, 1 the window and sinks, 2 the
-// soft-cap too.
-template <int D_, int BN_ = 0, int V_ = 0>
+// V_: the instantiation with the window, soft-cap and sinks (kVariant).
+template <int D_, int BN_ = 0, bool V_ = false>
 struct PrefillWsConfig {
     static_assert(D_ == 64 || D_ == 128 || D_ == 256, "head_dim must be 64, 128 or 256");
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers
     static constexpr int kBN = BN_ != 0 ? BN_ : D <= 128 ? 128 : 64;
-    // The instantiations that serve a window and sinks, and a soft-cap (variant.cuh): the plain
-    // one keeps none of their registers
-    static constexpr bool kVariant = V_ != 0;
-    static constexpr bool kSoftCap = V_ == 2;
+    // The instantiation that serves a window, soft-cap and sinks (variant.cuh): the plain one
+    // keeps none of their registers
+    static constexpr bool kVariant = V_;
     static_assert(kBN % 16 == 0 && kBN <= 256, "K/V tiles are whole 16-row k-steps of P V, one TMA box");
     // Copies by TMA alone (the launcher checks that the maps encode): no cp.async paths, so
     // the producer needs few registers
@@ -514,11 +506,13 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         float s[NT][4];
         // Whether O needs the rescale by alpha (always, unless ASTRAI_PREFILL_LAZY_RESCALE).
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            if constexpr (C::kSoftCap) soft_cap_tile(s, p);
+            if constexpr (C::kVariant) {
+                if (has_soft_cap(p)) soft_cap_tile(s, p);
+            }
             const int col0 = (sp.t_begin + t) * C::kBN;
             if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
                 mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
-            constexpr int kEmu = C::kSoftCap ? ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE : ASTRAI_PREFILL_EXP2_EMULATE;
+            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
             if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
                 return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
             online_softmax<NT, kEmu>(st, s, p.scale_log2, alpha);
@@ -694,7 +688,7 @@ __device__ __forceinline__ void consume_persistent(const AttentionParams& p, con
 // One block per work item (launch coordinate), or (C::kPersistent) one block per SM taking
 // the items of the logical grid (work_grid_x, work_grid_y, *) from an atomic counter, its
 // producer running ahead into the next item's Q and K/V while the consumers finish this one.
-template <typename T, int D, class QSched, class KV, int BN = 0, int kVariant = 0>
+template <typename T, int D, class QSched, class KV, int BN = 0, bool kVariant = false>
 __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
     prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
