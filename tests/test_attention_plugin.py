@@ -251,6 +251,35 @@ def _t(ptr, shape, dtype=2, strides=None):
     return ptr, tuple(shape), tuple(strides), dtype
 
 
+def test_modules_apply_the_variants_the_manifest_states(build):
+    import importlib.util
+
+    package = PLUGIN / "src" / "astrai_attention"
+    spec = importlib.util.spec_from_file_location("astrai_attention", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    plugin = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("astrai_attention", plugin)
+    spec.loader.exec_module(plugin)
+    build_dir, _ = build
+    stated = {op: op_spec.get("variants") for op, op_spec in plugin._OPS.items()}
+    for name in MODULES:
+        assert tuple(_load(build_dir, name).VARIANTS) == tuple(stated[name.removeprefix("_")]), name
+
+
+def test_the_variant_argument_is_checked_before_any_launch(build):
+    build_dir, _ = build
+    dec = _load(build_dir, "_attn_decode")
+    P = 1 << 20  # an aligned fake device address: validation fails before anything touches it
+    q, kv = _t(P, [2, 1, 32, 128]), _t(P, [2, 100, 8, 128])
+    for variant, match in (((-1.0, 0.0, -1, None), "scale"), ((0.0, float("nan"), -1, None), "logits_soft_cap"),
+                           ((0.0, -2.0, -1, None), "logits_soft_cap"), ((0.0, 0.0, -2, None), "window_left"),
+                           ((0.0, 0.0, -1, _t(P, [31], dtype=0)), r"sinks: expected shape \[q_heads\] = \[32\]"),
+                           ((0.0, 0.0, -1, _t(P, [32], dtype=1)), "sinks: expected dtype float32"),
+                           ((0.0, 0.0, -1), "variant: expected")):
+        with pytest.raises(ValueError, match=match):
+            dec.attn_decode(q, kv, kv, q, variant=variant)
+
+
 def test_validation_names_the_argument(build):
     build_dir, _ = build
     dec = _load(build_dir, "_attn_decode")

@@ -71,4 +71,5 @@ PYBIND11_MODULE(_attn_decode, m) {
           py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
           "Split count of a decode launch (pure function of shapes).");
     m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
+    m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
 }

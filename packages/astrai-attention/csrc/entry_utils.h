@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 
@@ -207,6 +208,13 @@ inline void set_variant(AttentionParams& p, pybind11::handle variant_a, int64_t 
         sinks = s.data<const float>();
     }
     set_variant_params(p, int(head_dim), scale, cap, int(window), sinks);
+}
+
+// kVariantFeatures as a Python tuple (every module's VARIANTS).
+inline pybind11::tuple variant_features() {
+    pybind11::tuple names(std::size(kVariantFeatures));
+    for (size_t i = 0; i < std::size(kVariantFeatures); ++i) names[i] = kVariantFeatures[i];
+    return names;
 }
 
 // (head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch (the wgmma

@@ -129,4 +129,5 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           "Split count of a decode launch (pure function of shapes).");
     m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
     m.attr("APPEND_LAST") = true;  // attn_paged_decode takes append_last
+    m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
 }

@@ -64,4 +64,5 @@ PYBIND11_MODULE(_attn_prefill, m) {
     m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
           "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
+    m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
 }

@@ -19,6 +19,10 @@ namespace astrai::attn {
 
 constexpr double kLog2e = 1.4426950408889634;
 
+// The features the kernels apply, by the names of attention()'s arguments; the modules bind it
+// as VARIANTS, and tests/test_attention_plugin.py checks the plugin's manifest states the same.
+constexpr const char* kVariantFeatures[] = {"window_left", "logits_soft_cap", "sinks", "scale"};
+
 // Host: the variant fields of p from validated values. scale <= 0 means 1/sqrt(head_dim),
 // soft_cap <= 0 none, window_left -1 none, sinks null none. With a soft-cap the transform
 // c * log2(e) * tanh(x * scale / c) already lands in the log2 domain, so scale_log2 is 1.
