@@ -24,7 +24,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 8192
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees, itself included (transformers' convention)
+    # the layers that slide (None: all of them, when sliding_window is set); Qwen2's
+    # max_window_layers and transformers' layer_types say which
+    sliding_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -36,6 +39,16 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary rotates pairs), got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {self.sliding_window!r}")
+
+    def window_left(self, layer_id: int) -> int:
+        """``attention()``'s ``window_left`` for layer ``layer_id``: -1 where it attends to the whole
+        context, ``sliding_window - 1`` where it slides (a query sees itself and the
+        ``sliding_window - 1`` keys before it)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer_id not in self.sliding_layers):
+            return -1
+        return self.sliding_window - 1
 
     @property
     def q_size(self) -> int:
@@ -64,6 +77,10 @@ class ModelConfig:
         window = getattr(hf_config, "sliding_window", None)
         if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
             window = None
+        layer_types = getattr(hf_config, "layer_types", None)
+        sliding = None
+        if window is not None and layer_types is not None:
+            sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         eos = hf_config.eos_token_id
@@ -85,6 +102,7 @@ class ModelConfig:
             eos_token_ids=eos,
             max_position_embeddings=hf_config.max_position_embeddings,
             sliding_window=window,
+            sliding_layers=sliding,
         )
 
     def to_hf(self):

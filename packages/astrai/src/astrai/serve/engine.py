@@ -11,7 +11,6 @@ packed tokens; decode steps on CUDA replay a captured graph (:mod:`.graphs`) unl
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -294,7 +293,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         c = self.config
-        limit = min(c.max_position_embeddings, c.sliding_window or math.inf)
+        limit = c.max_position_embeddings  # sliding layers attend through window_left, past their window too
         requests = []
         for i, p in enumerate(prompts):
             if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):

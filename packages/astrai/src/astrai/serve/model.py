@@ -41,6 +41,7 @@ class DecoderLayer(nn.Module):
         c = config
         self.config = c
         self.layer_id = layer_id
+        self.window_left = c.window_left(layer_id)
         kw = dict(dtype=dtype, device=device)
         self.attn_norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
         self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, **kw)
@@ -57,11 +58,13 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps)).split([c.q_size, c.kv_size, c.kv_size], -1)
         q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
         v = v.view(1, t, c.num_kv_heads, c.head_dim)
+        window = self.window_left
         if fused_rope:  # rotary at the plan's cache positions, fused with the page write
-            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, rope=(cos, sin), rope_interleaved=False)
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, rope=(cos, sin), rope_interleaved=False,
+                            window_left=window)
         else:
             q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
-            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id)
+            out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, window_left=window)
         x = x + self.o(out.reshape(t, c.q_size))
         gate, up = self.gate_up(rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
