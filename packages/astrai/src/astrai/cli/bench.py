@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Console
@@ -33,6 +33,8 @@ from ..extension.backend.rotary import rotary_torch
 from ..extension.device import probe_device
 from ..extension.kv_cache import PagedKVCache
 from ..extension.runtime import current_runtime
+from ..extension.ops._plugin import PLUGIN_OF_OP
+from .checks import UsageError, check_environment, plugin_names, require, writable
 from .doctor import backend_name
 from .output import reader_may_leave
 
@@ -46,7 +48,42 @@ class Case:
     bytes: float = 0.0  # fewest bytes the op must move
     flops: float = 0.0
     op: str = ""  # resolver op name, to find the chosen backend
-    plugin_op: str = ""  # the plugin op doctor lists, to name that backend as doctor does
+    plugin_op: str = field(init=False, default="")  # the op doctor lists (BENCHMARKS), to name its backend
+
+    def __post_init__(self) -> None:
+        self.plugin_op = BENCHMARKS[self.name]
+
+
+# every benchmark by name, and the op doctor lists that it times
+BENCHMARKS = {
+    "paged decode": "attn_paged_decode",
+    "prefill causal": "attn_paged_prefill",
+    "rotary": "rotary_emb",
+    "fp8 gemm vs bf16": "fp8_gemm",
+    "fp8 linear forward": "fp8_gemm",
+}
+
+
+def select(only: list[str] | None) -> set[str] | None:
+    """The benchmarks ``--ops`` names (None: all): each OP is an op doctor lists, or a
+    benchmark's name or part of it (``decode``, ``fp8``). A name that selects none is a
+    :class:`UsageError` listing the valid ones."""
+    if not only:
+        return None
+    chosen = set()
+    valid = (f"valid: a benchmark's name or a word of it ({', '.join(BENCHMARKS)}) or an op it times "
+             f"({', '.join(dict.fromkeys(BENCHMARKS.values()))})")
+    for op in only:
+        if op in PLUGIN_OF_OP:
+            found = {name for name, plugin_op in BENCHMARKS.items() if plugin_op == op}
+            if not found:
+                raise UsageError(f"--ops {op}: astrai bench does not time this op\n{valid}")
+        else:
+            found = {name for name in BENCHMARKS if op.lower() in name}
+            if not op.strip() or not found:
+                raise UsageError(f"--ops {op!r} names no benchmark\n{valid}")
+        chosen |= found
+    return chosen
 
 
 # resolver choices that run a plugin's CUDA kernel (every other choice is a torch path)
@@ -148,7 +185,7 @@ def _decode_case(device, dtype, batch, kv_len, page_size=16, hq=32, hkv=8, d=128
 
     kv_bytes = 2 * batch * (kv_len + 1) * hkv * d * dtype.itemsize
     return Case("paged decode", f"B={batch} kv={kv_len} {hq}/{hkv}x{d} page={page_size}", run, run_torch,
-                bytes=kv_bytes, op="attention", plugin_op="attn_paged_decode")
+                bytes=kv_bytes, op="attention")
 
 
 def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) -> Case:
@@ -172,7 +209,7 @@ def _prefill_case(device, dtype, batch, seq, page_size=16, hq=32, hkv=8, d=128) 
 
     flops = 4 * batch * hq * seq * seq * d / 2  # causal: half of QK^T and PV
     return Case("prefill causal", f"B={batch} L={seq} {hq}/{hkv}x{d} page={page_size}", run, run_torch,
-                flops=flops, op="attention", plugin_op="attn_paged_prefill")
+                flops=flops, op="attention")
 
 
 def _rotary_case(device, dtype, tokens, heads=32, d=128, batch=1) -> Case:
@@ -190,8 +227,7 @@ def _rotary_case(device, dtype, tokens, heads=32, d=128, batch=1) -> Case:
 
     nbytes = 2 * x.numel() * x.element_size() + 2 * cos.numel() * 4
     shape = f"{tokens} tok x {heads} x {d}" if batch == 1 else f"{batch} x {tokens} tok x {heads} x {d}"
-    return Case("rotary", shape, run, run_torch, bytes=nbytes, op="rotary_emb",
-                plugin_op="rotary_emb")
+    return Case("rotary", shape, run, run_torch, bytes=nbytes, op="rotary_emb")
 
 
 def _fp8_case(device, m, n, k) -> Case:
@@ -206,8 +242,8 @@ def _fp8_case(device, m, n, k) -> Case:
     def run_torch():  # the bf16 GEMM the FP8 path replaces
         return (dense_a @ dense_b) * scale
 
-    return Case("fp8 gemm vs bf16", f"{m}x{n}x{k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm",
-                plugin_op="fp8_gemm")
+    return Case("fp8 gemm vs bf16", f"{m}x{n}x{k}", run, run_torch, flops=2 * m * n * k,
+                op="fp8_gemm")
 
 
 def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
@@ -224,8 +260,8 @@ def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
         with torch.no_grad():
             return lin(x)
 
-    return Case("fp8 linear forward", f"M={m} N={n} K={k}", run, run_torch, flops=2 * m * n * k, op="fp8_gemm",
-                plugin_op="fp8_gemm")
+    return Case("fp8 linear forward", f"M={m} N={n} K={k}", run, run_torch, flops=2 * m * n * k,
+                op="fp8_gemm")
 
 
 def cases(device: torch.device, quick: bool) -> list[Case]:
@@ -270,10 +306,17 @@ def _rate(case: Case, ms: float) -> str:
 
 
 def run_all(device: torch.device, quick: bool, only: list[str] | None) -> list[Result]:
+    """Time the benchmarks ``only`` selects (see :func:`select`; None: all) here."""
     gpu = device.type == "cuda"
     calls, rounds = (20, 10) if gpu and not quick else (5, 5)
     results = []
-    selected = [c for c in cases(device, quick) if not only or any(o in c.name for o in only)]
+    chosen = select(only)
+    here = cases(device, quick)
+    selected = [c for c in here if chosen is None or c.name in chosen]
+    if not selected:
+        where = f"{device.type}{', --quick' if quick else ''}"
+        raise UsageError(f"--ops {' '.join(only)}: {', '.join(sorted(chosen))} is not run here ({where}); "
+                         f"the benchmarks run here: {', '.join(dict.fromkeys(c.name for c in here))}")
     for case in track(selected, description="benchmarking", transient=True):
         backend, choice = _backend_of(case, device)
         eager = eager_ms(case.run, device, calls, rounds)
@@ -338,7 +381,18 @@ def plot(results: list[Result], path: str) -> None:
     plt.close(fig)
 
 
+def check(args) -> None:
+    """Everything ``astrai bench`` can check before the first benchmark."""
+    check_environment(plugin_names(current_runtime().registry))
+    select(args.ops)
+    writable(args.json, "--json")
+    writable(args.plot, "--plot")
+    if args.plot:
+        require("matplotlib", "plot", "--plot")
+
+
 def main(args) -> int:
+    check(args)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     results = run_all(device, args.quick, args.ops)
     with reader_may_leave():

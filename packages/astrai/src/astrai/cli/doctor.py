@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import re
 import sys
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
-from ..extension.install import PLUGIN_EXTRAS, cuda_index_tag, index_is_published
+from ..extension.install import PLUGIN_EXTRAS, PUBLISHED_CUDA, cuda_index_tag, index_is_published
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import OpStatus, Registry
 from ..extension.runtime import current_runtime
+from .checks import environment_problems, installed_entry_points, plugin_names
 from .install_hint import INSTALLERS, extra_of, install_command
 from .output import reader_may_leave
 
@@ -32,7 +36,23 @@ FALLBACKS = {
 }
 
 
+def _disabled_reason() -> str:
+    value = os.environ.get("ASTRAI_DISABLE_PLUGINS")
+    return f"disabled (ASTRAI_DISABLE_PLUGINS={value})" if value is not None else "disabled (plugin discovery is off)"
+
+
+def _cuda_of_version(version: str | None) -> tuple[int, int] | None:
+    """The CUDA build a plugin distribution's local version names: ``0.1.0+cu130`` -> (13, 0)."""
+    found = re.search(r"\+cu(\d+)(\d)$", version or "")
+    return None if found is None else (int(found[1]), int(found[2]))
+
+
 def _plugin_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
+    """One row per installed plugin; with discovery disabled, the entry points unread."""
+    if not registry.enabled:
+        return [{"name": dist or ep, "entry_point": ep, "version": version, "cuda": None, "sass_archs": [],
+                 "ptx_archs": [], "ops": [], "usable": False, "disabled": True, "reason": _disabled_reason()}
+                for ep, dist, version in sorted(installed_entry_points(registry), key=lambda e: (e[1] or e[0], e[0]))]
     rows = []
     for record in registry.plugins():
         m = record.manifest
@@ -46,6 +66,7 @@ def _plugin_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
             "ptx_archs": [str(a) for a in m.ptx_archs] if m else [],
             "ops": sorted(m.ops) if m else [],
             "usable": reason is None,
+            "disabled": False,
             "reason": reason or "usable on this device",
         })
     return rows
@@ -73,7 +94,9 @@ def _op_rows(registry: Registry, device: DeviceInfo) -> list[dict]:
 
 
 def _installed(registry: Registry) -> tuple[str | None, tuple[int, int] | None]:
-    """The extra that reinstalls the project's plugins found here, and their CUDA build."""
+    """The extra that reinstalls the project's plugins installed here (disabled, denied or
+    broken ones too), and their CUDA build: from a manifest, else from a distribution's
+    version (``0.1.0+cu130``), else the newest published build; None only without plugins."""
     extras, cuda = set(), None
     for record in registry.plugins():
         extra = PLUGIN_EXTRAS.get(record.name) or PLUGIN_EXTRAS.get(record.distribution or "")
@@ -81,6 +104,12 @@ def _installed(registry: Registry) -> tuple[str | None, tuple[int, int] | None]:
             extras.add(extra)
             if record.manifest is not None and record.manifest.cuda is not None:
                 cuda = cuda or record.manifest.cuda
+    for _, dist, version in installed_entry_points(registry):  # the ones no manifest describes
+        if dist in PLUGIN_EXTRAS:
+            extras.add(PLUGIN_EXTRAS[dist])
+            cuda = cuda or _cuda_of_version(version)
+    if extras and cuda is None:
+        cuda = PUBLISHED_CUDA[0]
     return extra_of(extras), cuda
 
 
@@ -113,6 +142,8 @@ def collect(runtime=None) -> dict:
         "torch_cuda": torch.version.cuda,
         "driver_cuda": None if driver_cuda_version() is None else "%d.%d" % driver_cuda_version(),
         "device": device.describe(),
+        "plugins_disabled": None if runtime.registry.enabled else _disabled_reason(),
+        "environment": environment_problems(os.environ, plugin_names(runtime.registry)),
         "plugins": _plugin_rows(runtime.registry, device),
         "ops": _op_rows(runtime.registry, device),
         "install": _install_commands(device, runtime.registry),
@@ -120,36 +151,49 @@ def collect(runtime=None) -> dict:
 
 
 def render(report: dict, console: Console) -> None:
+    """The report as tables; every text from outside (plugin names, reasons, commands with
+    ``astrai[all]``) is escaped, or rich would read its brackets as markup and drop them."""
     console.print(f"[bold]astrai {report['astrai']}[/bold]  python {report['python']}  "
-                  f"torch {report['torch']} (CUDA {report['torch_cuda'] or 'none'})")
-    console.print(f"driver CUDA: {report['driver_cuda'] or 'none'}   device: {report['device']}")
+                  f"torch {escape(report['torch'])} (CUDA {report['torch_cuda'] or 'none'})")
+    console.print(f"driver CUDA: {report['driver_cuda'] or 'none'}   device: {escape(report['device'])}")
+    for problem in report["environment"]:
+        console.print(f"[red]environment:[/red] {escape(problem)}", soft_wrap=True, highlight=False)
 
     plugins = Table(title="plugins (entry-point group astrai.kernels)")
     for column in ("plugin", "version", "CUDA", "archs", "ops", "status"):
         plugins.add_column(column)
     for row in report["plugins"]:
         archs = " ".join(row["sass_archs"] + row["ptx_archs"])
-        status = "[green]usable[/green]" if row["usable"] else f"[red]unusable[/red]: {row['reason']}"
-        plugins.add_row(row["name"], row["version"] or "-", row["cuda"] or "-", archs, " ".join(row["ops"]), status)
+        if row["usable"]:
+            status = "[green]usable[/green]"
+        elif row["disabled"]:
+            status = f"[yellow]{escape(row['reason'])}[/yellow]"
+        else:
+            status = f"[red]unusable[/red]: {escape(row['reason'])}"
+        plugins.add_row(escape(row["name"]), escape(row["version"] or "-"), row["cuda"] or "-", archs,
+                        " ".join(row["ops"]), status)
     if not report["plugins"]:
         plugins.add_row("(none installed)", "", "", "", "", "")
     console.print(plugins)
+    if report["plugins_disabled"]:
+        console.print(f"[yellow]plugins {escape(report['plugins_disabled'])}: the torch fallbacks serve every op"
+                      "[/yellow]", soft_wrap=True)
 
     ops = Table(title="what each op runs here")
     ops.add_column("op")
     ops.add_column("backend")
     for row in report["ops"]:
-        ops.add_row(row["op"], row["backend"])
+        ops.add_row(row["op"], escape(row["backend"]))
     console.print(ops)
 
     install = report["install"]
     if "note" in install:
-        console.print(f"[yellow]{install['note']}[/yellow]")
+        console.print(f"[yellow]{escape(install['note'])}[/yellow]")
     for kind in ("pip", "conda", "pixi"):
         if kind in install:
-            console.print(f"install ({kind}): {install[kind]}", soft_wrap=True)
+            console.print(f"install ({kind}): {escape(install[kind])}", soft_wrap=True)
     if "unpublished" in install:
-        console.print(f"[yellow]{install['unpublished']}[/yellow]", soft_wrap=True)
+        console.print(f"[yellow]{escape(install['unpublished'])}[/yellow]", soft_wrap=True)
 
 
 def main(args) -> int:

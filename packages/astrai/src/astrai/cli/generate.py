@@ -10,6 +10,7 @@ Without a CUDA device everything runs on the CPU through AstrAI's torch fallback
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import torch
@@ -17,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..extension import explain
+from ..extension.runtime import current_runtime
+from .checks import UsageError, check_environment, plugin_names, require, writable
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -35,16 +38,39 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compare", choices=["hf"], help="also run the same weights in transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="FILE", help="write a PNG of decode tokens/s and TTFT")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of decode tokens/s and TTFT (astrai[plot])")
 
 
 def _check(args) -> None:
+    """Everything ``astrai generate`` can check before it builds a model."""
     for name in ("layers", "requests", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise SystemExit(f"astrai generate: --{name.replace('_', '-')} must be >= 1, got {value}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.prompt_len and not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
-        raise SystemExit(f"astrai generate: --prompt-len needs 1 <= MIN <= MAX, got {args.prompt_len}")
+        raise UsageError(f"--prompt-len needs 1 <= MIN <= MAX, got {' '.join(map(str, args.prompt_len))}")
+    check_environment(plugin_names(current_runtime().registry))
+    if args.preset is not None:
+        from ..serve.config import PRESETS, preset
+
+        try:
+            preset(args.preset, args.layers)
+        except ValueError:
+            raise UsageError(f"--preset {args.preset!r} is unknown: valid presets are {', '.join(PRESETS)} "
+                             "(llama3-8b-<N>l: N layers)") from None
+    if args.checkpoint is not None:
+        if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+            what = "has no config.json" if os.path.isdir(args.checkpoint) else "is not a folder"
+            raise UsageError(f"--checkpoint {args.checkpoint}: {what} (a local transformers model folder)")
+        if args.layers is not None:
+            raise UsageError("--layers sets a preset's layers: a checkpoint keeps its own")
+        require("transformers", "transformers", "--checkpoint")
+    if args.compare == "hf":
+        require("transformers", "transformers", "--compare hf")
+    writable(args.json, "--json")
+    writable(args.plot, "--plot")
+    if args.plot:
+        require("matplotlib", "plot", "--plot")
 
 
 def _build(args, device: torch.device, dtype: torch.dtype):
@@ -83,6 +109,9 @@ def main(args) -> int:
     n = args.requests or (64 if cuda else 8)
     lo, hi = args.prompt_len or ((128, 2048) if cuda else (16, 128))
     new = args.max_new_tokens or (256 if cuda else 32)
+    if hi + new > c.max_position_embeddings:
+        raise UsageError(f"prompts of up to {hi} tokens and {new} new ones pass the model's "
+                         f"{c.max_position_embeddings} positions: lower --prompt-len MAX or --max-new-tokens")
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
