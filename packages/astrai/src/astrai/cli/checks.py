@@ -19,11 +19,12 @@ from packaging.requirements import Requirement
 
 from ..extension import ATTN_BACKEND
 from ..extension.install import PLUGIN_EXTRAS
+from ..extension.registry import DISABLING_VALUES
 
 USAGE_EXIT = 2  # what argparse answers a bad command line with
 
-# ASTRAI_DISABLE_PLUGINS: the registry disables plugins on these values only (registry.py)
-DISABLING = ("1", "true", "yes")
+# ASTRAI_DISABLE_PLUGINS: the registry disables plugins on these values only
+DISABLING = DISABLING_VALUES
 NOT_DISABLING = ("", "0", "false", "no")
 
 
@@ -123,12 +124,10 @@ def check_environment(plugin_names: Iterable[str]) -> None:
 
 def installed_entry_points(registry) -> list[tuple[str, str | None, str | None]]:
     """(entry-point name, distribution, its version) of every entry point in ``registry``'s
-    group, read without loading any, whether or not the registry is enabled.
-
-    The registry keeps its entry-point source private and lists nothing when disabled;
-    doctor reads the source here to show what ``ASTRAI_DISABLE_PLUGINS`` disabled."""
+    group, read without loading any, whether or not the registry is enabled (doctor shows
+    what ``ASTRAI_DISABLE_PLUGINS`` disabled)."""
     try:
-        eps = list(registry._entry_points())
+        eps = registry.entry_points()
     except Exception:  # broken metadata: the registry reports it as a rejected plugin
         return []
     out = []

@@ -32,6 +32,8 @@ from .install import plugin_pip_command
 from .manifest import Manifest, ManifestError, OpSpec, parse_manifest
 
 GROUP = "astrai.kernels"
+# The values of ASTRAI_DISABLE_PLUGINS that disable every plugin.
+DISABLING_VALUES = ("1", "true", "yes")
 
 
 class PluginRejectedWarning(RuntimeWarning):
@@ -124,9 +126,14 @@ class Registry:
         (comma-separated names) and ``ASTRAI_DISABLE_PLUGINS=1`` control what may load."""
         return cls(allow=_environment_list("ASTRAI_PLUGINS_ALLOW"),
                    deny=_environment_list("ASTRAI_PLUGINS_DENY") or (),
-                   enabled=os.environ.get("ASTRAI_DISABLE_PLUGINS", "") not in ("1", "true", "yes"))
+                   enabled=os.environ.get("ASTRAI_DISABLE_PLUGINS", "") not in DISABLING_VALUES)
 
     # -- discovery -------------------------------------------------------------------
+
+    def entry_points(self) -> list:
+        """The group's entry points as found, enabled or not, none loaded (what doctor lists
+        as disabled); raises what reading the distributions' metadata raises."""
+        return list(self._entry_points())
 
     def plugins(self) -> tuple[PluginRecord, ...]:
         """Every plugin found, accepted or rejected, in a deterministic order."""
