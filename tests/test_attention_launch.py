@@ -113,7 +113,8 @@ def test_cuda_backend_plans_in_the_cache_after_first_use(fake):
     plan = cache.plan([0, 1], [1, 1])
     assert ("cuda", "decode", HQ) in plan.launches  # the next batch is planned by plan() itself
     assert fake.plans[-1][4] == plan.max_kv_len == 8
-    backend.forward(call_of(cache, "decode"), q, k, k, kv_cache=cache, layer_id=0, is_causal=True)
+    for layer in range(3):
+        backend.forward(call_of(cache, "decode"), q, k, k, kv_cache=cache, layer_id=layer, is_causal=True)
     assert len(fake.plans) == 2
     cache.plan([0, 1], [3, 2])  # a prefill batch: nothing for the decode preparer
     assert len(fake.plans) == 2

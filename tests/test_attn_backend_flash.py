@@ -121,6 +121,7 @@ def test_flash_paged_wiring(stand_in, runtime):
         q = torch.randn(1, plan.total_q, 8, 64, generator=gen).bfloat16()
         k = torch.randn(1, plan.total_q, 2, 64, generator=gen).bfloat16()
         v = torch.randn(1, plan.total_q, 2, 64, generator=gen).bfloat16()
+        cache.append(0, k, v)  # every layer writes the step (the test attends in layer 1)
         out = pol(q, k, v, kv_cache=cache, layer_id=1)
         for b, n in enumerate(q_lens):
             rows = slice(plan.qo_indptr[b], plan.qo_indptr[b + 1])

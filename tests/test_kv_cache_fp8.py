@@ -207,6 +207,7 @@ def test_first_append_calibrates_later_ones_keep_the_scales(kv_dtype, granularit
     torch.testing.assert_close(v_scale, (v.abs().amax(dim=dims) / limit).reshape(v_scale.shape), rtol=1e-6, atol=0)
     assert k_scale.dtype == torch.float32 and k_scale.device == cache.device
     assert cache.kv_scales(1) is None  # layer 1 has not been written
+    cache.append(1, k, v)  # every layer writes the step before the next plan
     cache.plan(["a", "b"], [1, 1])
     cache.append(0, torch.randn(2, HKV, D) * 1e3, torch.randn(2, HKV, D))
     assert torch.equal(cache.kv_scales(0)[0], k_scale) and torch.equal(cache.kv_scales(0)[1], v_scale)
@@ -214,7 +215,7 @@ def test_first_append_calibrates_later_ones_keep_the_scales(kv_dtype, granularit
 
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 def test_an_all_zero_first_append_gives_the_unit_scale(kv_dtype):
-    cache = cache_of(kv_dtype, "head")
+    cache = cache_of(kv_dtype, "head", layers=1)
     cache.plan(["a"], [4])
     zeros = torch.zeros(4, HKV, D)
     cache.append(0, zeros, zeros)
@@ -299,6 +300,7 @@ def test_scales_are_fixed_while_the_layer_holds_tokens():
         cache.set_kv_scales(0, 1.0, 1.0)
     assert [s.tolist() for s in cache.kv_scales(0)] == [s.tolist() for s in written]
     cache.set_kv_scales(1, 1.0, 1.0)  # layer 1 holds nothing yet
+    cache.append(1, torch.randn(3, HKV, D), torch.randn(3, HKV, D))  # the step complete
     cache.release("a")
     with pytest.raises(RuntimeError, match="already stores"):
         cache.set_kv_scales(0, 1.0, 1.0)  # "b" still holds a token

@@ -11,7 +11,7 @@ Direct kernel wrappers that never fall back live in :mod:`astrai.extension.ops`.
 from .backend.attention import ATTN_BACKEND, attention, attn_backend
 from .backend.rotary import apply_rotary_emb, apply_rotary_emb_qk
 from .fp8 import DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state, is_fp8_autocast_enabled
-from .kv_cache import BatchPlan, PagedKVCache
+from .kv_cache import BatchPlan, CacheStateError, PagedKVCache
 from .resolver import BackendUnavailableError, Decision
 from .runtime import current_runtime
 
@@ -26,6 +26,7 @@ __all__ = [
     "ATTN_BACKEND",
     "BackendUnavailableError",
     "BatchPlan",
+    "CacheStateError",
     "DelayedScaling",
     "DynamicScaling",
     "Format",

@@ -14,7 +14,9 @@ A step of inference runs in two stages:
    :attr:`~PagedKVCache.active_plan`.
 2. every layer calls ``attention(q, k, v, kv_cache=cache, layer_id=i)``, which writes the
    layer's new keys/values (:meth:`PagedKVCache.append`) and attends over the cache
-   using the same plan. No layer rebuilds metadata.
+   using the same plan. No layer rebuilds metadata. ``with cache.step(...) as plan:`` does
+   both and rolls the batch back if the block fails (see "Failed steps" in
+   :class:`PagedKVCache`).
 
 The page table lives on the cache's device and is updated incrementally
 (:mod:`~astrai.extension.device_page_table`): a decode step's :meth:`~PagedKVCache.plan`
@@ -37,6 +39,12 @@ Example (plan once, run many)::
     >>> plan = cache.plan(["a", "b"], q_lens=[1, 1])        # one decode step
     >>> plan.kv_lens.tolist(), plan.is_decode
     ([71, 11], True)
+    >>> with cache.step(["a", "b"], q_lens=[1, 1]) as plan:  # rolled back if the block raises
+    ...     for layer in range(2):
+    ...         k = torch.randn(plan.total_q, 2, 64)
+    ...         cache.append(layer, k, torch.randn_like(k))
+    >>> cache.seq_len("a")
+    72
 
 Writes are detached: the cache is inference state, gradients never flow into it.
 
@@ -48,17 +56,20 @@ one byte per value with per-layer K and V scales (:mod:`~astrai.extension.kv_qua
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 
 from .batch_plan import BatchPlan
 from .device_page_table import DevicePageTable
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype, dequantize, quantize
+from .kv_steps import CacheStateError, OpenStep, StepLog
 
-__all__ = ["BatchPlan", "CacheFullError", "PagedKVCache"]
+__all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache"]
 
 
 def _locked(method):
@@ -101,14 +112,36 @@ class PagedKVCache:
     raw FP8 bytes for a quantized cache). :meth:`gather_flat` / :meth:`gather_padded` return
     :attr:`dtype` values (dequantized).
 
-    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`append`,
-    :meth:`set_kv_scales` and the
+    Threads: :meth:`add_sequence`, :meth:`release`, :meth:`plan`, :meth:`step`,
+    :meth:`rollback`, :meth:`append`, :meth:`set_kv_scales` and the
     readers of the page accounting hold one lock, so request threads may add and release
     sequences while an engine thread plans and runs batches: a page is never handed out
     twice and free + owned pages always make up the cache. The batch itself stays the
     engine's to order: a plan is the cache's :attr:`active_plan` until the next ``plan``,
     so one thread should plan a batch and run its layers (or pass ``plan=`` to
     :meth:`append`).
+
+    Failed steps: a plan advances its requests' lengths before any layer writes, so a step
+    abandoned after some layers appended (OOM, bad input, Ctrl-C) would leave the other
+    layers counting slots they never wrote. The cache keeps a bit per layer for each
+    uncommitted plan (:meth:`append` sets it, and kernels that write the pages themselves
+    call :meth:`mark_written`) so that no layer ever reads a slot it did not write:
+
+    - ``with cache.step(seq_ids, q_lens) as plan:`` rolls the batch back when the block
+      raises (lengths as before, the step's new pages back in the pool) and commits it when
+      the block ends with every layer written (else rolls back and raises
+      :class:`CacheStateError` naming the layers); :meth:`rollback` undoes the active plan
+      by hand.
+    - a plain :meth:`plan` commits the previous plans every layer wrote. One that some
+      layers wrote and others did not is rolled back, with a ``RuntimeWarning`` naming the
+      layers and requests, by the next plan over any of its requests (or their
+      :meth:`release`), before that plan counts its tokens: a retry of the step then
+      replans the same tokens. Rolling back rather than raising keeps a caller that retries
+      working, and the warning shows the step that was lost. Plans over other requests
+      leave it open (another thread may still be running it).
+    - a plan no layer wrote is taken, by the next plan, as a reservation (metadata
+      queries, CUDA-graph capture: as before). A plain plan therefore cannot tell a step
+      that died before its first write; :meth:`step` can, and rolls it back.
     """
 
     def __init__(
@@ -173,6 +206,7 @@ class PagedKVCache:
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
         self._active: BatchPlan | None = None
+        self._steps = StepLog(num_layers)
         self._preparers: dict[Hashable, Callable[[PagedKVCache, BatchPlan], object]] = {}
 
     # -- properties
@@ -278,8 +312,13 @@ class PagedKVCache:
 
     @_locked
     def release(self, seq_id: Hashable) -> None:
-        """Drop a sequence and return its pages to the free list."""
+        """Drop a sequence and return its pages to the free list. An uncommitted plan over it
+        is settled first: committed if every layer (or none) wrote it, else rolled back."""
         self._require_seq(seq_id)
+        step = self._steps.released(seq_id)
+        if step is not None:
+            self._warn_rolled_back(step, f"the release of {seq_id!r}", 4)
+            self._roll_back(step)
         self._free.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
         self._table.release(seq_id)
@@ -298,10 +337,64 @@ class PagedKVCache:
 
         Sequence lengths advance now; every layer then appends the same new tokens. Raises
         :class:`CacheFullError` (reserving nothing) when the free pages do not suffice.
+        An earlier plan over any of ``seq_ids`` that some layers wrote and others did not is
+        rolled back first, with a ``RuntimeWarning`` (see the class docstring); prefer
+        :meth:`step`, which rolls a failed batch back as it fails.
         """
-        seq_ids = tuple(seq_ids)
-        q_lens = tuple(q_lens)
+        return self._plan(tuple(seq_ids), tuple(q_lens), False)[0]
+
+    @contextlib.contextmanager
+    def step(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> Iterator[BatchPlan]:
+        """``with cache.step(seq_ids, q_lens) as plan:`` :meth:`plan`, then run the layers in the
+        block. Leaving it by an exception (``KeyboardInterrupt`` too) rolls the batch back:
+        every request's length returns to what it was, the pages the step took return to the
+        pool; the exception propagates. Leaving it normally commits the batch, once every layer
+        wrote its tokens; else the batch is rolled back and :class:`CacheStateError` names the
+        layers that did not. While the block is open, planning any of its requests again
+        raises :class:`CacheStateError`."""
+        with self._lock:
+            plan, step = self._plan(tuple(seq_ids), tuple(q_lens), True)
+        try:
+            yield plan
+        except BaseException:
+            with self._lock:
+                if self._steps.is_open(step):
+                    self._roll_back(step)
+            raise
+        with self._lock:
+            if not self._steps.is_open(step):  # settled inside the block (rollback(), release())
+                return
+            if not self._steps.complete(step):
+                message = self._steps.describe(step)
+                self._roll_back(step)
+                raise CacheStateError(f"{message}: the step is rolled back")
+            self._steps.close(step)
+
+    @_locked
+    def rollback(self) -> bool:
+        """Roll the :attr:`active_plan` back while it is uncommitted (its requests' lengths
+        return to what they were before it, the pages it took return to the pool, and the
+        cache has no active plan); True when it did, False when there was nothing to undo."""
+        step = self._steps.of_plan(self._active)
+        if step is None:
+            return False
+        self._roll_back(step)
+        return True
+
+    def mark_written(self, layer_id: int | None, plan: BatchPlan) -> None:
+        """Record that layer ``layer_id`` (None: every layer, e.g. a replayed CUDA graph) wrote
+        ``plan``'s new tokens. :meth:`append` does it; a kernel that writes the pages itself
+        (an in-kernel append, the fused rotary write) calls this after its launch. One int
+        update: no device work."""
+        if not self._steps.mark_latest(layer_id, plan):
+            with self._lock:
+                self._steps.mark(layer_id, plan)
+
+    def _plan(self, seq_ids: tuple, q_lens: tuple, strict: bool) -> tuple[BatchPlan, OpenStep]:
         self._check_batch(seq_ids, q_lens)
+        for step in self._steps.settle(seq_ids):
+            self._warn_rolled_back(step, "a new plan over its requests", 5)
+            self._roll_back(step)
         page, lens, pages = self.page_size, self._lens, self._pages
         new_lens = tuple(lens[s] + n for s, n in zip(seq_ids, q_lens))
         extra = [-(-n // page) - len(pages[s]) for s, n in zip(seq_ids, new_lens)]
@@ -320,16 +413,46 @@ class PagedKVCache:
                     pages[s].extend(new)
         for s, n in zip(seq_ids, new_lens):
             lens[s] = n
-        self._active = plan = self._build_plan(seq_ids, q_lens, new_lens)
-        for key, prepare in list(self._preparers.items()):
-            try:
-                launch = prepare(self, plan)
-            except RuntimeError:
-                del self._preparers[key]
-                continue
-            if launch is not None:
-                plan.launches[key] = launch
-        return plan
+        try:
+            plan = self._build_plan(seq_ids, q_lens, new_lens)
+            for key, prepare in list(self._preparers.items()):
+                try:
+                    launch = prepare(self, plan)
+                except RuntimeError:
+                    del self._preparers[key]
+                    continue
+                if launch is not None:
+                    plan.launches[key] = launch
+        except BaseException:
+            self._undo(seq_ids, q_lens, new_lens)
+            raise
+        self._active = plan
+        return plan, self._steps.start(plan, strict)
+
+    def _warn_rolled_back(self, step: OpenStep, settled_by: str, stacklevel: int) -> None:
+        warnings.warn(f"kv_cache: {self._steps.describe(step)}, a step abandoned half-way: rolled back at "
+                      f"{settled_by} (`with kv_cache.step(...)` rolls a failed step back as it fails)",
+                      RuntimeWarning, stacklevel=stacklevel)
+
+    def _roll_back(self, step: OpenStep) -> None:
+        """Undo ``step``'s plan (see :meth:`rollback`)."""
+        self._steps.close(step)
+        plan = step.plan
+        self._undo(plan.seq_ids, plan.q_lens_host, plan.kv_lens_host)
+        if self._active is plan:
+            self._active = None
+
+    def _undo(self, seq_ids: tuple, q_lens: tuple, kv_lens: tuple) -> None:
+        """Lengths back by ``q_lens``, pages past them back to the pool, in the order they left
+        it. The device table keeps their ids as unused capacity: the next pages overwrite them."""
+        page, pages, lens, free = self.page_size, self._pages, self._lens, self._free
+        for s, n, kv in reversed(tuple(zip(seq_ids, q_lens, kv_lens))):  # last taken, first returned
+            keep = -(-(kv - n) // page)
+            free.extend(reversed(pages[s][keep:]))
+            del pages[s][keep:]
+            lens[s] = kv - n
+        if self._scales is not None and not any(lens.values()):
+            self._scales.forget_writes()
 
     def _check_batch(self, seq_ids: tuple, q_lens: tuple) -> None:
         if not seq_ids:
@@ -423,10 +546,12 @@ class PagedKVCache:
         if self._scales is None:
             self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)
             self._v_slots[layer_id].index_copy_(0, index, v.detach() if v.requires_grad else v)
-            return
-        k_scale, v_scale = self._scales.for_append(layer_id, k, v)
-        self._k_slots[layer_id].index_copy_(0, index, quantize(k, k_scale, self.kv_dtype).view(torch.uint8))
-        self._v_slots[layer_id].index_copy_(0, index, quantize(v, v_scale, self.kv_dtype).view(torch.uint8))
+        else:
+            k_scale, v_scale = self._scales.for_append(layer_id, k, v)
+            self._k_slots[layer_id].index_copy_(0, index, quantize(k, k_scale, self.kv_dtype).view(torch.uint8))
+            self._v_slots[layer_id].index_copy_(0, index, quantize(v, v_scale, self.kv_dtype).view(torch.uint8))
+        if not self._steps.mark_latest(layer_id, plan):
+            self._steps.mark(layer_id, plan)
 
     def gather_flat(self, layer_id: int, plan: BatchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of every request, concatenated: ``[total_kv, kv_heads, head_dim]`` each."""

@@ -4,13 +4,15 @@
     >>> llm = LLM.from_preset("tiny", dtype=torch.float32)            # random weights, CPU
     >>> outputs = llm.generate([[1, 5, 9], [7, 3]], max_new_tokens=8)  # new tokens per prompt
 
-Each engine step plans the cache once (``kv_cache.plan``) and runs the model over the step's
-packed tokens; decode steps on CUDA replay a captured graph (:mod:`.graphs`) unless
-``cuda_graphs=False``. ``fp8=True`` runs the decoder layers' linears in FP8.
+Each engine step plans the cache once (``with kv_cache.step(...)``: a step that fails is
+rolled back) and runs the model over the step's packed tokens; decode steps on CUDA replay
+a captured graph (:mod:`.graphs`) unless ``cuda_graphs=False``. ``fp8=True`` runs the
+decoder layers' linears in FP8.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -25,6 +27,19 @@ from .stats import GenerationStats, progress
 __all__ = ["LLM"]
 
 _PAD_SEQ = "__pad__"
+
+
+@contextlib.contextmanager
+def _released_on_failure(cache: PagedKVCache, requests: list[Request]):
+    """A ``generate`` that raises frees its requests' sequences (``kv_cache.step`` rolled its
+    failed step back), so the cache serves the next call as if this one never ran."""
+    try:
+        yield
+    except BaseException:
+        for r in requests:
+            if r.rid in cache.sequences:
+                cache.release(r.rid)
+        raise
 
 
 class _InFlight:
@@ -196,7 +211,7 @@ class LLM:
         logits_out: dict[int, list[torch.Tensor]] = {r.rid: [] for r in requests}
         eos = set(self.config.eos_token_ids)
         start = time.perf_counter()
-        with progress(len(requests), progress_bar) as advance:
+        with _released_on_failure(cache, requests), progress(len(requests), progress_bar) as advance:
 
             def emit(r: Request, token: int, logits: torch.Tensor | None, now: float) -> None:
                 r.output.append(token)
@@ -249,8 +264,8 @@ class LLM:
         pending = None
         ran = 0
         for k in range(steps):
-            plan = cache.plan(ids, [1] * len(ids))
-            next_tokens, logits = self._decode(plan, tokens, self._to_device([b + k for b in base]))
+            with cache.step(ids, [1] * len(ids)) as plan:
+                next_tokens, logits = self._decode(plan, tokens, self._to_device([b + k for b in base]))
             launched = _InFlight(next_tokens, logits.float().clone() if keep_logits else None)
             tokens = next_tokens
             ran += 1
@@ -313,7 +328,6 @@ class LLM:
         for r in reqs:
             if step.kind == "prefill" and r.prefilled == 0:
                 cache.add_sequence(r.rid)
-        plan = cache.plan([r.rid for r in reqs], list(step.q_lens))
         if step.kind == "decode":
             tokens = [r.output[-1] for r in reqs]
             positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
@@ -322,10 +336,11 @@ class LLM:
             for r, n in zip(reqs, step.q_lens):
                 tokens += r.prompt[r.prefilled: r.prefilled + n]
                 positions += range(r.prefilled, r.prefilled + n)
-        tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
-        if step.kind == "decode":
-            return self._decode(plan, tokens_t, positions_t)
-        ends = torch.tensor(step.q_lens).cumsum(0) - 1
-        rows = ends[list(step.logits_for)].to(device, non_blocking=True)
-        logits = self._forward(tokens_t, positions_t, rows, cache)
-        return logits.argmax(-1), logits
+        with cache.step([r.rid for r in reqs], list(step.q_lens)) as plan:
+            tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
+            if step.kind == "decode":
+                return self._decode(plan, tokens_t, positions_t)
+            ends = torch.tensor(step.q_lens).cumsum(0) - 1
+            rows = ends[list(step.logits_for)].to(device, non_blocking=True)
+            logits = self._forward(tokens_t, positions_t, rows, cache)
+            return logits.argmax(-1), logits

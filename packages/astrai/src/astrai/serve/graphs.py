@@ -170,5 +170,6 @@ class DecodeGraphs:
             g.positions[n:].zero_()
         fill_plan(g.plan, plan, self.pad_page)
         g.graph.replay()
+        self.kv_cache.mark_written(None, plan)  # the replay wrote every layer's pages
         self.replays += 1
         return g.next_tokens[:n], g.logits[:n]

@@ -91,4 +91,5 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         q_rot = with_fallback(q.device, kernel, torch_path, OP)
     else:
         q_rot = torch_path()
+    kv_cache.mark_written(layer, plan)  # the kernel wrote the pages itself (the torch path's append marks too)
     return q_rot.reshape(q.shape)

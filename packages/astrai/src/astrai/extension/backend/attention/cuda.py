@@ -123,6 +123,7 @@ class CudaBackend(AttentionBackend):
         launch_variant = variant if variant.features else None
         if launch.appends and not appended:
             out = launch.run_eager(q_rows, cache_args, k, v, variant=launch_variant)
+            kv_cache.mark_written(layer_id, plan)
         else:
             if not appended:
                 kv_cache.append(layer_id, k, v, plan, checked=True)
@@ -147,7 +148,9 @@ class CudaBackend(AttentionBackend):
             if appended:
                 return bound(q, cache_args, None, None)
             if appends:
-                return bound(q, cache_args, k, v)
+                out = bound(q, cache_args, k, v)
+                kv_cache.mark_written(layer_id, plan)
+                return out
             kv_cache.append(layer_id, k, v, kv_cache.active_plan, checked=True)
             return bound(q, cache_args, None, None)
 
