@@ -408,10 +408,11 @@ def test_attention_with_rope_matches_rotary_then_attention(interleaved):
         q = make_x((1, total, 32, 128), BF16, "blhd", g)
         k, v = make_x((1, total, 8, 128), BF16, "blhd", g), make_x((1, total, 8, 128), BF16, "blhd", g)
         with torch.no_grad():
-            out = attention(q, k, v, kv_cache=fused, layer_id=1, rope=freqs, rope_interleaved=interleaved)
             q_rot = rope_reference(q, *freqs, pos, interleaved).to(BF16).to(DEV)
             k_rot = rope_reference(k, *freqs, pos, interleaved).to(BF16).to(DEV)
-            want = attention(q_rot, k_rot, v, kv_cache=by_hand, layer_id=1)
+            for layer in (0, 1):  # every layer writes the step (one left out would roll it back); layer 1 checked
+                out = attention(q, k, v, kv_cache=fused, layer_id=layer, rope=freqs, rope_interleaved=interleaved)
+                want = attention(q_rot, k_rot, v, kv_cache=by_hand, layer_id=layer)
         kf, vf = fused.gather_flat(1)
         kh, vh = by_hand.gather_flat(1)
         assert torch.equal(vf, vh)
