@@ -236,3 +236,25 @@ def test_every_combination_runs_on_the_torch_path():
         kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks, scale=scale)
         torch.testing.assert_close(attention(q, k, v, is_causal=True, **kw),
                                    attention_ref(q, k, v, is_causal=True, **kw), **TOL)
+
+
+# ---- layout="bhld" (SDPA's) -----------------------------------------------------------
+
+def test_bhld_layout_matches_sdpa():
+    q, k, v = (t.transpose(1, 2) for t in qkv(2, 9, 9, 8, 2, 64, seed=40))  # [B, H, L, D] views (SDPA: top-left causal)
+    out = attention(q, k, v, is_causal=True, layout="bhld")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, want, **TOL)
+    kw = dict(window_left=2, logits_soft_cap=4.0, sinks=sinks_for(8, 5))
+    got = attention(q, k, v, is_causal=True, layout="bhld", **kw)
+    ref = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, **kw)
+    torch.testing.assert_close(got.transpose(1, 2), ref, **TOL)
+
+
+def test_layout_errors_say_which_layout_was_assumed():
+    q, k, v = qkv(1, 6, 6, 8, 2, 64, seed=41)  # BLHD tensors passed as BHLD: 6 "heads" of q, 6 of k
+    k = k[:, :4]
+    with pytest.raises(ValueError, match="layout='bhld'"):
+        attention(q, k, k, layout="bhld")
+    with pytest.raises(ValueError, match="layout must be 'blhd'"):
+        attention(q, q, q, layout="BSHD")

@@ -223,7 +223,7 @@ class BatchPlan:
             f"(total {self.total_q}) tokens: expected [1, {self.total_q}, heads, head_dim] (packed)"
             + (
                 f" or [{self.batch_size}, {self.uniform_q_len}, heads, head_dim]"
-                if self.uniform_q_len is not None
+                if self.uniform_q_len is not None and self.batch_size > 1
                 else ""
             )
         )

@@ -272,11 +272,15 @@ def attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    layout: str = "blhd",
 ) -> torch.Tensor:
     """Scaled dot-product attention on the best available backend that can run the call.
 
     Args:
-        q: ``[batch, q_len, q_heads, head_dim]``.
+        q: ``[batch, q_len, q_heads, head_dim]`` (``layout="blhd"``, the default; every shape
+            below is written in it). ``layout="bhld"`` takes ``q``, ``k``, ``v`` as SDPA does,
+            ``[batch, heads, seq, head_dim]``, and returns that layout (views: nothing is
+            copied); shape errors then say which layout was assumed.
         k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``q_heads`` a multiple of ``kv_heads`` (GQA).
             With ``kv_cache``: this step's new keys/values, laid out like ``q``; they are
             appended to the cache and attention runs over each request's cached tokens.
@@ -314,6 +318,19 @@ def attention(
     Returns ``q``'s shape and dtype. A query row that keeps no key yields zeros.
     Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument before any work.
     """
+    if layout == "bhld":
+        q, k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v))
+        try:
+            out = attention(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, rope=rope,
+                            rope_interleaved=rope_interleaved, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap, sinks=sinks, scale=scale)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (layout='bhld': q, k, v were read as [batch, heads, seq, head_dim], "
+                             "the shapes above as [batch, seq, heads, head_dim])") from None
+        return out.transpose(1, 2)
+    if layout != "blhd":
+        raise ValueError(f"layout must be 'blhd' ([batch, seq, heads, head_dim]) or 'bhld' (SDPA's "
+                         f"[batch, heads, seq, head_dim]), got {layout!r}")
     variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) else PLAIN
     if rope is not None:
         q = rope_and_append(q, k, v, kv_cache, layer_id, rope, rope_interleaved)
