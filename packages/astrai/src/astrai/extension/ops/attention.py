@@ -116,8 +116,8 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
     return int(_plugin.require("attn_paged_prefill", device).Q_TILE_ROWS)
 
 
-def variant_arg(scale: float | None, logits_soft_cap: float | None, window_left: int,
-                sinks: torch.Tensor | None) -> dict:
+def variant_arg(scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
+                sinks: torch.Tensor | None = None) -> dict:
     """The modules' ``variant`` keyword: none for plain attention (so a plugin built before
     variants still runs it), else ``(scale, soft-cap, window_left, sinks)`` with 0 for an unset
     scale or soft-cap (csrc/entry_utils.h)."""

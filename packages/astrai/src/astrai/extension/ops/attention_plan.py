@@ -52,8 +52,7 @@ def _run(device_index: int, entry, head: tuple, tail: tuple, kwargs: dict | None
 
 
 def _variant_binding_arg(variant) -> dict:
-    return {} if variant is None else variant_arg(variant.scale, variant.logits_soft_cap, variant.window_left,
-                                                  variant.sinks)
+    return variant_arg(**variant_kwargs(variant))
 
 
 @dataclass(frozen=True, eq=False)

@@ -120,14 +120,13 @@ class CudaBackend(AttentionBackend):
         launch = self._launch(kv_cache, plan, q.shape[2], True)
         cache_args = _layer_args(kv_cache, layer_id)
         q_rows = q if q.shape[1] == 1 else q.reshape(q.shape[1], 1, q.shape[2], q.shape[3])  # packed [1, B, ...]
-        launch_variant = variant if variant.features else None
         if launch.appends and not appended:
-            out = launch.run_eager(q_rows, cache_args, k, v, variant=launch_variant)
+            out = launch.run_eager(q_rows, cache_args, k, v, variant=variant)
             kv_cache.mark_written(layer_id, plan)
         else:
             if not appended:
                 kv_cache.append(layer_id, k, v, plan, checked=True)
-            out = launch.run_eager(q_rows, cache_args, variant=launch_variant)
+            out = launch.run_eager(q_rows, cache_args, variant=variant)
         return out if q_rows is q else out.reshape(q.shape)
 
     def eager_runner(self, call, q, k, v, kv_cache):
@@ -165,8 +164,7 @@ class CudaBackend(AttentionBackend):
             out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
                                              **attn_ops.variant_kwargs(variant))
         else:
-            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages,
-                                                                      variant=variant if variant.features else None)
+            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages, variant=variant)
         return out.reshape(q.shape)
 
     def fwd_prefill(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal,
@@ -183,7 +181,7 @@ class CudaBackend(AttentionBackend):
                                               **attn_ops.variant_kwargs(variant))
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal),
-                                                                       variant=variant if variant.features else None)
+                                                                       variant=variant)
         return out.reshape(q.shape)
 
     @staticmethod
