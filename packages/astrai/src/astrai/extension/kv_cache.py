@@ -56,18 +56,16 @@ one byte per value with per-layer K and V scales (:mod:`~astrai.extension.kv_qua
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from .batch_plan import BatchPlan
 from .device_page_table import DevicePageTable
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype, dequantize, quantize
-from .kv_steps import CacheStateError, OpenStep, StepLog
+from .kv_steps import CacheStateError, CacheSteps, OpenStep, StepLog
 
 __all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache"]
 
@@ -87,7 +85,7 @@ class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
 
 
-class PagedKVCache:
+class PagedKVCache(CacheSteps):
     """Paged key/value storage for ``num_layers`` layers, with a page allocator per sequence.
 
     Args:
@@ -121,27 +119,9 @@ class PagedKVCache:
     so one thread should plan a batch and run its layers (or pass ``plan=`` to
     :meth:`append`).
 
-    Failed steps: a plan advances its requests' lengths before any layer writes, so a step
-    abandoned after some layers appended (OOM, bad input, Ctrl-C) would leave the other
-    layers counting slots they never wrote. The cache keeps a bit per layer for each
-    uncommitted plan (:meth:`append` sets it, and kernels that write the pages themselves
-    call :meth:`mark_written`) so that no layer ever reads a slot it did not write:
-
-    - ``with cache.step(seq_ids, q_lens) as plan:`` rolls the batch back when the block
-      raises (lengths as before, the step's new pages back in the pool) and commits it when
-      the block ends with every layer written (else rolls back and raises
-      :class:`CacheStateError` naming the layers); :meth:`rollback` undoes the active plan
-      by hand.
-    - a plain :meth:`plan` commits the previous plans every layer wrote. One that some
-      layers wrote and others did not is rolled back, with a ``RuntimeWarning`` naming the
-      layers and requests, by the next plan over any of its requests (or their
-      :meth:`release`), before that plan counts its tokens: a retry of the step then
-      replans the same tokens. Rolling back rather than raising keeps a caller that retries
-      working, and the warning shows the step that was lost. Plans over other requests
-      leave it open (another thread may still be running it).
-    - a plan no layer wrote is taken, by the next plan, as a reservation (metadata
-      queries, CUDA-graph capture: as before). A plain plan therefore cannot tell a step
-      that died before its first write; :meth:`step` can, and rolls it back.
+    Failed steps: a step abandoned half-way is rolled back, never read
+    (:class:`~astrai.extension.kv_steps.CacheSteps`: :meth:`step`, :meth:`rollback`,
+    :meth:`mark_written`).
     """
 
     def __init__(
@@ -343,53 +323,6 @@ class PagedKVCache:
         """
         return self._plan(tuple(seq_ids), tuple(q_lens), False)[0]
 
-    @contextlib.contextmanager
-    def step(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> Iterator[BatchPlan]:
-        """``with cache.step(seq_ids, q_lens) as plan:`` :meth:`plan`, then run the layers in the
-        block. Leaving it by an exception (``KeyboardInterrupt`` too) rolls the batch back:
-        every request's length returns to what it was, the pages the step took return to the
-        pool; the exception propagates. Leaving it normally commits the batch, once every layer
-        wrote its tokens; else the batch is rolled back and :class:`CacheStateError` names the
-        layers that did not. While the block is open, planning any of its requests again
-        raises :class:`CacheStateError`."""
-        with self._lock:
-            plan, step = self._plan(tuple(seq_ids), tuple(q_lens), True)
-        try:
-            yield plan
-        except BaseException:
-            with self._lock:
-                if self._steps.is_open(step):
-                    self._roll_back(step)
-            raise
-        with self._lock:
-            if not self._steps.is_open(step):  # settled inside the block (rollback(), release())
-                return
-            if not self._steps.complete(step):
-                message = self._steps.describe(step)
-                self._roll_back(step)
-                raise CacheStateError(f"{message}: the step is rolled back")
-            self._steps.close(step)
-
-    @_locked
-    def rollback(self) -> bool:
-        """Roll the :attr:`active_plan` back while it is uncommitted (its requests' lengths
-        return to what they were before it, the pages it took return to the pool, and the
-        cache has no active plan); True when it did, False when there was nothing to undo."""
-        step = self._steps.of_plan(self._active)
-        if step is None:
-            return False
-        self._roll_back(step)
-        return True
-
-    def mark_written(self, layer_id: int | None, plan: BatchPlan) -> None:
-        """Record that layer ``layer_id`` (None: every layer, e.g. a replayed CUDA graph) wrote
-        ``plan``'s new tokens. :meth:`append` does it; a kernel that writes the pages itself
-        (an in-kernel append, the fused rotary write) calls this after its launch. One int
-        update: no device work."""
-        if not self._steps.mark_latest(layer_id, plan):
-            with self._lock:
-                self._steps.mark(layer_id, plan)
-
     def _plan(self, seq_ids: tuple, q_lens: tuple, strict: bool) -> tuple[BatchPlan, OpenStep]:
         self._check_batch(seq_ids, q_lens)
         for step in self._steps.settle(seq_ids):
@@ -428,19 +361,6 @@ class PagedKVCache:
             raise
         self._active = plan
         return plan, self._steps.start(plan, strict)
-
-    def _warn_rolled_back(self, step: OpenStep, settled_by: str, stacklevel: int) -> None:
-        warnings.warn(f"kv_cache: {self._steps.describe(step)}, a step abandoned half-way: rolled back at "
-                      f"{settled_by} (`with kv_cache.step(...)` rolls a failed step back as it fails)",
-                      RuntimeWarning, stacklevel=stacklevel)
-
-    def _roll_back(self, step: OpenStep) -> None:
-        """Undo ``step``'s plan (see :meth:`rollback`)."""
-        self._steps.close(step)
-        plan = step.plan
-        self._undo(plan.seq_ids, plan.q_lens_host, plan.kv_lens_host)
-        if self._active is plan:
-            self._active = None
 
     def _undo(self, seq_ids: tuple, q_lens: tuple, kv_lens: tuple) -> None:
         """Lengths back by ``q_lens``, pages past them back to the pool, in the order they left

@@ -10,11 +10,13 @@ and step) and decides, when a new plan is made, what becomes of the open ones
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+import warnings
+from collections.abc import Hashable, Iterator, Sequence
 
 from .batch_plan import BatchPlan
 
-__all__ = ["CacheStateError", "OpenStep", "StepLog"]
+__all__ = ["CacheStateError", "CacheSteps", "OpenStep", "StepLog"]
 
 
 class CacheStateError(RuntimeError):
@@ -123,6 +125,94 @@ class StepLog:
         layers = f"layer {missing[0]}" if len(missing) == 1 else f"layers {_spans(missing)}"
         return (f"{layers} (of {self.num_layers}) did not write the new tokens of requests {list(plan.seq_ids)} "
                 f"(q_lens {list(plan.q_lens_host)})")
+
+
+class CacheSteps:
+    """The step lifecycle of :class:`~astrai.extension.kv_cache.PagedKVCache` (a base of it:
+    the lock, the plans and the undo of pages and lengths are the cache's).
+
+    A plan advances its requests' lengths before any layer writes, so a step
+    abandoned after some layers appended (OOM, bad input, Ctrl-C) would leave the other
+    layers counting slots they never wrote. The cache keeps a bit per layer for each
+    uncommitted plan (:meth:`append` sets it, and kernels that write the pages themselves
+    call :meth:`mark_written`) so that no layer ever reads a slot it did not write:
+
+    - ``with cache.step(seq_ids, q_lens) as plan:`` rolls the batch back when the block
+      raises (lengths as before, the step's new pages back in the pool) and commits it when
+      the block ends with every layer written (else rolls back and raises
+      :class:`CacheStateError` naming the layers); :meth:`rollback` undoes the active plan
+      by hand.
+    - a plain :meth:`plan` commits the previous plans every layer wrote. One that some
+      layers wrote and others did not is rolled back, with a ``RuntimeWarning`` naming the
+      layers and requests, by the next plan over any of its requests (or their
+      :meth:`release`), before that plan counts its tokens: a retry of the step then
+      replans the same tokens. Rolling back rather than raising keeps a caller that retries
+      working, and the warning shows the step that was lost. Plans over other requests
+      leave it open (another thread may still be running it).
+    - a plan no layer wrote is taken, by the next plan, as a reservation (metadata
+      queries, CUDA-graph capture: as before). A plain plan therefore cannot tell a step
+      that died before its first write; :meth:`step` can, and rolls it back.
+    """
+
+    @contextlib.contextmanager
+    def step(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> Iterator[BatchPlan]:
+        """``with cache.step(seq_ids, q_lens) as plan:`` :meth:`plan`, then run the layers in the
+        block. Leaving it by an exception (``KeyboardInterrupt`` too) rolls the batch back:
+        every request's length returns to what it was, the pages the step took return to the
+        pool; the exception propagates. Leaving it normally commits the batch, once every layer
+        wrote its tokens; else the batch is rolled back and :class:`CacheStateError` names the
+        layers that did not. While the block is open, planning any of its requests again
+        raises :class:`CacheStateError`."""
+        with self._lock:
+            plan, step = self._plan(tuple(seq_ids), tuple(q_lens), True)
+        try:
+            yield plan
+        except BaseException:
+            with self._lock:
+                if self._steps.is_open(step):
+                    self._roll_back(step)
+            raise
+        with self._lock:
+            if not self._steps.is_open(step):  # settled inside the block (rollback(), release())
+                return
+            if not self._steps.complete(step):
+                message = self._steps.describe(step)
+                self._roll_back(step)
+                raise CacheStateError(f"{message}: the step is rolled back")
+            self._steps.close(step)
+
+    def rollback(self) -> bool:
+        """Roll the :attr:`active_plan` back while it is uncommitted (its requests' lengths
+        return to what they were before it, the pages it took return to the pool, and the
+        cache has no active plan); True when it did, False when there was nothing to undo."""
+        with self._lock:
+            step = self._steps.of_plan(self._active)
+            if step is None:
+                return False
+            self._roll_back(step)
+            return True
+
+    def mark_written(self, layer_id: int | None, plan: BatchPlan) -> None:
+        """Record that layer ``layer_id`` (None: every layer, e.g. a replayed CUDA graph) wrote
+        ``plan``'s new tokens. :meth:`append` does it; a kernel that writes the pages itself
+        (an in-kernel append, the fused rotary write) calls this after its launch. One int
+        update: no device work."""
+        if not self._steps.mark_latest(layer_id, plan):
+            with self._lock:
+                self._steps.mark(layer_id, plan)
+
+    def _warn_rolled_back(self, step: OpenStep, settled_by: str, stacklevel: int) -> None:
+        warnings.warn(f"kv_cache: {self._steps.describe(step)}, a step abandoned half-way: rolled back at "
+                      f"{settled_by} (`with kv_cache.step(...)` rolls a failed step back as it fails)",
+                      RuntimeWarning, stacklevel=stacklevel)
+
+    def _roll_back(self, step: OpenStep) -> None:
+        """Undo ``step``'s plan (see :meth:`rollback`)."""
+        self._steps.close(step)
+        plan = step.plan
+        self._undo(plan.seq_ids, plan.q_lens_host, plan.kv_lens_host)
+        if self._active is plan:
+            self._active = None
 
 
 def _overlaps(step: OpenStep, seq_ids: tuple[Hashable, ...]) -> bool:
