@@ -21,13 +21,10 @@
 // through the read-only cache (every head of a token reuses them); x is streamed (__ldcs).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
 #include "astrai/fast_divmod.cuh"
+#include "elementwise.cuh"
 
 namespace astrai::rotary {
 
@@ -64,56 +61,10 @@ struct RotaryParams {
     float sign = 1.f;
 };
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-
-// One memory access of kBytes.
-template <int kBytes>
-struct Word;
-template <>
-struct Word<16> { using type = uint4; };
-template <>
-struct Word<8> { using type = uint2; };
-template <>
-struct Word<4> { using type = unsigned int; };
-template <>
-struct Word<2> { using type = unsigned short; };
-
-// N values of T from src in accesses of kChunk bytes (src aligned to kChunk).
-template <int kChunk, bool kStream, typename T, int N>
-__device__ __forceinline__ void load(const T* src, T (&dst)[N]) {
-    using W = typename Word<kChunk>::type;
-    static_assert(N * sizeof(T) % kChunk == 0, "whole accesses only");
-#pragma unroll
-    for (int w = 0; w < int(N * sizeof(T) / kChunk); ++w) {
-        const W* from = reinterpret_cast<const W*>(src) + w;
-        reinterpret_cast<W*>(dst)[w] = kStream ? __ldcs(from) : __ldg(from);
-    }
-}
-
-template <int kChunk, typename T, int N>
-__device__ __forceinline__ void store(T* dst, const T (&src)[N]) {
-    using W = typename Word<kChunk>::type;
-#pragma unroll
-    for (int w = 0; w < int(N * sizeof(T) / kChunk); ++w) {
-        __stcs(reinterpret_cast<W*>(dst) + w, reinterpret_cast<const W*>(src)[w]);
-    }
-}
+using elementwise::from_float;
+using elementwise::load;
+using elementwise::store;
+using elementwise::to_float;
 
 // One work item between its loads and its stores.
 template <typename T, bool kInterleaved, int kElems>
