@@ -218,7 +218,11 @@ def test_mma_kernels_use_tensor_cores(build):
     assert len(mma) >= 24, sorted(bodies)
     for func, body in mma.items():
         assert re.search(r"HMMA\.16816\.F32", body), f"{func}: no HMMA.16816"
-        assert "LDSM" in body, f"{func}: no ldmatrix"
+        if re.search(r"KvE(4M3|5M2)", func):  # fp8 pages: bytes permuted straight into fragments (kv_fp8.cuh)
+            assert "PRMT" in body and "F2FP" in body, f"{func}: no byte permutes or fp8 conversions"
+            assert re.search(r"HMMA\.16816\.F32 ", body), f"{func}: no float16 P.V"
+        else:
+            assert "LDSM" in body, f"{func}: no ldmatrix"
         assert "LDGSTS" in body, f"{func}: no cp.async"
 
 
@@ -264,6 +268,21 @@ def test_modules_apply_the_variants_the_manifest_states(build):
     stated = {op: op_spec.get("variants") for op, op_spec in plugin._OPS.items()}
     for name in MODULES:
         assert tuple(_load(build_dir, name).VARIANTS) == tuple(stated[name.removeprefix("_")]), name
+
+
+def test_the_paged_decode_reads_the_page_dtypes_the_manifest_states(build):
+    import importlib.util
+
+    package = PLUGIN / "src" / "astrai_attention"
+    spec = importlib.util.spec_from_file_location("astrai_attention_kv", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    build_dir, _ = build
+    ops = plugin._ops({"sass_archs": [], "no_mma": False})
+    assert tuple(_load(build_dir, "_attn_paged_decode").KV_DTYPES) == tuple(ops["attn_paged_decode"]["kv_dtypes"])
+    assert all("kv_dtypes" not in spec for name, spec in ops.items() if name != "attn_paged_decode")
+    assert "kv_dtypes" not in plugin._ops({"sass_archs": [], "no_mma": True})["attn_paged_decode"]
 
 
 def test_the_variant_argument_is_checked_before_any_launch(build):

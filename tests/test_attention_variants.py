@@ -211,6 +211,23 @@ def test_cuda_backend_takes_only_the_variants_its_manifest_states(monkeypatch, s
         assert cuda_backend.CudaBackend().check(_cuda_call(features)) == reason
 
 
+@pytest.mark.parametrize("mode, stated, reason", [
+    ("decode", ["float8_e4m3fn", "float8_e5m2"], None),
+    ("decode", None, "attn_paged_decode reads bfloat16 pages in this build, not float8_e4m3fn"),
+    ("prefill", None, "attn_paged_prefill reads bfloat16 pages in this build, not float8_e4m3fn"),
+])
+def test_cuda_backend_reads_fp8_pages_only_where_its_manifest_states_them(monkeypatch, mode, stated, reason):
+    """An FP8 cache goes to the op whose manifest lists its page dtype (``kv_dtypes``), else to torch."""
+    monkeypatch.setattr(cuda_backend, "probe_device", lambda device=None: H200)
+    plugin = _plugin_with(None)
+    if stated is not None:
+        raw = plugin.load()
+        raw["ops"]["attn_paged_decode"]["kv_dtypes"] = stated
+    call = _cuda_call((), mode)._replace(kv_dtype=torch.float8_e4m3fn)
+    with use_runtime(Runtime(Registry(entry_points(plugin)))):
+        assert cuda_backend.CudaBackend().check(call) == reason
+
+
 def test_flash_rejects_sinks_and_a_soft_cap_it_cannot_take():
     def varlen_without_softcap(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size=(-1, -1)):

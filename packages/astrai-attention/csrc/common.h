@@ -60,6 +60,12 @@ struct AttentionParams {
     int window_left = -1;
     const float* sinks = nullptr;
 
+    // FP8 pages (the paged decode kernel's KvE4M3 / KvE5M2 instantiations): the layer's float32
+    // dequantization scales, one per tensor (kv_scale_stride 0) or per kv head (1).
+    const float* k_scale = nullptr;
+    const float* v_scale = nullptr;
+    int kv_scale_stride = 0;
+
     // Paged K/V.
     const int32_t* kv_indptr = nullptr;
     const int32_t* kv_indices = nullptr;

@@ -68,7 +68,7 @@ PYBIND11_MODULE(_attn_decode, m) {
           py::arg("pdl") = false, py::arg("variant") = py::none(),
           "Decode attention over contiguous K/V into out (split-KV; num_splits > 1 needs ws_o/ws_lse).");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
-          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
+          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"), py::arg("kv_bytes") = 2,
           "Split count of a decode launch (pure function of shapes).");
     m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features

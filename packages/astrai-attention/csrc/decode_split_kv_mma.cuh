@@ -31,34 +31,41 @@
 // has no position to write and appends nothing.
 #pragma once
 
+#include <type_traits>
+
 #include "common.h"
 #include "layout_policies.cuh"
 #include "mma_utils.cuh"
+#include "kv_fp8.cuh"
 #include "variant.cuh"
 
 namespace astrai::attn {
 
-template <int D>
+// KvBytes: bytes per K/V value in the pages (2: the compute dtype, 1: fp8, kv_fp8.cuh).
+template <int D, int KvBytes = 2>
 struct DecodeMmaConfig {
     static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+    static_assert(KvBytes == 1 || KvBytes == 2, "K/V values are 16-bit or fp8");
     static constexpr int kWarps = D <= 128 ? 4 : 2;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBN = 16 * kWarps;  // K/V rows per tile
-    static constexpr int kStages = D <= 128 ? 3 : 2;
+    // fp8 tiles are half the bytes: one more stage keeps as many bytes in flight
+    static constexpr int kStages = (D <= 128 ? 3 : 2) + (KvBytes == 1 ? 1 : 0);
     static constexpr int kHeads = 16;  // query heads per block (mma rows)
     static constexpr bool kQInRegs = D <= 128;  // else Q fragments are re-read from smem
-    static constexpr int kChunks = D / 8;
+    static constexpr int kChunks = D * KvBytes / 16;  // 16-byte copies per K/V row
     static constexpr int kRowsPerPass = kThreads / kChunks;
-    static constexpr int kTileBytes = kBN * D * 2;
+    static constexpr int kTileBytes = kBN * D * KvBytes;
     static constexpr int kQBytes = kHeads * D * 2;
     static constexpr int kRingBytes = 2 * kStages * kTileBytes;
     // Q is staged in the last ring slot when it lives in registers.
     static constexpr int kQSmemOffset = kQInRegs ? (2 * kStages - 1) * kTileBytes : kRingBytes;
     static constexpr int kCombineBytes = kWarps * kHeads * (D + 2) * 4;
-    static constexpr int kSmemBytes = kQInRegs ? kRingBytes : kRingBytes + kQBytes;
+    static constexpr int kLoopBytes = kQInRegs ? kRingBytes : kRingBytes + kQBytes;
+    // the warp merge reuses the ring (and more where it needs more)
+    static constexpr int kSmemBytes = kLoopBytes > kCombineBytes ? kLoopBytes : kCombineBytes;
     static_assert(kBN % kRowsPerPass == 0, "tile rows must split evenly over the threads");
     static_assert(kQBytes <= kTileBytes, "Q must fit one ring slot");
-    static_assert(kCombineBytes <= kRingBytes, "the warp merge reuses the ring");
     static_assert(kSmemBytes <= 99 * 1024, "must fit the sm_86/89 shared-memory limit");
 };
 
@@ -154,14 +161,107 @@ __device__ __forceinline__ void decode_merge_splits(const AttentionParams& p, ui
     }
 }
 
+// O += P.V for a warp's 16 rows of one 16-bit V tile (ldmatrix.trans B fragments); alpha is
+// online_softmax's rescale of O, applied where `rescale`.
+template <typename T, int D>
+__device__ __forceinline__ void b16_output(float (&o)[D / 8][4], const float (&s)[2][4], const float (&alpha)[2],
+                                           bool rescale, uint32_t v_tile, int warp, int lane) {
+    const uint32_t pa[4] = {Elem<T>::pack2(s[0][0], s[0][1]), Elem<T>::pack2(s[0][2], s[0][3]),
+                            Elem<T>::pack2(s[1][0], s[1][1]), Elem<T>::pack2(s[1][2], s[1][3])};
+    if (rescale) rescale_rows<D / 8>(o, alpha);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_tile + SwizzledTile<D>::offset(warp * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
+                                                               2 * dp + (lane >> 4)));
+        mma_sync<T>(o[2 * dp], pa, {vb[0], vb[1]});
+        mma_sync<T>(o[2 * dp + 1], pa, {vb[2], vb[3]});
+    }
+}
+
+// The scores of a warp's 16 rows of one fp8 K tile (raw q.k times 2^-unit, kv_fp8.cuh): per
+// 64-byte segment of a row, one 16-byte load per n-tile feeds four k-steps; q_frag(ks, qa)
+// gives Q's A fragment of k-step ks in the same permutation.
+template <typename T, int D, class KvFmt, class QFrag>
+__device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_tile, int warp, int lane,
+                                           QFrag&& q_frag) {
+    using K8 = Fp8ToT<T, KvFmt>;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int seg = 0; seg < D / 64; ++seg) {
+        uint4 kw[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            kw[j] = *reinterpret_cast<const uint4*>(k_tile + Fp8Tile<D>::offset(warp * 16 + 8 * j + g, 4 * seg + t));
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            uint32_t qa[4];
+            q_frag(4 * seg + kk, qa);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const uint32_t w = (&kw[j].x)[kk];
+                if constexpr (std::is_same_v<T, __half>) {
+                    mma_sync<T>(s[j], qa, {fp8x2_to_half2<KvFmt>(w), fp8x2_to_half2<KvFmt>(w >> 16)});
+                } else {
+                    mma_sync<T>(s[j], qa, {K8::pair(__byte_perm(w, w, pair_selector(0, 1))),
+                                           K8::pair(__byte_perm(w, w, pair_selector(2, 3)))});
+                }
+            }
+        }
+    }
+}
+
+// O += P.V for a warp's 16 rows of one fp8 V tile, on float16 (kv_fp8.cuh): P (probabilities
+// from online_softmax, alpha its rescale of O where `rescale`) as float16 A fragments; V rows 2t, 2t + 1,
+// 2t + 8, 2t + 9 of the warp's, bytes g * D/8 ..: n-tile j's B values are byte j of each.
+template <int D, class KvFmt>
+__device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s)[2][4], const float (&alpha)[2],
+                                           bool rescale, const uint8_t* v_tile, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t pa[4] = {Elem<__half>::pack2(s[0][0], s[0][1]), Elem<__half>::pack2(s[0][2], s[0][3]),
+                            Elem<__half>::pack2(s[1][0], s[1][1]), Elem<__half>::pack2(s[1][2], s[1][3])};
+    if (rescale) rescale_rows<D / 8>(o, alpha);
+    constexpr int kWords = D / 32;                   // 32-bit words of a thread's D/8 bytes per row
+    constexpr int kLoadWords = kWords < 4 ? kWords : 4;  // one 8- or 16-byte load per row
+    const int rows[4] = {warp * 16 + 2 * t, warp * 16 + 2 * t + 1, warp * 16 + 2 * t + 8, warp * 16 + 2 * t + 9};
+#pragma unroll
+    for (int part = 0; part < kWords / kLoadWords; ++part) {
+        const int byte = g * (D / 8) + 4 * kLoadWords * part;
+        uint32_t w[4][kLoadWords];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint8_t* src = v_tile + Fp8Tile<D>::offset(rows[i], byte / 16) + byte % 16;
+            if constexpr (kLoadWords == 4) {
+                const uint4 x = *reinterpret_cast<const uint4*>(src);
+                w[i][0] = x.x, w[i][1] = x.y, w[i][2] = x.z, w[i][3] = x.w;
+            } else {
+                const uint2 x = *reinterpret_cast<const uint2*>(src);
+                w[i][0] = x.x, w[i][1] = x.y;
+            }
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4 * kLoadWords; ++jj) {
+            const int j = 4 * kLoadWords * part + jj, word = jj / 4, at = jj % 4;
+            // byte `at` of rows 2t and 2t + 1 (2t + 8, 2t + 9) into the low 16 bits, converted
+            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(__byte_perm(w[0][word], w[1][word], (4 + at) << 4 | at)),
+                                        fp8x2_to_half2<KvFmt>(__byte_perm(w[2][word], w[3][word], (4 + at) << 4 | at))});
+        }
+    }
+}
+
 // kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
 // unlike the other variants: the transform's registers spilled the d256 body at its 255.
-template <typename T, int D, class KV, bool kSoftCap = false>
-__global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
+// KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
+// bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
+// in-kernel append: the caller quantizes the step's token into the cache first).
+template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16>
+__global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-    using C = DecodeMmaConfig<D>;
+    constexpr bool kFp8 = KvFmt::kBytes == 1;
+    using C = DecodeMmaConfig<D, KvFmt::kBytes>;
     using Tile = SwizzledTile<D>;
+    using KvT = std::conditional_t<kFp8, uint8_t, T>;
     extern __shared__ __align__(128) uint8_t smem[];
     const uint32_t sK = smem_u32(smem);
     const uint32_t sV = sK + C::kStages * C::kTileBytes;
@@ -193,18 +293,18 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     const int t_end = min(n_tiles, t_begin + per_split);
     const int my_tiles = t_end - t_begin;
     // The in-kernel append's position (the header explains the scheme); -1 matches none.
-    const int new_pos = KV::kPaged && p.k_new != nullptr ? kv_len - 1 : -1;
+    const int new_pos = KV::kPaged && !kFp8 && p.k_new != nullptr ? kv_len - 1 : -1;
 
     const T* q = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b;
-    for (int i = tid; i < C::kHeads * C::kChunks; i += C::kThreads) {
-        const int r = i / C::kChunks, c = i % C::kChunks;
+    for (int i = tid; i < C::kHeads * Tile::kChunks; i += C::kThreads) {
+        const int r = i / Tile::kChunks, c = i % Tile::kChunks;
         const bool ok = r < nh;
         cp_async_16(sQ + Tile::offset(r, c), ok ? q + int64_t(head0 + r) * p.q_stride_h + c * 8 : q, ok);
     }
     cp_async_commit();
 
-    const T* kg = static_cast<const T*>(p.k);
-    const T* vg = static_cast<const T*>(p.v);
+    const KvT* kg = static_cast<const KvT*>(p.k);
+    const KvT* vg = static_cast<const KvT*>(p.v);
     const int ld_c = tid % C::kChunks, ld_r = tid / C::kChunks;
     constexpr int kPasses = C::kBN / C::kRowsPerPass;
     // Page ids run ahead of the copies: hnd holds the ids of the tile copied next; a paged
@@ -231,17 +331,17 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
             ko = ok ? ko : 0;
             vo = ok ? vo : 0;
-            const T* k_src = kg + ko;
-            const T* v_src = vg + vo;
-            if constexpr (KV::kPaged) {
+            const KvT* k_src = kg + ko;
+            const KvT* v_src = vg + vo;
+            if constexpr (KV::kPaged && !kFp8) {
                 if (pos == new_pos) {  // this step's token: from k_new / v_new, not the cache
                     k_src = static_cast<const T*>(p.k_new) + int64_t(b) * p.k_new_stride_b + kvh * p.k_new_stride_h;
                     v_src = static_cast<const T*>(p.v_new) + int64_t(b) * p.v_new_stride_b + kvh * p.v_new_stride_h;
                 }
             }
-            const uint32_t off = Tile::offset(r, ld_c);
-            cp_async_16(sK + stage * C::kTileBytes + off, k_src + ld_c * 8, ok);
-            cp_async_16(sV + stage * C::kTileBytes + off, v_src + ld_c * 8, ok);
+            const uint32_t off = kFp8 ? Fp8Tile<D>::offset(r, ld_c) : Tile::offset(r, ld_c);
+            cp_async_16(sK + stage * C::kTileBytes + off, k_src + ld_c * (16 / KvFmt::kBytes), ok);
+            cp_async_16(sV + stage * C::kTileBytes + off, v_src + ld_c * (16 / KvFmt::kBytes), ok);
         }
     };
     // After the copies of tile j - 1: make hnd the ids of tile j (relative indices).
@@ -273,16 +373,32 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     }
     cp_async_wait<C::kStages - 1>();  // group 0 (Q) has landed
     __syncthreads();
+    // Q's A fragment of k-step ks; over fp8 pages with the head-dim permutation of kv_fp8.cuh:
+    // the thread's elements e .. e + 3, e = 64 * (ks / 4) + 16 * t + 4 * (ks % 4), rows g, g + 8.
+    auto load_q = [&](int ks, uint32_t (&qa)[4]) {
+        if constexpr (kFp8) {
+            const int e = 64 * (ks / 4) + 16 * (lane & 3) + 4 * (ks % 4);
+            const uint32_t in_chunk = 2 * (e % 8);
+            const uint8_t* q_s = smem + C::kQSmemOffset;
+            const uint2 lo = *reinterpret_cast<const uint2*>(q_s + Tile::offset(lane >> 2, e / 8) + in_chunk);
+            const uint2 hi = *reinterpret_cast<const uint2*>(q_s + Tile::offset((lane >> 2) + 8, e / 8) + in_chunk);
+            qa[0] = lo.x, qa[1] = hi.x, qa[2] = lo.y, qa[3] = hi.y;
+        } else {
+            ldmatrix_x4(qa, sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
+        }
+    };
     uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
     if constexpr (C::kQInRegs) {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            ldmatrix_x4(qf[ks], sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
+        for (int ks = 0; ks < D / 16; ++ks) load_q(ks, qf[ks]);
         // No barrier here: Q's slot is next written after the main loop's first barrier
         // (or, with no tile, after the one before the warp merge).
     }
 
     const uint8_t* mask = p.mask ? p.mask + int64_t(b) * p.mask_stride_b : nullptr;
+    // fp8 pages: the layer's K / V scales of this kv head (per tensor: stride 0)
+    const float k_scale = kFp8 ? __ldg(p.k_scale + kvh * p.kv_scale_stride) : 1.f;
+    const float v_scale = kFp8 ? __ldg(p.v_scale + kvh * p.kv_scale_stride) : 1.f;
     float o[D / 8][4];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -302,51 +418,60 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
         const uint32_t k_st = sK + stage * C::kTileBytes;
         const uint32_t v_st = sV + stage * C::kTileBytes;
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t qa[4];
+        // Q's A fragment of k-step ks: from registers, or re-read from shared memory (d256)
+        auto q_frag = [&](int ks, uint32_t (&qa)[4]) {
             if constexpr (C::kQInRegs) {
 #pragma unroll
                 for (int x = 0; x < 4; ++x) qa[x] = qf[ks][x];
             } else {
-                ldmatrix_x4(qa, sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
+                load_q(ks, qa);
             }
-            uint32_t kb[4];
-            ldmatrix_x4(kb, k_st + Tile::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
-                                                2 * ks + ((lane >> 3) & 1)));
-            mma_sync<T>(s[0], qa, {kb[0], kb[1]});
-            mma_sync<T>(s[1], qa, {kb[2], kb[3]});
+        };
+        if constexpr (kFp8) {
+            fp8_scores<T, D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
+            // bfloat16 K carries the conversion's power of two (kv_fp8.cuh); two steps: no overflow
+            const float unit = std::is_same_v<T, __half> ? 1.f : Fp8ToT<T, KvFmt>::unit();
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] = s[j][e] * unit * k_scale;
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                uint32_t qa[4];
+                q_frag(ks, qa);
+                uint32_t kb[4];
+                ldmatrix_x4(kb, k_st + Tile::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
+                                                    2 * ks + ((lane >> 3) & 1)));
+                mma_sync<T>(s[0], qa, {kb[0], kb[1]});
+                mma_sync<T>(s[1], qa, {kb[2], kb[3]});
+            }
         }
         if constexpr (kSoftCap) soft_cap_tile(s, p);
         const int col0 = (t_begin + i) * C::kBN + warp * 16;
+        // the warp's 16 keys need masking only at the ends of the window and the context (or with a
+        // mask); the 16-bit d256 body spilled with the test, so it always masks
+        if (!kFp8 || mask || col0 < first_key || col0 + 16 > kv_len) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+            for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);
-                if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
-                if (!keep) s[j][e] = -INFINITY;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                    bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);  // recomputed: d256's registers
+                    if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
+                    if (!keep) s[j][e] = -INFINITY;
+                }
+        }
         float alpha[2];
-        online_softmax<2>(st, s, p.scale_log2, alpha);
-        const uint32_t pa[4] = {Elem<T>::pack2(s[0][0], s[0][1]), Elem<T>::pack2(s[0][2], s[0][3]),
-                                Elem<T>::pack2(s[1][0], s[1][1]), Elem<T>::pack2(s[1][2], s[1][3])};
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-            o[2 * dp][0] *= alpha[0];
-            o[2 * dp][1] *= alpha[0];
-            o[2 * dp][2] *= alpha[1];
-            o[2 * dp][3] *= alpha[1];
-            o[2 * dp + 1][0] *= alpha[0];
-            o[2 * dp + 1][1] *= alpha[0];
-            o[2 * dp + 1][2] *= alpha[1];
-            o[2 * dp + 1][3] *= alpha[1];
-            uint32_t vb[4];
-            ldmatrix_x4_trans(vb, v_st + Tile::offset(warp * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
-                                                      2 * dp + (lane >> 4)));
-            mma_sync<T>(o[2 * dp], pa, {vb[0], vb[1]});
-            mma_sync<T>(o[2 * dp + 1], pa, {vb[2], vb[3]});
+        // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
+        // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
+        bool rescale = true;
+        if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, p.scale_log2, alpha);
+        else online_softmax<2>(st, s, p.scale_log2, alpha);
+        if constexpr (kFp8) {
+            fp8_output<D, KvFmt>(o, s, alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
+        } else {
+            b16_output<T, D>(o, s, alpha, rescale, v_st, warp, lane);
         }
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -354,7 +479,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     // it waits in griddepcontrol.wait until this grid has completed.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    if constexpr (KV::kPaged) {
+    if constexpr (KV::kPaged && !kFp8) {
         // The in-kernel append's one writer: the new row is row r of the last tile, whose
         // stage the loop's last barrier made visible and which no later copy overwrote.
         const bool writer = new_pos >= 0 && hgrp == 0 && my_tiles > 0 && t_end == n_tiles;
@@ -386,6 +511,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
             sM[warp * C::kHeads + row] = st.m[r];
             sL[warp * C::kHeads + row] = l;
         }
+        // column n of n-tile j at 8 j + n (over fp8 pages head-dim element n * D/8 + j: kv_fp8.cuh)
         float* dst = sO + (warp * C::kHeads + row) * D + 2 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -394,8 +520,12 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     __syncthreads();
 
     const int bh0 = b * p.q_heads + head0;
+    // fp8 pages: O's factor, and the head-dim element of the accumulator at sO column c
+    float o_factor = 1.f;
+    if constexpr (kFp8) o_factor = v_scale;  // V's float16 values are exact (kv_fp8.cuh)
     for (int idx = tid; idx < nh * D; idx += C::kThreads) {
-        const int row = idx / D, d = idx % D;
+        const int row = idx / D, c = idx % D;
+        const int d = kFp8 ? (c % 8) * (D / 8) + c / 8 : c;
         float m = -INFINITY;
 #pragma unroll
         for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sM[w * C::kHeads + row]);
@@ -404,14 +534,14 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
 #pragma unroll
         for (int w = 0; w < C::kWarps; ++w) {
             const float f = exp2f(sM[w * C::kHeads + row] - base);
-            acc += f * sO[(w * C::kHeads + row) * D + d];
+            acc += f * sO[(w * C::kHeads + row) * D + c];
             l += f * sL[w * C::kHeads + row];
         }
         // one split: the sink joins the denominator here; several: in the merge of the splits
         const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, head0 + row))
                           : l > 0.f                            ? 1.f / l
                                                                : 0.f;
-        const float out = acc * inv;
+        const float out = acc * inv * o_factor;
         if (p.num_splits == 1) {
             T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(head0 + row) * p.o_stride_h;
             dst[d] = Elem<T>::from_float(out);
@@ -438,7 +568,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D>::kThreads)
     }
     __syncthreads();
     if (!s_last) return;
-    decode_merge_splits<T, D, C::kThreads>(p, smem, C::kRingBytes, b, head0, nh);
+    decode_merge_splits<T, D, C::kThreads>(p, smem, C::kSmemBytes, b, head0, nh);
 #endif
 }
 

@@ -88,23 +88,26 @@ constexpr bool kDecodeAppendsInKernel = true;
 // combine grid always is). Off by default: measured on an H200 in CUDA graphs of
 // back-to-back decode calls, an early-scheduled split grid cost 0.9-1.1 us at batch 1 and
 // 14-20 % at batch 16 with one split.
-template <typename T, int D, class KV>
+template <typename T, int D, class KV, class KvFmt = Kv16>
 void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     const dim3 grid(unsigned(p.batch) * p.kv_heads * p.head_groups, p.num_splits);
     const bool has_pdl = device_supports_pdl();
 #ifdef ASTRAI_NO_MMA
     (void)pdl;
+    static_assert(KvFmt::kBytes == 2, "the scalar decode reads 16-bit pages only (kDecodeKvDtypes)");
     decode_scalar_kernel<T, D, KV><<<grid, DecodeScalarConfig<D>::kThreads, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 #else
-    using C = DecodeMmaConfig<D>;
+    using C = DecodeMmaConfig<D, KvFmt::kBytes>;
     static std::atomic<uint64_t> done{0}, done_capped{0};
     if (p.cap_log2 != 0.f) {
-        set_smem_limit(decode_mma_kernel<T, D, KV, true>, C::kSmemBytes, done_capped);
-        launch_pdl(decode_mma_kernel<T, D, KV, true>, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+        set_smem_limit(decode_mma_kernel<T, D, KV, true, KvFmt>, C::kSmemBytes, done_capped);
+        launch_pdl(decode_mma_kernel<T, D, KV, true, KvFmt>, grid, dim3(C::kThreads), C::kSmemBytes, stream,
+                   pdl && has_pdl, p);
     } else {
-        set_smem_limit(decode_mma_kernel<T, D, KV>, C::kSmemBytes, done);
-        launch_pdl(decode_mma_kernel<T, D, KV>, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+        set_smem_limit(decode_mma_kernel<T, D, KV, false, KvFmt>, C::kSmemBytes, done);
+        launch_pdl(decode_mma_kernel<T, D, KV, false, KvFmt>, grid, dim3(C::kThreads), C::kSmemBytes, stream,
+                   pdl && has_pdl, p);
     }
     if (p.ws_count != nullptr) return;  // the kernel merged its own splits
 #endif
@@ -222,21 +225,40 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
     throw;  // unreachable
 }
 
-template <typename T, class KV>
+template <typename T, class KV, class KvFmt = Kv16>
 void decode_by_dim(const AttentionParams& p, int head_dim, cudaStream_t stream, bool pdl) {
     switch (head_dim) {
-        case 64: return launch_decode_d<T, 64, KV>(p, stream, pdl);
-        case 128: return launch_decode_d<T, 128, KV>(p, stream, pdl);
-        case 256: return launch_decode_d<T, 256, KV>(p, stream, pdl);
+        case 64: return launch_decode_d<T, 64, KV, KvFmt>(p, stream, pdl);
+        case 128: return launch_decode_d<T, 128, KV, KvFmt>(p, stream, pdl);
+        case 256: return launch_decode_d<T, 256, KV, KvFmt>(p, stream, pdl);
     }
     bad_dtype_dim(DType::BFloat16, head_dim);
 }
 
-// The binding validated dtype and head_dim; the fallthrough only guards a missed case.
+// The page dtypes the paged decode reads besides the compute dtype (the module's KV_DTYPES):
+// fp8 needs the mma kernel.
+#ifdef ASTRAI_NO_MMA
+constexpr bool kDecodeReadsFp8 = false;
+#else
+constexpr bool kDecodeReadsFp8 = true;
+#endif
+
+template <typename T, class KV>
+void decode_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, cudaStream_t stream, bool pdl) {
+    if constexpr (kDecodeReadsFp8 && KV::kPaged) {
+        if (kv_dtype == DType::Float8E4M3) return decode_by_dim<T, KV, KvE4M3>(p, head_dim, stream, pdl);
+        if (kv_dtype == DType::Float8E5M2) return decode_by_dim<T, KV, KvE5M2>(p, head_dim, stream, pdl);
+    }
+    return decode_by_dim<T, KV>(p, head_dim, stream, pdl);
+}
+
+// The binding validated dtype, page dtype (kv_dtype: of K/V, fp8 or dtype) and head_dim; the
+// fallthrough only guards a missed case.
 template <class KV>
-void dispatch_decode(const AttentionParams& p, DType dtype, int head_dim, cudaStream_t stream, bool pdl = false) {
-    if (dtype == DType::BFloat16) return decode_by_dim<__nv_bfloat16, KV>(p, head_dim, stream, pdl);
-    if (dtype == DType::Float16) return decode_by_dim<__half, KV>(p, head_dim, stream, pdl);
+void dispatch_decode(const AttentionParams& p, DType dtype, int head_dim, cudaStream_t stream, bool pdl = false,
+                     DType kv_dtype = DType::BFloat16) {
+    if (dtype == DType::BFloat16) return decode_by_kv_dtype<__nv_bfloat16, KV>(p, kv_dtype, head_dim, stream, pdl);
+    if (dtype == DType::Float16) return decode_by_kv_dtype<__half, KV>(p, kv_dtype, head_dim, stream, pdl);
     bad_dtype_dim(dtype, head_dim);
 }
 

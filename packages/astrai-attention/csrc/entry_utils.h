@@ -157,10 +157,32 @@ inline int page_shift_of(int64_t page) {
     return shift;
 }
 
-// A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads).
-inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const TensorArg& q, int64_t q_heads) {
-    check_operand(k, 4, q.dtype);
-    check_operand(v, 4, q.dtype);
+// fp8 pages (float8_e4m3fn / float8_e5m2, both caches alike): last dim contiguous, 16-byte rows.
+inline void check_fp8_pages(const TensorArg& t, DType dtype) {
+    expect_ndim(t, 4);
+    ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from k_cache's ",
+                 dtype_name(dtype));
+    expect_last_dim_contiguous(t);
+    expect_data(t, 16);
+    for (int i = 0; i + 1 < t.ndim(); ++i)
+        ASTRAI_CHECK(t.stride(i) % 16 == 0 || t.size(i) <= 1, t.name, ": stride of dim ", i,
+                     " must be a multiple of 16 elements (16-byte rows), got strides ", shape_str(t.strides));
+}
+
+// A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads), of
+// q's dtype, or fp8 where `fp8_ok` (the paged decode).
+inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const TensorArg& q, int64_t q_heads,
+                              bool fp8_ok = false) {
+    const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
+    ASTRAI_CHECK(!fp8 || fp8_ok, "k_cache: this kernel reads ", dtype_name(q.dtype), " pages, not ",
+                 dtype_name(k.dtype));
+    if (fp8) {
+        check_fp8_pages(k, k.dtype);
+        check_fp8_pages(v, k.dtype);
+    } else {
+        check_operand(k, 4, q.dtype);
+        check_operand(v, 4, q.dtype);
+    }
     expect_shape(k, {-1, -1, -1, q.size(-1)}, "[num_pages, page_size, Hkv, D] with q's head_dim");
     ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
                  shape_str(k.shape));

@@ -16,27 +16,34 @@ constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // ---- decode ----
 // Query heads per decode block (the 16 rows of one mma A operand).
 constexpr int kDecodeHeadsPerBlock = 16;
-// Resident decode blocks per SM the split search assumes (2 x ~100 KB rings on sm_90).
+// Resident decode blocks per SM the split search assumes (2 x ~100 KB rings on sm_90; over fp8
+// pages 3 x 64 KB).
 constexpr int kDecodeBlocksPerSm = 2;
+constexpr int kDecodeBlocksPerSmFp8 = 3;
 
 constexpr int decode_kv_tile(int head_dim) { return head_dim <= 128 ? 64 : 32; }
 constexpr int decode_head_groups(int group) { return int(cdiv(group, kDecodeHeadsPerBlock)); }
 
 // Splits of each request's KV for a decode launch over batch x kv_heads x head groups
 // blocks, with kv_len_hint positions per request (exact for contiguous K/V, the mean
-// for a paged cache). A launch that already fills a wave is not split; otherwise minimizes waves(s) * tiles_per_split(s), plus one tile for the
-// combine pass when s > 1; the smallest s wins ties.
+// for a paged cache), kv_bytes per K/V value (1: fp8 pages). A launch that already fills a
+// wave is not split; otherwise minimizes waves(s) * tiles_per_split(s), plus one tile for the
+// combine pass when s > 1; the smallest s wins ties. Over fp8 pages a block's prologue and
+// merge weigh as much as a tile (half the bytes per tile: measured at B = 16, kv 4096, where
+// 64 splits of one tile ran 1.8x slower than 2): each split's tiles count one more.
 inline int decode_num_splits(int64_t batch, int64_t kv_heads, int64_t group, int head_dim,
-                             int64_t kv_len_hint, int num_sms) {
+                             int64_t kv_len_hint, int num_sms, int kv_bytes = 2) {
     const int64_t units = batch * kv_heads * decode_head_groups(int(group));
     const int64_t tiles = cdiv(std::max<int64_t>(kv_len_hint, 1), decode_kv_tile(head_dim));
-    const int64_t slots = int64_t(std::max(num_sms, 1)) * kDecodeBlocksPerSm;
+    const int64_t slots =
+        int64_t(std::max(num_sms, 1)) * (kv_bytes == 1 ? kDecodeBlocksPerSmFp8 : kDecodeBlocksPerSm);
     if (units <= 0 || tiles <= 1 || units >= slots) return 1;  // a full wave needs no split
     const int64_t max_s = std::min<int64_t>(kMaxDecodeSplits, tiles);
+    const int64_t block_cost = kv_bytes == 1 ? 1 : 0;
     int best = 1;
-    int64_t best_cost = cdiv(units, slots) * tiles;
+    int64_t best_cost = cdiv(units, slots) * (tiles + block_cost);
     for (int64_t s = 2; s <= max_s; ++s) {
-        const int64_t cost = cdiv(units * s, slots) * cdiv(tiles, s) + 1;
+        const int64_t cost = cdiv(units * s, slots) * (cdiv(tiles, s) + block_cost) + 1;
         if (cost < best_cost) {
             best_cost = cost;
             best = int(s);

@@ -131,6 +131,19 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
     return rescale;
 }
 
+// An accumulator's rows g and g + 8 (mma C layout, ND n-tiles) times alpha[0] and alpha[1]:
+// the online softmax's rescale of O.
+template <int ND>
+__device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    }
+}
+
 // Quad-reduces the partial row sums; returns 1/l (0 for a row that saw no key).
 __device__ __forceinline__ void finalize_rows(RowState& st, float (&inv_l)[2]) {
 #pragma unroll

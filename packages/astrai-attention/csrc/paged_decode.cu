@@ -21,9 +21,16 @@
 //     why it is race-free: decode_split_kv_mma.cuh). Where it can't (rows not 16-byte
 //     aligned, a scalar-kernel build) kv_append writes them first, rows from the page table.
 //   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
-//   kv_append(k_new, v_new, k_cache, v_cache, slots, stream): the append alone (kv_append.cuh)
-//   decode_plan(...) as in _attn_decode
+//   kv_scales: with fp8 caches (KV_DTYPES: float8_e4m3fn / float8_e5m2 pages for bfloat16 or
+//     float16 q), the layer's (k_scale, v_scale) dequantization scales, float32 [1] or [Hkv]
+//     each; the decode reads stored * scale, and an append quantizes (kv_append.cuh) in a
+//     launch of its own before the decode (no in-kernel append over fp8 pages)
+//   kv_append(k_new, v_new, k_cache, v_cache, slots, stream, kv_scales=None): the append alone
+//     (kv_append.cuh)
+//   decode_plan(..., kv_bytes=2) as in _attn_decode; kv_bytes=1 plans over fp8 pages
 #include <pybind11/pybind11.h>
+
+#include <optional>
 
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
@@ -33,11 +40,24 @@
 namespace astrai::attn {
 namespace py = pybind11;
 
+// The optional kv_scales argument: None, or (k_scale, v_scale) for an fp8 cache (required there).
+std::optional<KvScales> kv_scales_arg(py::handle a, const TensorArg& k_cache, int64_t kv_heads) {
+    const bool fp8 = is_fp8(k_cache.dtype);
+    if (a.is_none()) {
+        ASTRAI_CHECK(!fp8, "kv_scales: a ", dtype_name(k_cache.dtype), " cache needs the layer's (k_scale, v_scale)");
+        return std::nullopt;
+    }
+    ASTRAI_CHECK(fp8, "kv_scales: only an fp8 cache takes scales, k_cache stores ", dtype_name(k_cache.dtype));
+    const auto t = py::reinterpret_borrow<py::tuple>(a);
+    ASTRAI_CHECK(t.size() == 2, "kv_scales: expected (k_scale, v_scale), got ", t.size(), " items");
+    return check_kv_scales(bind::tensor_arg("k_scale", t[0]), bind::tensor_arg("v_scale", t[1]), kv_heads);
+}
+
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
                        py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
                        py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last,
-                       py::handle variant_a) {
+                       py::handle variant_a, py::handle kv_scales_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -51,8 +71,9 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
     ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
                  shape_str(q.shape));
-    check_paged_cache(k, v, q, Hq);
+    check_paged_cache(k, v, q, Hq, kDecodeReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
+    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
     check_operand(out, 4, q.dtype);
     ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
 
@@ -64,6 +85,12 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
     set_variant(p, variant_a, Hq, D);  // checked before the append below writes anything
+    if (scales) {
+        p.k_scale = scales->k;
+        p.v_scale = scales->v;
+        p.kv_scale_stride = scales->stride;
+    }
+    const KvScales* quant = scales ? &*scales : nullptr;
     if (append_last) {
         ASTRAI_CHECK(slots_a.is_none(), "slots: append_last derives each request's row from the page table; "
                      "pass slots=None");
@@ -72,8 +99,8 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
         int unit = 0;
         const KvAppendParams ap =
             check_kv_append_last(bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a), k, v, B,
-                                 p.kv_indptr, p.kv_indices, p.kv_lens, &unit);
-        if (kDecodeAppendsInKernel && unit == 16) {
+                                 p.kv_indptr, p.kv_indices, p.kv_lens, &unit, quant);
+        if (kDecodeAppendsInKernel && unit == 16 && !quant) {
             const int64_t esize = dtype_size(q.dtype);
             p.k_new = ap.src[0];
             p.v_new = ap.src[1];
@@ -90,19 +117,22 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
         int unit = 0;
         const KvAppendParams ap = check_kv_append(bind::tensor_arg("k_new", k_new_a),
                                                   bind::tensor_arg("v_new", v_new_a), k, v,
-                                                  bind::tensor_arg("slots", slots_a), &unit);
+                                                  bind::tensor_arg("slots", slots_a), &unit, quant);
         launch_kv_append(ap, unit, stream);
     }
     if (B == 0) return;
-    dispatch_decode<PagedKV>(p, q.dtype, int(D), stream, pdl);
+    dispatch_decode<PagedKV>(p, q.dtype, int(D), stream, pdl, k.dtype);
 }
 
 void kv_append(py::handle k_new_a, py::handle v_new_a, py::handle k_cache_a, py::handle v_cache_a,
-               py::handle slots_a, py::handle stream_a) {
+               py::handle slots_a, py::handle stream_a, py::handle kv_scales_a) {
     int unit = 0;
-    const KvAppendParams p = check_kv_append(
-        bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a), bind::tensor_arg("k_cache", k_cache_a),
-        bind::tensor_arg("v_cache", v_cache_a), bind::tensor_arg("slots", slots_a), &unit);
+    const TensorArg k_cache = bind::tensor_arg("k_cache", k_cache_a);
+    const std::optional<KvScales> scales =
+        kv_scales_arg(kv_scales_a, k_cache, k_cache.ndim() == 4 ? k_cache.size(2) : 0);
+    const KvAppendParams p = check_kv_append(bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a),
+                                             k_cache, bind::tensor_arg("v_cache", v_cache_a),
+                                             bind::tensor_arg("slots", slots_a), &unit, scales ? &*scales : nullptr);
     launch_kv_append(p, unit, bind::stream_arg(stream_a));
 }
 
@@ -116,18 +146,20 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
           py::arg("num_splits") = 1, py::arg("ws_o") = py::none(), py::arg("ws_lse") = py::none(),
           py::arg("stream") = 0, py::arg("ws_count") = py::none(), py::arg("pdl") = false,
           py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none(),
-          py::arg("append_last") = false, py::arg("variant") = py::none(),
+          py::arg("append_last") = false, py::arg("variant") = py::none(), py::arg("kv_scales") = py::none(),
           "Decode attention over a paged KV cache into out (split-KV), after writing k_new / v_new\n"
           "to rows slots of the caches when given, or (append_last) to each request's last position\n"
           "in the same launch.");
     m.def("kv_append", &astrai::attn::kv_append, py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"),
-          py::arg("v_cache"), py::arg("slots"), py::arg("stream"),
+          py::arg("v_cache"), py::arg("slots"), py::arg("stream"), py::arg("kv_scales") = py::none(),
           "Write k_new / v_new [T, Hkv, D] or [B, L, Hkv, D] to rows slots (int64 [T]) of k_cache /\n"
-          "v_cache [num_pages, page_size, Hkv, D], in one launch.");
+          "v_cache [num_pages, page_size, Hkv, D], in one launch (quantized with kv_scales into fp8 caches).");
     m.def("decode_plan", &astrai::attn::decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
-          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"),
-          "Split count of a decode launch (pure function of shapes).");
+          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"), py::arg("kv_bytes") = 2,
+          "Split count of a decode launch (pure function of shapes; kv_bytes 1: fp8 pages).");
     m.attr("MAX_SPLITS") = astrai::attn::kMaxDecodeSplits;
     m.attr("APPEND_LAST") = true;  // attn_paged_decode takes append_last
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
+    // page dtypes read besides q's (with kv_scales)
+    m.attr("KV_DTYPES") = astrai::attn::kDecodeReadsFp8 ? py::make_tuple("float8_e4m3fn", "float8_e5m2") : py::tuple();
 }

@@ -197,17 +197,6 @@ __device__ __forceinline__ void pack_probs(const float (&s)[NT][4], uint32_t (&p
     }
 }
 
-template <int ND>
-__device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const float (&alpha)[2]) {
-#pragma unroll
-    for (int j = 0; j < ND; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-    }
-}
-
 // Normalizes and stores this thread's two output rows (row0, row0 + 8) of query head `head`
 // (kSinks: the kernel serves sinks).
 template <typename T, int D, bool kSinks = false>

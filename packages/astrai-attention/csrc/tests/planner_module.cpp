@@ -127,7 +127,8 @@ PYBIND11_MODULE(_attn_planner, m) {
     namespace py = pybind11;
     using namespace astrai::attn;
     m.def("decode_plan", &decode_num_splits, py::arg("batch"), py::arg("kv_heads"), py::arg("group"),
-          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"), "Split count of a decode launch.");
+          py::arg("head_dim"), py::arg("kv_len_hint"), py::arg("num_sms"), py::arg("kv_bytes") = 2,
+          "Split count of a decode launch.");
     m.def("decode_kv_tile", &decode_kv_tile, py::arg("head_dim"), "K/V rows per decode tile.");
     m.def("decode_head_groups", &decode_head_groups, py::arg("group"), "Decode blocks per kv head.");
     m.def("num_q_tiles", &num_q_tiles, py::arg("q_len"), "Host Q tiles of a request of q_len rows.");

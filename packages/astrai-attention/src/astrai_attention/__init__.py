@@ -30,6 +30,9 @@ _COMMON: dict[str, Any] = {
     "variants": ["window_left", "logits_soft_cap", "sinks", "scale"],
 }
 
+# page dtypes the paged decode reads with the layer's scales (csrc/kv_fp8.cuh)
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
 _OPS: dict[str, dict[str, Any]] = {
     op: {"module": f"astrai_attention._{op}", **_COMMON}
     for op in ("attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill")
@@ -45,6 +48,8 @@ def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The op specs; with sm_90a code, dense prefill carries its measured table against torch
     SDPA (manifest key ``prefer``: the core runs it only where the table says it is faster)."""
     ops = {name: dict(spec) for name, spec in _OPS.items()}
+    if not info.get("no_mma"):  # the paged decode's mma kernel reads FP8 pages (its module's KV_DTYPES)
+        ops["attn_paged_decode"]["kv_dtypes"] = list(FP8_KV_DTYPES)
     table = prefill_table.load() if "sm_90a" in info["sass_archs"] else None
     if table is not None:
         ops["attn_prefill"]["prefer"] = {"90": table}

@@ -265,6 +265,16 @@ class PagedKVCache(CacheSteps):
         return None if self._scales is None else self._scales.get(layer_id)
 
     @_locked
+    def scales_for_append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 layer's ``(k_scale, v_scale)`` for a kernel that quantizes ``k`` / ``v`` into
+        the pages itself: calibrated on them first where the layer has none, as :meth:`append`
+        does, and fixed from then on. None for an unquantized cache."""
+        if self._scales is None:
+            return None
+        return self._scales.for_append(self.check_layer(layer_id), k, v)
+
+    @_locked
     def set_kv_scales(self, layer_id: int, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
         """Fix layer ``layer_id``'s dequantization scales (instead of calibrating on its first append).
 

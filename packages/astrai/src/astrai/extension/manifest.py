@@ -69,6 +69,8 @@ class OpSpec:
     # attention variant features the op's kernels apply (backend/attention/variant.FEATURES);
     # a plugin that states none takes plain attention only
     variants: tuple[str, ...] = ()
+    # the cache page dtypes the op's kernels read besides its dtypes (FP8 KV caches)
+    kv_dtypes: tuple[str, ...] = ()
     # optional per-arch measured tables, kept raw: the op's policy validates them, so a
     # malformed one costs only the preference, never the plugin (docs/plugins.md)
     prefer: object = field(default=None, compare=False, hash=False)
@@ -149,7 +151,8 @@ def _op(name: str, raw: object) -> OpSpec:
                   dtypes=tuple(_str_list(raw, "dtypes", where)),
                   head_dims=_int_list(raw, "head_dims", where), min_sm=min_sm,
                   native_sm=_int_list(raw, "native_sm", where), prefer=raw.get("prefer"),
-                  variants=tuple(_str_list(raw, "variants", where)) if "variants" in raw else ())
+                  variants=tuple(_str_list(raw, "variants", where)) if "variants" in raw else (),
+                  kv_dtypes=tuple(_str_list(raw, "kv_dtypes", where)) if "kv_dtypes" in raw else ())
 
 
 class UnsupportedApiVersion(ManifestError):

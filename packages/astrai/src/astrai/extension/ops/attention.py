@@ -5,7 +5,7 @@
 ``attn_prefill``       ``(q [B,Lq,Hq,D], k [B,Lkv,Hkv,D], v, mask=None [B,Lkv] | [B,Lq,Lkv],
                        is_causal=False) -> [B,Lq,Hq,D]``
 ``attn_paged_decode``  ``(q [B,1,Hq,D], k_cache [P,page,Hkv,D], v_cache, kv_indptr [B+1],
-                       kv_indices [nnz_pages], kv_lens [B]) -> [B,1,Hq,D]``
+                       kv_indices [nnz_pages], kv_lens [B], k_scale=None, v_scale=None) -> [B,1,Hq,D]``
 ``attn_paged_prefill`` ``(q [total_q,Hq,D], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
                        kv_lens, q_tile_to_batch, q_tile_to_index, is_causal=True) -> [total_q,Hq,D]``
 =====================  ===========================================================================
@@ -16,7 +16,9 @@ variant keywords of ``attention()``: ``scale``, ``logits_soft_cap``, ``window_le
 ``sinks`` (float32 ``[Hq]``), validated by the compiled module. Any strides with a
 contiguous last dim are accepted (BHLD is a permuted view); rows that are not 16-byte
 aligned are copied first. Masks are bool, True = keep; causal is bottom-right aligned;
-scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros.
+scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros. ``attn_paged_decode`` also
+reads FP8 pages (``float8_e4m3fn`` / ``float8_e5m2``, the module's ``KV_DTYPES``) with the layer's
+float32 dequantization scales ``k_scale`` / ``v_scale`` (``[1]`` or ``[Hkv]``: docs/kv_cache_fp8.md).
 
 Each op is a ``torch.library.custom_op`` (``torch.ops.astrai.attn_*``) with a fake
 implementation, so it traces under ``torch.compile``. Called alone, the decode ops size
@@ -93,10 +95,16 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int):
+def fp8_plan_arg(kv_bytes: int) -> dict:
+    """``decode_plan``'s keyword for FP8 pages (none for 16-bit ones: older modules lack it)."""
+    return {"kv_bytes": 1} if kv_bytes == 1 else {}
+
+
+def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2):
     batch, _, q_heads, head_dim = q.shape
     group = q_heads // kv_heads if kv_heads and q_heads % kv_heads == 0 else 1
-    splits = module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device))
+    splits = module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device),
+                                **fp8_plan_arg(kv_bytes))
     return (splits, *_split_workspaces(splits, batch, q_heads, head_dim, q.device))
 
 
@@ -207,29 +215,41 @@ def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[in
     return q.shape[0], k_cache.shape[1], k_cache.shape[0]
 
 
+def kv_scales_arg(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+    """The paged decode module's ``kv_scales`` keyword: none for a 16-bit cache."""
+    if k_scale is None and v_scale is None:
+        return {}
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale: an FP8 cache needs both k_scale and v_scale")
+    return {"kv_scales": (tensor_arg(k_scale), tensor_arg(v_scale))}
+
+
 def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, *, num_splits: int = 0,
                       scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (split-KV). See the module docstring.
 
     ``num_splits``: the split-KV count (a :func:`~.attention_plan.plan_paged_decode` plan's);
-    0 plans it here from shapes (the mean tokens per request).
+    0 plans it here from shapes (the mean tokens per request). ``k_scale`` / ``v_scale``: an
+    FP8 cache's dequantization scales of this layer (``PagedKVCache.kv_scales``).
     """
     batch, page_size, num_pages = _cache_geometry("attn_paged_decode", q, k_cache)
     check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                        num_pages=num_pages)
     _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
-                   kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks)
+                   kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits), scale,
-                                 logits_soft_cap, window_left, sinks)
+                                 logits_soft_cap, window_left, sinks, k_scale, v_scale)
 
 
 @_plugin.plugin_op("astrai::attn_paged_decode")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0,
                           scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require("attn_paged_decode", q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
@@ -240,16 +260,16 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     elif num_splits == 0 and q.dim() == 4 and k_cache.dim() == 4 and q.shape[0] > 0:
         # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
         hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
-        splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint)
+        splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint, k_cache.element_size())
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
          tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse),
-           **variant_arg(scale, logits_soft_cap, window_left, sinks))
+           **variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale))
     return out
 
 
 @_attn_paged_decode_op.op.register_fake
 def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0, scale=None, logits_soft_cap=None,
-      window_left=-1, sinks=None):
+      window_left=-1, sinks=None, k_scale=None, v_scale=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

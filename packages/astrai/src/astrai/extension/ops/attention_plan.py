@@ -34,7 +34,7 @@ import torch
 from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
 from . import _plugin
 from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
-                        attn_paged_prefill, variant_arg, variant_kwargs)
+                        attn_paged_prefill, fp8_plan_arg, kv_scales_arg, variant_arg, variant_kwargs)
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
@@ -64,7 +64,9 @@ class PagedDecodeLaunch:
     them to the caches in the same binding call: with :attr:`append_last`, inside the decode
     launch, to each request's last position through the page table; else first, to rows
     ``slots`` (int64 ``[B]``, the plan's ``write_index``). ``variant`` (an ``AttentionVariant``
-    of the backend layer, or None) carries a call's window, soft-cap, sinks and scale.
+    of the backend layer, or None) carries a call's window, soft-cap, sinks and scale;
+    ``kv_scales``: an FP8 cache's ``(k_scale, v_scale)`` of the layer (the append then
+    quantizes in a launch of its own, before the decode's).
     """
 
     kv_indptr: torch.Tensor
@@ -91,27 +93,32 @@ class PagedDecodeLaunch:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
-                 cache_args: tuple | None = None, variant=None) -> torch.Tensor:
+                 cache_args: tuple | None = None, variant=None, kv_scales: tuple | None = None) -> torch.Tensor:
         """``cache_args``: ``(tensor_arg(k_cache), tensor_arg(v_cache))`` when the caller keeps them."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
             if k_new is not None:
                 raise ValueError("k_new: the fused append runs in eager mode only (append first)")
+            k_scale, v_scale = kv_scales or (None, None)
             return attn_paged_decode(q, k_cache, v_cache, self.kv_indptr, self.kv_indices, self.kv_lens,
-                                     num_splits=self.num_splits, **variant_kwargs(variant))
+                                     num_splits=self.num_splits, k_scale=k_scale, v_scale=v_scale,
+                                     **variant_kwargs(variant))
         if k_new is not None and self._append_args is None:
             raise ValueError("k_new: this launch has no fused append (the compiled module predates it)")
         return self.run_eager(q, cache_args or (tensor_arg(k_cache), tensor_arg(v_cache)), k_new, v_new,
-                              variant=variant)
+                              variant=variant, kv_scales=kv_scales)
 
     def run_eager(self, q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None = None,
-                  v_new: torch.Tensor | None = None, *, variant=None) -> torch.Tensor:
+                  v_new: torch.Tensor | None = None, *, variant=None, kv_scales: tuple | None = None) -> torch.Tensor:
         """The call for a caller that checked what ``__call__`` checks (plain tensors, eager
         mode, ``k_new`` only where :attr:`appends`) and keeps the layer's ``cache_args``."""
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # cheaper to call than torch.empty
         head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
         tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
                                                       *self._append_args)
-        _run(self._device_index, self._entry, head, tail, _variant_binding_arg(variant))
+        kwargs = _variant_binding_arg(variant)
+        if kv_scales is not None:
+            kwargs.update(kv_scales_arg(*kv_scales))
+        _run(self._device_index, self._entry, head, tail, kwargs)
         return out
 
     def runner(self, q: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
@@ -193,14 +200,14 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
                       q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
                       num_pages: int, in_kernel_merge: bool = False, pdl: bool = False,
                       slots: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-                      append_last: bool = False) -> PagedDecodeLaunch:
+                      append_last: bool = False, kv_bytes: int = 2) -> PagedDecodeLaunch:
     """Plan a batch's paged decode (see the module docstring).
 
     ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
     every split. ``in_kernel_merge`` / ``pdl``: the compiled module's alternatives to the
     combine kernel and to a plain launch, off by default (measured slower:
     docs/kernels/attention.md). ``page_size`` / ``num_pages``: the cache's, for the page-table
-    checks.
+    checks. ``kv_bytes``: bytes per K/V value in the pages (1: FP8), for the split count.
 
     Appending in the launch, where the compiled module can (``PagedDecodeLaunch.appends``):
     ``append_last`` is the caller's word that every request adds exactly one token, at its
@@ -219,7 +226,7 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     device = kv_lens.device
     module = _plugin.require("attn_paged_decode", torch.device("cuda", index))
     splits = module.decode_plan(batch, kv_heads, q_heads // kv_heads, head_dim, max(max_kv_len, 1),
-                                _num_sms(torch.device("cuda", index))) if batch > 0 else 1
+                                _num_sms(torch.device("cuda", index)), **fp8_plan_arg(kv_bytes)) if batch > 0 else 1
     ws_o, ws_lse = _split_workspaces(splits, batch, q_heads, head_dim, device)
     # One counter per (request, kv head, group of query heads): q_heads per request bounds it.
     ws_count = (torch.zeros(batch * q_heads, dtype=torch.int32, device=device)

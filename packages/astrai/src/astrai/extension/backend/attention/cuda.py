@@ -58,9 +58,8 @@ class CudaBackend(AttentionBackend):
             return self._op_unsupported("attn_prefill", call)
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
-        if call.kv_dtype is not None and call.kv_dtype != call.dtype:
-            return f"the paged CUDA kernels read {call.dtype} caches, not {call.kv_dtype}"
-        return self._op_unsupported("attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill", call)
+        op = "attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill"
+        return self._op_unsupported(op, call) or _unsupported_pages(op, call)
 
     def slower_than_peer(self, call: AttentionCall) -> str | None:
         """Dense prefill: why torch runs instead, unless the measured table says we are faster.
@@ -121,18 +120,21 @@ class CudaBackend(AttentionBackend):
         cache_args = _layer_args(kv_cache, layer_id)
         q_rows = q if q.shape[1] == 1 else q.reshape(q.shape[1], 1, q.shape[2], q.shape[3])  # packed [1, B, ...]
         if launch.appends and not appended:
-            out = launch.run_eager(q_rows, cache_args, k, v, variant=variant)
+            scales = _fp8_scales(kv_cache, layer_id, k, v)
+            out = launch.run_eager(q_rows, cache_args, k, v, variant=variant, kv_scales=scales)
             kv_cache.mark_written(layer_id, plan)
         else:
             if not appended:
                 kv_cache.append(layer_id, k, v, plan, checked=True)
-            out = launch.run_eager(q_rows, cache_args, variant=variant)
+            out = launch.run_eager(q_rows, cache_args, variant=variant, kv_scales=_fp8_scales(kv_cache, layer_id))
         return out if q_rows is q else out.reshape(q.shape)
 
     def eager_runner(self, call, q, k, v, kv_cache):
         """``_decode_step`` for a plan's eager decode calls of this kind, with the launch's
         arguments but the data pointers converted once (``PagedDecodeLaunch.runner``)."""
         if kv_cache is None or call.mode != "decode" or q.shape[1] != 1:  # packed [1, B] queries: forward
+            return None
+        if kv_cache.kv_dtype != kv_cache.dtype:  # FP8 pages: _decode_step passes the layer's scales
             return None
         plan = kv_cache.active_plan
         launch = self._launch(kv_cache, plan, q.shape[2], True)
@@ -160,11 +162,14 @@ class CudaBackend(AttentionBackend):
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q").unsqueeze(1)  # [B, 1, Hq, D], one row per request
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+        scales = _fp8_scales(kv_cache, layer_id)
         if torch.compiler.is_compiling():  # the registered op plans inside the traced graph
+            k_scale, v_scale = scales or (None, None)
             out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
-                                             **attn_ops.variant_kwargs(variant))
+                                             k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
         else:
-            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages, variant=variant)
+            out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages, variant=variant,
+                                                                      kv_scales=scales)
         return out.reshape(q.shape)
 
     def fwd_prefill(self, q, k, v, *, kv_cache: PagedKVCache | None, layer_id, mask, is_causal,
@@ -195,6 +200,27 @@ class CudaBackend(AttentionBackend):
             kv_cache.add_preparer(key, lambda cache, p: _plan_launch(cache, p, q_heads, decode)
                                   if p.is_decode == decode else None)
         return launch
+
+
+def _unsupported_pages(op: str, call: AttentionCall) -> str | None:
+    """Why the op's kernels cannot read the call's FP8 pages (the manifest's ``kv_dtypes``), or None."""
+    if call.kv_dtype is None or call.kv_dtype == call.dtype:
+        return None
+    kv = str(call.kv_dtype).removeprefix("torch.")
+    spec = current_runtime().registry.op_status(op, probe_device(call.device)).spec
+    if kv in spec.kv_dtypes:
+        return None
+    return f"{op} reads {str(call.dtype).removeprefix('torch.')} pages in this build, not {kv}"
+
+
+def _fp8_scales(kv_cache: PagedKVCache, layer_id: int, k=None, v=None) -> tuple | None:
+    """An FP8 cache's scales of the layer for a launch (calibrated on ``k`` / ``v`` where the
+    launch appends them and the layer has none yet); None for a 16-bit cache."""
+    if kv_cache.kv_dtype == kv_cache.dtype:
+        return None
+    if k is not None:
+        return kv_cache.scales_for_append(layer_id, k, v)
+    return kv_cache.kv_scales(layer_id)
 
 
 def _beyond_scale(call: AttentionCall) -> bool:
@@ -240,7 +266,8 @@ def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: 
         return plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=q_heads,
                                  kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
                                  page_size=kv_cache.page_size, num_pages=kv_cache.num_pages,
-                                 append_last=plan.is_decode, slots=lambda: plan.write_index)
+                                 append_last=plan.is_decode, slots=lambda: plan.write_index,
+                                 kv_bytes=kv_cache.k_cache(0).element_size())
     tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
     return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
                               total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
