@@ -66,7 +66,7 @@ class LLM:
 
     Args:
         model: the :class:`~astrai.serve.model.DecoderModel` (see :meth:`from_transformers`,
-            :meth:`from_preset`).
+            :meth:`from_pretrained`, :meth:`from_preset`).
         page_size: tokens per KV-cache page.
         max_batch_size: requests decoded together at most.
         max_batch_tokens: prompt tokens per prefill step at most (longer prompts are chunked).
@@ -120,6 +120,16 @@ class LLM:
         model = DecoderModel(config, dtype=dtype, device=device, inv_freq=inv_freq, rope_scaling=scaling)
         load_hf_state_dict(model, hf_model.state_dict())
         return cls(model, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> LLM:
+        """Serve the local transformers folder ``path`` (``config.json`` + safetensors, sharded or
+        not), loaded tensor by tensor onto ``device`` (default CUDA when available) in ``dtype``
+        (default the checkpoint's) without building a transformers model; no downloads. See
+        :mod:`~astrai.serve.checkpoint` for what is supported."""
+        from .checkpoint import load_checkpoint
+
+        return cls(load_checkpoint(path, dtype=dtype, device=device), **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, *, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
