@@ -152,7 +152,7 @@ def test_manifest_is_valid_for_the_core(plugin_manifest):
 
     parsed = parse_manifest(plugin_manifest)
     assert parsed.name == "astrai-rotary"
-    assert set(parsed.ops) == {"rotary_emb", "rope_paged_append"}
+    assert set(parsed.ops) == {"rotary_emb", "rope_paged_append", "rms_norm", "fused_add_rms_norm", "silu_and_mul"}
     for op in parsed.ops.values():
         assert op.module == "astrai_rotary._rotary_emb" and op.dtypes == ("float16", "bfloat16", "float32")
 

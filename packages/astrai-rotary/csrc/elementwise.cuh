@@ -38,16 +38,26 @@ struct Word<4> { using type = unsigned int; };
 template <>
 struct Word<2> { using type = unsigned short; };
 
-// N values of T from src in accesses of kChunk bytes (src aligned to kChunk); kStream reads
-// evict-first (data read once), else through the read-only cache (data read again).
-template <int kChunk, bool kStream, typename T, int N>
+// How a load meets the caches: Stream reads evict-first (data read once), ReadOnly through
+// the read-only cache (data every block reads, never written by the kernel), Plain as an
+// ordinary coherent load (data the kernel writes and reads again).
+enum class Cache { Stream, ReadOnly, Plain };
+
+// N values of T from src in accesses of kChunk bytes (src aligned to kChunk).
+template <int kChunk, Cache kCache, typename T, int N>
 __device__ __forceinline__ void load(const T* src, T (&dst)[N]) {
     using W = typename Word<kChunk>::type;
     static_assert(N * sizeof(T) % kChunk == 0, "whole accesses only");
 #pragma unroll
     for (int w = 0; w < int(N * sizeof(T) / kChunk); ++w) {
         const W* from = reinterpret_cast<const W*>(src) + w;
-        reinterpret_cast<W*>(dst)[w] = kStream ? __ldcs(from) : __ldg(from);
+        if constexpr (kCache == Cache::Stream) {
+            reinterpret_cast<W*>(dst)[w] = __ldcs(from);
+        } else if constexpr (kCache == Cache::ReadOnly) {
+            reinterpret_cast<W*>(dst)[w] = __ldg(from);
+        } else {
+            reinterpret_cast<W*>(dst)[w] = *from;
+        }
     }
 }
 

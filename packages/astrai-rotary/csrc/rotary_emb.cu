@@ -16,6 +16,9 @@
 //   rotary_emb(x, cos, sin, out, stream)
 //       the original call: interleaved, cos/sin [L, D/2], no positions.
 //
+// The module also holds the plugin's other element-wise ops, bound by norm.cu: rms_norm,
+// fused_add_rms_norm, silu_and_mul.
+//
 // Every argument is checked before any CUDA call (ValueError naming it). The vector path
 // (16-byte accesses) runs when every pointer, stride and channel count allows it, else the
 // scalar path (one element per access) does.
@@ -29,6 +32,7 @@
 #include "astrai/bind.h"
 #include "astrai/check.h"
 #include "astrai/tensor_arg.h"
+#include "norm.h"
 #include "rotary_kernel.cuh"
 
 namespace astrai::rotary {
@@ -348,7 +352,7 @@ void rotary_emb(py::handle x_arg, py::handle cos_arg, py::handle sin_arg, py::ha
 PYBIND11_MODULE(_rotary_emb, m) {
     namespace py = pybind11;
     astrai::bind::init_module(m);
-    m.doc() = "AstrAI rotary embedding (ABI 1): torch-free, pointers + shapes + strides.";
+    m.doc() = "AstrAI rotary embedding, RMSNorm and SiLU-and-mul (ABI 1): torch-free, pointers + shapes + strides.";
     m.def("rotary", &astrai::rotary::rotary, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
           py::arg("positions"), py::arg("q_out"), py::arg("k_out"), py::arg("interleaved"), py::arg("inverse"),
           py::arg("stream"),
@@ -365,4 +369,5 @@ PYBIND11_MODULE(_rotary_emb, m) {
           "rows of cos/sin.");
     m.def("rotary_emb", &astrai::rotary::rotary_emb, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
           py::arg("stream"), "The original call: interleaved pairs of x [B, L, H, D], cos/sin [L, D/2], into out.");
+    astrai::norm::bind(m);
 }

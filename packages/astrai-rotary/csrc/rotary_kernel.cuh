@@ -61,6 +61,7 @@ struct RotaryParams {
     float sign = 1.f;
 };
 
+using elementwise::Cache;
 using elementwise::from_float;
 using elementwise::load;
 using elementwise::store;
@@ -108,7 +109,7 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
     it.rotate = i < s.rot_items;
     if (!it.rotate) {
         const int64_t first = (s.rot_items > 0 ? 2 * int64_t{p.half} : 0) + int64_t{i - s.rot_items} * kElems;
-        load<kData, true>(in + first, it.a);
+        load<kData, Cache::Stream>(in + first, it.a);
         it.out_a = out + first;
         return;
     }
@@ -120,15 +121,15 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
     }
     const int64_t first = int64_t{i} * kElems;
     const int64_t angle = kInterleaved ? int64_t{i} * (kElems / 2) : first;
-    load<kData, true>(in + first, it.a);
+    load<kData, Cache::Stream>(in + first, it.a);
     it.out_a = out + first;
     if constexpr (!kInterleaved) {
-        load<kData, true>(in + p.half + first, it.b);
+        load<kData, Cache::Stream>(in + p.half + first, it.b);
         it.out_b = out + p.half + first;
     }
     if (pos >= 0 && pos < p.max_pos) {
-        load<kAngle, false>(p.cos + pos * p.cos_stride + angle, it.c);
-        load<kAngle, false>(p.sin + pos * p.sin_stride + angle, it.s);
+        load<kAngle, Cache::ReadOnly>(p.cos + pos * p.cos_stride + angle, it.c);
+        load<kAngle, Cache::ReadOnly>(p.sin + pos * p.sin_stride + angle, it.s);
     } else {  // a bad row is loud, never a read outside the table
 #pragma unroll
         for (int j = 0; j < ItemT::kAngles; ++j) it.c[j] = it.s[j] = __int_as_float(0x7fffffff);

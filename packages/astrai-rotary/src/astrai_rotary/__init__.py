@@ -17,8 +17,9 @@ __all__ = ["build_info", "manifest"]
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 
-# What the kernels serve, stated once: the core's rotary policy reads these dtypes. Every
-# op takes both pair layouts (interleaved and NeoX), partial rotary and any even head_dim.
+# What the kernels serve, stated once: the core's policies read these dtypes. The rotary ops
+# take both pair layouts (interleaved and NeoX), partial rotary and any even head_dim; the
+# norm ops any hidden size (in registers up to 32768 bf16/fp16 or 16384 fp32 channels).
 _DTYPES = ["float16", "bfloat16", "float32"]
 
 _OPS: dict[str, dict[str, Any]] = {
@@ -29,6 +30,24 @@ _OPS: dict[str, dict[str, Any]] = {
         "min_sm": 80,
     },
     "rope_paged_append": {  # q rotated, k rotated + v written into paged KV cache, one launch
+        "module": "astrai_rotary._rotary_emb",
+        "abi": 1,
+        "dtypes": _DTYPES,
+        "min_sm": 80,
+    },
+    "rms_norm": {  # transformers' LlamaRMSNorm, one block per row
+        "module": "astrai_rotary._rotary_emb",
+        "abi": 1,
+        "dtypes": _DTYPES,
+        "min_sm": 80,
+    },
+    "fused_add_rms_norm": {  # residual += x, then x = rms_norm(residual), in place, one launch
+        "module": "astrai_rotary._rotary_emb",
+        "abi": 1,
+        "dtypes": _DTYPES,
+        "min_sm": 80,
+    },
+    "silu_and_mul": {  # silu(gate) * up of a fused gate/up projection
         "module": "astrai_rotary._rotary_emb",
         "abi": 1,
         "dtypes": _DTYPES,
