@@ -11,7 +11,7 @@ from astrai.extension.runtime import Runtime, use_runtime
 PUBLIC = {"attention", "attn_backend", "ATTN_BACKEND", "apply_rotary_emb", "fp8_autocast", "DelayedScaling",
           "DynamicScaling", "Format", "PagedKVCache", "BatchPlan", "explain"}
 OPS = {"attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill", "rotary_emb", "fp8_quantize",
-       "fp8_gemm", "quantize", "mm_fp8"}
+       "fp8_gemm", "quantize", "mm_fp8", "rms_norm", "fused_add_rms_norm", "silu_and_mul"}
 
 
 def test_public_names():

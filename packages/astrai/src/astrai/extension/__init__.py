@@ -9,6 +9,7 @@ Direct kernel wrappers that never fall back live in :mod:`astrai.extension.ops`.
 """
 
 from .backend.attention import ATTN_BACKEND, attention, attn_backend
+from .backend.norm import fused_add_rms_norm, rms_norm, silu_and_mul
 from .backend.rotary import apply_rotary_emb, apply_rotary_emb_qk
 from .fp8 import DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state, is_fp8_autocast_enabled
 from .kv_cache import BatchPlan, CacheStateError, PagedKVCache
@@ -38,5 +39,8 @@ __all__ = [
     "explain",
     "fp8_autocast",
     "fp8_state",
+    "fused_add_rms_norm",
     "is_fp8_autocast_enabled",
+    "rms_norm",
+    "silu_and_mul",
 ]

@@ -61,7 +61,7 @@ class _Kernel:
 
     def check(self, call: RotaryCall) -> str | None:
         if call.device.type != "cuda":
-            return f"the rotary kernel runs on CUDA tensors ({call.device.describe()})"
+            return f"the astrai-rotary kernels run on CUDA tensors ({call.device.describe()})"
         status = self.runtime.registry.op_status(self.op, call.device)
         if not status.usable:
             return status.reason

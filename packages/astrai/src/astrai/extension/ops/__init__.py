@@ -8,6 +8,7 @@ entry points in :mod:`astrai.extension` for dispatch with fallbacks.
 
 from .attention import attn_decode, attn_paged_decode, attn_paged_prefill, attn_prefill
 from .fp8 import fp8_gemm, fp8_quantize, mm_fp8, quantize
+from .norm import fused_add_rms_norm, rms_norm, silu_and_mul
 from .rotary import rotary_emb
 
 __all__ = [
@@ -17,7 +18,10 @@ __all__ = [
     "attn_prefill",
     "fp8_gemm",
     "fp8_quantize",
+    "fused_add_rms_norm",
     "mm_fp8",
     "quantize",
+    "rms_norm",
     "rotary_emb",
+    "silu_and_mul",
 ]
