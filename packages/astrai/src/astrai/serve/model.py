@@ -7,6 +7,13 @@ transformers) is fused with the cache write. ``fused_rope=False`` runs ``apply_r
 with per-token positions first instead. Projections are fused (q/k/v in one
 linear, gate/up in one), so ``fp8_autocast`` turns four GEMMs per layer into FP8.
 
+The residual stream runs beside the layers' outputs: a layer takes ``(x, residual)`` and
+adds ``x`` into ``residual`` in the same launch as the norm that follows
+(``fused_add_rms_norm``, in place), so no layer ends with a residual add of its own; the MLP
+activation is ``silu_and_mul`` of the gate/up projection's output. Both are the plugin's
+kernels on CUDA and transformers' math op for op elsewhere (the CPU's results are
+unchanged by the fusion: the same additions and roundings in the same order).
+
 Weights come from transformers (:func:`load_hf_state_dict`) or from a seeded random init
 (:meth:`DecoderModel.random`); :func:`hf_state_dict` gives them back in transformers' names.
 
@@ -19,20 +26,23 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..extension import DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast
+from ..extension import (DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast,
+                         fused_add_rms_norm, rms_norm, silu_and_mul)
 from .config import ModelConfig
 
-__all__ = ["DecoderModel", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
+__all__ = ["DecoderModel", "add_rms_norm", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalized in float32, cast back, then scaled."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``: ``x`` and ``residual`` overwritten with them
+    (one launch on CUDA); before the first layer (``residual`` None) ``x`` itself is the
+    residual stream and only normalized."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)
 
 
 class DecoderLayer(nn.Module):
@@ -50,12 +60,17 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **kw)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                kv_cache: PagedKVCache, fused_rope: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv_cache: PagedKVCache,
+                fused_rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, residual)``: this layer's output, not yet added to the residual stream
+        ``residual`` (the next norm adds it); ``x`` is the previous layer's output (the
+        embeddings, with ``residual`` None, for the first layer). Overwrites ``x`` and ``residual``."""
         c = self.config
         t = x.shape[0]
         cos, sin, positions = rope
-        q, k, v = self.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps)).split([c.q_size, c.kv_size, c.kv_size], -1)
+        h, residual = add_rms_norm(x, residual, self.attn_norm, c.rms_norm_eps)
+        q, k, v = self.qkv(h).split([c.q_size, c.kv_size, c.kv_size], -1)
         q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
         v = v.view(1, t, c.num_kv_heads, c.head_dim)
         window = self.window_left
@@ -65,9 +80,8 @@ class DecoderLayer(nn.Module):
         else:
             q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
             out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, window_left=window)
-        x = x + self.o(out.reshape(t, c.q_size))
-        gate, up = self.gate_up(rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        h, residual = fused_add_rms_norm(self.o(out.reshape(t, c.q_size)), residual, self.mlp_norm, c.rms_norm_eps)
+        return self.down(silu_and_mul(self.gate_up(h))), residual
 
 
 class DecoderModel(nn.Module):
@@ -128,14 +142,14 @@ class DecoderModel(nn.Module):
         cache's plan gives each token (they equal ``positions``), fused with the page write;
         False rotates with ``apply_rotary_emb_qk(positions=...)`` first.
         """
-        x = self.embed(tokens)
+        x, residual = self.embed(tokens), None
         rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
             for layer in self.layers:
-                x = layer(x, rope, kv_cache, fused_rope)
+                x, residual = layer(x, residual, rope, kv_cache, fused_rope)
         if logit_rows is not None:
-            x = x[logit_rows]
-        return self.lm_head(rms_norm(x, self.norm, self.config.rms_norm_eps))
+            x, residual = x[logit_rows], None if residual is None else residual[logit_rows]
+        return self.lm_head(add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0])
 
     def hidden_linears(self) -> list[nn.Linear]:
         """The linears of the decoder layers (those ``fp8_autocast`` runs in FP8; not the LM head)."""
