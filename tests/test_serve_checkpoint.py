@@ -154,3 +154,43 @@ def test_saved_inv_freq_and_tied_heads_are_ignored(tmp_path):
     llm = LLM.from_pretrained(folder, dtype=torch.float32, device="cpu")
     prompt = _prompts(COMMON["vocab_size"], [9])[0]
     assert llm.generate([prompt], max_new_tokens=6) == [_hf_greedy(hf, prompt, 6)]
+
+
+def test_cli_serves_a_checkpoint_without_building_a_transformers_model(tmp_path, capsys, monkeypatch):
+    from astrai.cli.main import main
+
+    folder, _ = _save(tmp_path, "mistral", max_shard_size="40KB")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine's load built a transformers model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", str(folder), "--requests", "2", "--prompt-len", "3", "12",
+            "--max-new-tokens", "4", "--dtype", "float32", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"]["requests"] == 2 and result["engine"]["new_tokens"] == 8
+
+
+def test_cli_compares_against_the_checkpoints_own_transformers_model(tmp_path, capsys):
+    from astrai.cli.main import main
+
+    folder, _ = _save(tmp_path, "qwen2")
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", str(folder), "--requests", "2", "--prompt-len", "3", "9",
+            "--max-new-tokens", "4", "--dtype", "float32", "--compare", "hf", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["peers"][0]["status"] == "ran" and result["accuracy"]["astrai"] < 1e-5
+
+
+def test_cli_refuses_an_unsupported_checkpoint_before_loading(tmp_path, capsys):
+    from astrai.cli.main import main
+
+    folder, _ = _save(tmp_path, "llama")
+    _edit_config(folder, architectures=["LlamaForTokenClassification"])
+    assert main(["generate", "--checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForTokenClassification" in err and str(folder) in err and "Traceback" not in err

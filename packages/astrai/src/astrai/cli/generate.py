@@ -2,8 +2,13 @@
 
 Random prompts (lengths drawn between ``--prompt-len MIN MAX``) go through
 :class:`astrai.serve.LLM`; the table gives TTFT, prefill and decode tokens/s and the GPU
-memory used. ``--compare hf`` runs the same weights and prompts through transformers
-(``generate`` with sdpa, and ``generate_batch`` where it runs) and prints the ratios.
+memory used, and the decode step is set beside its HBM floor (:mod:`astrai.serve.hbm`).
+``--checkpoint DIR`` loads a local transformers folder straight into the engine
+(:mod:`astrai.serve.checkpoint`). ``--compare hf`` runs the same weights and prompts through
+transformers (``generate`` with sdpa, and ``generate_batch`` where it runs) and prints the
+ratios of the peers that ran (a peer that fails is shown failed, with its error), and the
+accuracy: the teacher-forced error of the logits against a float32 reference, the engine's
+beside transformers' in the same dtype (:mod:`astrai.serve.accuracy`).
 Without a CUDA device everything runs on the CPU through AstrAI's torch fallbacks.
 """
 
@@ -15,12 +20,13 @@ import random
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from ..extension import explain
 from ..extension.runtime import current_runtime
 from .checks import UsageError, check_environment, plugin_names, require, writable
+from .generate_report import count, print_report
 
+ACCURACY_REQUESTS = 4  # the first requests, teacher-forced through the float32 reference
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -64,7 +70,14 @@ def _check(args) -> None:
             raise UsageError(f"--checkpoint {args.checkpoint}: {what} (a local transformers model folder)")
         if args.layers is not None:
             raise UsageError("--layers sets a preset's layers: a checkpoint keeps its own")
-        require("transformers", "transformers", "--checkpoint")
+        require("transformers", "transformers", "--checkpoint")  # reads config.json and the rotary tables
+        from ..serve.checkpoint import CheckpointError, read_config, weight_files
+
+        try:  # the config and the weight files, before any tensor is read
+            read_config(args.checkpoint)
+            weight_files(args.checkpoint)
+        except CheckpointError as exc:
+            raise UsageError(f"--checkpoint: {exc}") from None
     if args.compare == "hf":
         require("transformers", "transformers", "--compare hf")
     writable(args.json, "--json")
@@ -77,15 +90,21 @@ def _build(args, device: torch.device, dtype: torch.dtype):
     from ..serve import LLM
 
     options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8)
-    if args.checkpoint:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, local_files_only=True,
-                                                  attn_implementation="sdpa").to(device).eval()
-        return LLM.from_transformers(hf, **options), hf
+    if args.checkpoint:  # tensor by tensor into the engine's model: no transformers model is built
+        return LLM.from_pretrained(args.checkpoint, dtype=dtype, device=device, **options)
     name = args.preset or ("llama3-8b" if device.type == "cuda" else "tiny")
     layers = args.layers or (8 if name == "llama3-8b" else None)
-    return LLM.from_preset(name, num_layers=layers, dtype=dtype, device=device, seed=args.seed, **options), None
+    return LLM.from_preset(name, num_layers=layers, dtype=dtype, device=device, seed=args.seed, **options)
+
+
+def _peer_model(args, llm, dtype: torch.dtype):
+    """transformers' model of the same weights: the checkpoint's own, or the engine's copied."""
+    if not args.checkpoint:
+        return llm.to_transformers("sdpa")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, local_files_only=True,
+                                                attn_implementation="sdpa").to(llm.model.device).eval()
 
 
 def _attention_backend() -> str:
@@ -95,6 +114,8 @@ def _attention_backend() -> str:
 
 def main(args) -> int:
     _check(args)
+    from ..serve.hbm import decode_floor
+
     console = Console()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -104,7 +125,7 @@ def main(args) -> int:
     else:
         console.print("[yellow]No CUDA device: running AstrAI's torch fallbacks on the CPU "
                       "(the CUDA kernels and CUDA graphs need a GPU; figures are not representative).[/]")
-    llm, hf = _build(args, device, dtype)
+    llm = _build(args, device, dtype)
     c = llm.config
     n = args.requests or (64 if cuda else 8)
     lo, hi = args.prompt_len or ((128, 2048) if cuda else (16, 128))
@@ -115,7 +136,7 @@ def main(args) -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
-                  f"of {c.head_dim}, {_count(c.num_parameters())} parameters, {dtype}"
+                  f"of {c.head_dim}, {count(c.num_parameters())} parameters, {dtype}"
                   f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
     llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
     llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
@@ -123,12 +144,17 @@ def main(args) -> int:
         console.print(f"[yellow]decode steps run eagerly: {llm.graphs_off_reason}[/]")
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
-    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),
-              "fp8": args.fp8, "cuda_graphs": llm.use_graphs, "attention_backend": _attention_backend(),
-              "engine": stats.summary(), "peers": []}
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "cuda_graphs": llm.use_graphs,
+              "attention_backend": _attention_backend(), "engine": stats.summary(), "peers": [], "accuracy": None}
+    result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8, step_ms=stats.decode_step_ms,
+                                                 context_tokens_per_step=stats.decode_context_per_step)
     if args.compare == "hf":
-        result["peers"] = _compare(llm, hf, prompts, new, tokens, result, console)
-    _print(console, result)
+        hf = _peer_model(args, llm, dtype)
+        result["peers"] = _compare(llm, hf, prompts, new, tokens)
+        result["accuracy"] = _accuracy(llm, hf, prompts[:ACCURACY_REQUESTS], new, dtype)
+        del hf
+    print_report(console, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -139,57 +165,27 @@ def main(args) -> int:
     return 0
 
 
-def _compare(llm, hf, prompts, new, tokens, result, console) -> list[dict]:
+def _compare(llm, hf, prompts, new, tokens) -> list[dict]:
     from ..serve.compare import agreement, hf_generate, hf_generate_batch
 
-    hf = hf if hf is not None else llm.to_transformers("sdpa")
     peers = []
-    for runner in (lambda: hf_generate(hf, prompts, new, batch_size=llm.max_batch_size),
-                   lambda: hf_generate_batch(hf, prompts, new)):
-        run = runner()
+    for run in (hf_generate(hf, prompts, new, batch_size=llm.max_batch_size), hf_generate_batch(hf, prompts, new)):
         entry = run.summary()
-        if run.skipped:
-            console.print(f"[yellow]{run.name}: skipped ({run.skipped})[/]")
-        else:
+        if run.ran:  # kept in the JSON; the accuracy printed is the teacher-forced error
             entry["agreement"] = {k: v for k, v in agreement(tokens, run.tokens).items() if k != "first_divergence"}
         peers.append(entry)
     return peers
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+def _accuracy(llm, hf, prompts, new, dtype: torch.dtype) -> dict:
+    """The teacher-forced logit errors of the engine and of transformers in ``dtype`` against float32."""
+    from ..serve.accuracy import float32_reference, logit_errors
 
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _print(console: Console, result: dict) -> None:
-    e = result["engine"]
-    table = Table(title=f"astrai generate ({result['device']}, attention: {result['attention_backend']})")
-    peers = [p for p in result["peers"] if not p["skipped"]]
-    columns = ["run", "TTFT s", "prefill tok/s", "decode tok/s", "step ms", "total s"] + (["agree"] if peers else [])
-    for col in columns:
-        table.add_column(col, justify="right" if col != "run" else "left")
-    table.add_row("astrai", _fmt(e["ttft_mean_s"], ".3f"), _fmt(e["prefill_tokens_per_s"], ",.0f"),
-                  _fmt(e["decode_tokens_per_s"], ",.0f"), _fmt(e["decode_step_ms"], ".2f"), _fmt(e["total_s"], ".2f"),
-                  *([""] if peers else []))
-    for p in peers:
-        agree = p.get("agreement", {})
-        table.add_row(p["name"], _fmt(p["ttft_s"], ".3f"), "-", _fmt(p["decode_tokens_per_s"], ",.0f"), "-",
-                      _fmt(p["total_s"], ".2f"), _fmt(agree.get("token_agreement"), ".1%"))
-    console.print(table)
-    console.print("TTFT: mean over requests, all submitted at once (transformers: its first batch's prefill)")
-    for p in result["peers"]:
-        if not p["skipped"] and p["total_s"]:
-            line = f"vs {p['name']}: astrai {p['total_s'] / e['total_s']:.2f}x faster end to end"
-            if p["decode_tokens_per_s"]:
-                line += f", {e['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x in decode tokens/s"
-            if p["ttft_s"]:
-                line += f", TTFT {e['ttft_mean_s'] / p['ttft_s']:.2f}x of its TTFT"
-            console.print(line)
-    if e["gpu_memory_bytes"]:
-        console.print(f"GPU memory (peak allocated): {e['gpu_memory_bytes'] / 2**30:.2f} GiB")
+    try:
+        reference = float32_reference(hf)
+        return logit_errors(llm, {f"hf ({str(dtype).removeprefix('torch.')})": hf}, reference, prompts, new)
+    except Exception as exc:  # e.g. no memory for the float32 copy: said, and the timings stand
+        return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def _plot(result: dict, path: str) -> None:
@@ -200,7 +196,7 @@ def _plot(result: dict, path: str) -> None:
 
     runs = [("astrai", result["engine"]["decode_tokens_per_s"], result["engine"]["ttft_mean_s"])]
     runs += [(p["name"], p["decode_tokens_per_s"] or p.get("tokens_per_s") or 0, p["ttft_s"] or 0)
-             for p in result["peers"] if not p["skipped"]]
+             for p in result["peers"] if p["status"] == "ran"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r[0] for r in runs]
     ax1.barh(names, [r[1] for r in runs])

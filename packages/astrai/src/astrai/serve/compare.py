@@ -4,6 +4,10 @@
 is the time of a one-token ``generate`` of the batch (the prefill), its decode rate the
 other new tokens over the rest of the time. ``hf_generate_batch``: transformers' continuous
 batching (``generate_batch``), where the installed version has it and the device runs it.
+
+A run is ``skipped`` where it cannot run here (said before it starts) and ``failed`` where it
+started and did not deliver: it raised, a request came back with an error, or requests or
+tokens are missing. Neither has figures: their timings stay None, so no ratio is made of them.
 """
 
 from __future__ import annotations
@@ -24,15 +28,44 @@ class HFRun:
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
     skipped: str | None = None
+    failed: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None and self.failed is None
+
+    @property
+    def status(self) -> str:
+        return "ran" if self.ran else "skipped" if self.skipped is not None else "failed"
 
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
 
+    def fail(self, reason: str) -> HFRun:
+        """Mark the run failed: its partial figures are dropped."""
+        self.failed = reason
+        self.tokens, self.total_s, self.ttft_s, self.decode_tokens_per_s = [], 0.0, None, None
+        return self
+
     def summary(self) -> dict:
-        return {"name": self.name, "total_s": self.total_s, "ttft_s": self.ttft_s, "new_tokens": self.new_tokens,
-                "decode_tokens_per_s": self.decode_tokens_per_s,
-                "tokens_per_s": self.new_tokens / self.total_s if self.total_s else None, "skipped": self.skipped}
+        ran = self.ran
+        return {"name": self.name, "status": self.status, "total_s": self.total_s if ran else None,
+                "ttft_s": self.ttft_s, "new_tokens": self.new_tokens, "decode_tokens_per_s": self.decode_tokens_per_s,
+                "tokens_per_s": self.new_tokens / self.total_s if ran and self.total_s else None,
+                "skipped": self.skipped, "failed": self.failed}
+
+
+def _checked(run: HFRun, expected: int) -> HFRun:
+    """``run`` failed unless it returned tokens for each of ``expected`` requests."""
+    if run.failed or run.skipped:
+        return run
+    if len(run.tokens) != expected:
+        return run.fail(f"returned {len(run.tokens)} of {expected} requests")
+    empty = sum(not t for t in run.tokens)
+    if empty:
+        return run.fail(f"{empty} of {expected} requests came back without tokens")
+    return run
 
 
 def _sync(device: torch.device) -> None:
@@ -53,13 +86,22 @@ def _strip(new: list[int], eos: set[int]) -> list[int]:
     return new
 
 
-@torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64) -> HFRun:
-    """Greedy ``model.generate`` over left-padded batches of ``batch_size`` prompts."""
+    """Greedy ``model.generate`` over left-padded batches of ``batch_size`` prompts; ``failed``
+    says why when it raises or returns too little."""
+    run = HFRun("hf generate (sdpa)")
+    try:
+        _generate(model, prompts, max_new_tokens, batch_size, run)
+    except Exception as exc:  # a peer's failure is reported, not fatal to the comparison
+        return run.fail(f"generate failed: {type(exc).__name__}: {exc}")
+    return _checked(run, len(prompts))
+
+
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, run: HFRun) -> None:
     device = next(model.parameters()).device
     eos = _eos(model)
     pad = min(eos, default=0)
-    run = HFRun("hf generate (sdpa)")
     ttft = prefill_time = 0.0
     warm = torch.tensor([prompts[0][-8:]], device=device)  # kernels and handles load before the clock starts
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False, pad_token_id=pad)
@@ -84,7 +126,6 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batch_size
     decode = run.new_tokens - len(prompts)
     run.ttft_s = ttft
     run.decode_tokens_per_s = decode / (run.total_s - prefill_time) if run.total_s > prefill_time else None
-    return run
 
 
 @torch.inference_mode()
@@ -111,16 +152,16 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> H
         t0 = time.perf_counter()  # its own start-up (cache sizing, graph warm-up) is timed: it runs per call
         out = model.generate_batch(prompts, generation_config=config, progress_bar=False)
     except Exception as exc:  # a peer's failure is reported, not fatal to the comparison
-        run.skipped = f"generate_batch failed: {type(exc).__name__}: {exc}"
-        return run
+        return run.fail(f"generate_batch failed: {type(exc).__name__}: {exc}")
     _sync(device)
     run.total_s = time.perf_counter() - t0
     results = list(out.values())
-    if len(results) != len(prompts):
-        run.skipped = f"generate_batch returned {len(results)} of {len(prompts)} requests"
-        return run
+    # a request that fails inside generate_batch comes back with its error and no tokens, not as an exception
+    errors = [str(r.error) for r in results if getattr(r, "error", None)]
+    if errors:
+        return run.fail(f"generate_batch: {len(errors)} of {len(results)} requests failed: {errors[0]}")
     run.tokens = [list(r.generated_tokens) for r in results]
-    return run
+    return _checked(run, len(prompts))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -243,7 +243,8 @@ class LLM:
                 next_tokens, logits = self._run_step(step)
                 next_tokens = next_tokens.tolist()  # waits for the step
                 now = time.perf_counter()
-                stats.add_step(step.kind, sum(step.q_lens), len(step.logits_for), now - t0)
+                context = sum(len(r.prompt) + len(r.output) for r in step.requests) if step.kind == "decode" else 0
+                stats.add_step(step.kind, sum(step.q_lens), len(step.logits_for), now - t0, context)
                 for i, r in enumerate(step.requests):
                     r.prefilled += step.q_lens[i] if step.kind == "prefill" else 0
                 for j, b in enumerate(step.logits_for):
@@ -284,7 +285,9 @@ class LLM:
             if stopped:
                 break
         self._resolve(pending, reqs, emit, stats)
-        stats.add_decode_run(ran, len(reqs), time.perf_counter() - t0)
+        # step k attends over base + k + 1 keys per request
+        context = ran * sum(base) + len(reqs) * ran * (ran + 1) // 2
+        stats.add_decode_run(ran, len(reqs), time.perf_counter() - t0, context)
 
     @staticmethod
     def _resolve(step: _InFlight, reqs: tuple[Request, ...], emit, stats: GenerationStats) -> bool:

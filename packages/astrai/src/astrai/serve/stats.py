@@ -28,8 +28,10 @@ class GenerationStats:
     ttft: list[float] = field(default_factory=list)
     gpu_memory_bytes: int | None = None
     decode_batch_sizes: list[int] = field(default_factory=list)
+    decode_context_tokens: int = 0  # keys the decode steps attended over, summed over steps and requests
 
-    def add_step(self, kind: str, tokens: int, produced: int, seconds: float) -> None:
+    def add_step(self, kind: str, tokens: int, produced: int, seconds: float, context: int = 0) -> None:
+        """One step; ``context``: the keys a decode step attends over, summed over its requests."""
         if kind == "prefill":
             self.prefill_steps += 1
             self.prefill_time += seconds
@@ -38,10 +40,13 @@ class GenerationStats:
             self.decode_time += seconds
             self.decode_tokens += produced
             self.decode_batch_sizes.append(produced)
+            self.decode_context_tokens += context
 
-    def add_decode_run(self, steps: int, batch: int, seconds: float) -> None:
-        """Back-to-back decode steps (their tokens were counted as they reached the host)."""
+    def add_decode_run(self, steps: int, batch: int, seconds: float, context: int = 0) -> None:
+        """Back-to-back decode steps (their tokens were counted as they reached the host);
+        ``context``: the keys they attended over, summed over steps and requests."""
         self.decode_steps += steps
+        self.decode_context_tokens += context
         self.decode_time += seconds
         self.decode_batch_sizes += [batch] * steps
 
@@ -56,6 +61,11 @@ class GenerationStats:
     @property
     def decode_step_ms(self) -> float:
         return 1e3 * self.decode_time / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_context_per_step(self) -> float:
+        """Mean keys a decode step attends over (summed over its batch): its KV cache read."""
+        return self.decode_context_tokens / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def ttft_mean(self) -> float:
@@ -78,6 +88,9 @@ class GenerationStats:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "decode_step_ms": self.decode_step_ms,
             "decode_steps": self.decode_steps,
+            "decode_batch_mean": (sum(self.decode_batch_sizes) / len(self.decode_batch_sizes)
+                                  if self.decode_batch_sizes else 0.0),
+            "decode_context_per_step": self.decode_context_per_step,
             "gpu_memory_bytes": self.gpu_memory_bytes,
         }
 
