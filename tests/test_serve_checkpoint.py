@@ -21,6 +21,9 @@ CONFIGS = {
     # a window shorter than the prompts: the sliding layers' window_left matters
     "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **COMMON),
     "qwen2": lambda: transformers.Qwen2Config(num_key_value_heads=1, **COMMON),  # q/k/v bias
+    # layer 1 slides (layers >= max_window_layers), layer 0 attends to everything
+    "qwen2-window": lambda: transformers.Qwen2Config(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                                                     max_window_layers=1, **COMMON),
     "llama3-rope": lambda: transformers.LlamaConfig(num_key_value_heads=2, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **COMMON),
