@@ -2,8 +2,9 @@
 
 * Launch planning through the bound C++ planner (``_fp8_ops.plan``, no GPU needed):
   every crossover of the tile rules, the NN swap, the shared-memory fallback.
-* One module-scoped build (``ci/build-wheels`` for CUDA 13.0, asked for sm_86 + sm_89 +
-  sm_90a + sm_120; sm_86 is skipped) feeds the rest: the manifest against cuobjdump, the SASS of
+* One build (``ci/build-wheels`` for CUDA 13.0, asked for sm_86 + sm_89 + sm_90a + sm_120;
+  sm_86 is skipped: ``wheel_cache.FP8_ARCHS``, the wheel tests/test_pip_install.py installs
+  too) feeds the rest: the manifest against cuobjdump, the SASS of
   the GEMM (native ``QMMA.16832.F32.E4M3.E4M3`` on sm_89; on sm_90a the same ``mma.sync``
   becomes ``F2FP...UNPACK_B`` + ``HMMA.16816``, the emulation the manifest's
   ``native_sm`` documents), the ptxas register report (no spills), and the C++
@@ -17,16 +18,13 @@ import itertools
 import os
 import re
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from build_helpers import find_tool, load_module, plugin_manifest_of, require_toolkit, sm90_planner
+from build_helpers import find_tool, load_module, plugin_manifest_of, sm90_planner
+from wheel_cache import FP8_ARCHS, plugin_build
 
-REPO = Path(__file__).resolve().parent.parent
-
-ARCHS = "86;89;90a;120"  # sm_86 must be skipped (FP8 needs sm_89+); sm_89 / sm_120 native, sm_90a emulated
 H200 = dict(sms=132, smem_per_sm=233472, smem_per_block=232448)
 L20 = dict(sms=92, smem_per_sm=102400, smem_per_block=101376)
 
@@ -126,18 +124,12 @@ def _cuobjdump() -> str:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory) -> Path:
-    # A wheelhouse ci/build-wheels made earlier (same ARCHS) can be reused while iterating.
+def wheelhouse() -> Path:
+    """The ci/build-wheels output of the FP8_ARCHS build, shared with tests/test_pip_install.py
+    and kept on disk per source tree (tests/wheel_cache.py; read-only). A wheelhouse
+    ci/build-wheels made earlier (same archs) can be given instead while iterating."""
     reuse = os.environ.get("ASTRAI_TEST_FP8_WHEELHOUSE")
-    if reuse:
-        return Path(reuse)
-    require_toolkit("13.0")
-    out = tmp_path_factory.mktemp("wheelhouse")
-    env = dict(os.environ, ASTRAI_CUDA_ARCHS=ARCHS, CMAKE_BUILD_PARALLEL_LEVEL="2")
-    build = subprocess.run([sys.executable, str(REPO / "ci" / "build-wheels"), "--cuda", "13.0",
-                            "--plugins", "fp8", "--out", str(out)], env=env, capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    return out
+    return Path(reuse) if reuse else plugin_build("fp8", "13.0", FP8_ARCHS)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """ci/check-pip-install: "astrai[fp8]" and "astrai[all]" from the per-CUDA indexes, pip into fresh venvs.
 
-* Real wheels, CUDA 13.0 (always): astrai-attention and astrai-fp8 built for sm_90a + PTX
-  and the rotary build the other packaging tests share (sm_80 + sm_90a), all cached per
-  source tree by tests/wheel_cache.py; the script indexes them, serves the index on
+* Real wheels, CUDA 13.0 (always): the builds the other tests share, cached per source tree
+  by tests/wheel_cache.py: astrai-attention for sm_90a (no PTX), astrai-fp8 of
+  tests/test_fp8_plugin.py (sm_89 + sm_90a + sm_120 + PTX) and astrai-rotary of the
+  packaging tests (sm_80 + sm_90a + PTX); the script indexes them, serves the index on
   127.0.0.1 and checks each venv with `astrai doctor --json` and ci/wheel-tests; the
   wheels are held to ci/wheel-budget.toml too.
 * Real wheels, CUDA 12.4: the same with the Debian 12.4 toolkit, when asked for with
@@ -25,12 +26,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from wheel_cache import ROTARY_ARCHS, cuda_tag, plugin_wheel
+from wheel_cache import ATTENTION_ARCHS, FP8_ARCHS, ROTARY_ARCHS, cuda_tag, plugin_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "ci" / "check-pip-install"
 PLUGINS = ("attention", "rotary", "fp8")
-ONE_ARCH = "90a"  # the FP8 plugin needs sm_89+; attention is the slowest build, so one arch
+ONE_ARCH = "90a"  # CUDA 12.4: every plugin for one arch (the FP8 plugin needs sm_89+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +50,11 @@ def _real_wheelhouse(cuda: str, folder: Path) -> Path:
     dest = folder / cuda_tag(cuda)
     dest.mkdir(parents=True)
     for plugin in PLUGINS:
-        archs = ROTARY_ARCHS if (plugin, cuda) == ("rotary", "13.0") else ONE_ARCH
-        wheel = plugin_wheel(plugin, cuda, archs)
+        if cuda == "13.0":  # the builds the other tests make
+            archs = {"attention": ATTENTION_ARCHS, "rotary": ROTARY_ARCHS, "fp8": FP8_ARCHS}[plugin]
+            wheel = plugin_wheel(plugin, cuda, archs, ptx=plugin != "attention")
+        else:
+            wheel = plugin_wheel(plugin, cuda, ONE_ARCH)
         shutil.copy2(wheel, dest / wheel.name)
     return folder
 
@@ -92,7 +96,8 @@ def test_cuda13_wheels_install_per_extra(tmp_path):
     proc, report = _check(wheels, tmp_path / "work", "13.0")
     _assert_installs(proc, report, "13.0")
     fp8 = next(r for r in report["installs"] if r["extra"] == "fp8")
-    assert fp8["doctor"][0]["sass_archs"] == ["sm_90a"] and fp8["doctor"][0]["ptx_archs"] == ["compute_90"]
+    assert fp8["doctor"][0]["sass_archs"] == ["sm_89", "sm_90a", "sm_120"]
+    assert fp8["doctor"][0]["ptx_archs"] == ["compute_120"]
 
 
 def _cuda12_requested() -> bool:

@@ -1,7 +1,8 @@
 """Real plugin wheels for the packaging tests, each built once per source tree.
 
-`plugin_build(plugin, cuda, archs)` runs ci/build-wheels (that plugin only, no core,
-ASTRAI_CUDA_ARCHS=archs) into build/test-wheels/<plugin>-cu<ver>-<archs>-<hash>/, where
+`plugin_build(plugin, cuda, archs, ptx=True)` runs ci/build-wheels (that plugin only, no core,
+ASTRAI_CUDA_ARCHS=archs, ASTRAI_CUDA_PTX=0 unless ptx) into
+build/test-wheels/<plugin>-cu<ver>-<archs>[-noptx]-<hash>/, where
 the hash covers everything the wheel is built from (the plugin's package, the shared CUDA
 files, ci/build-wheels). A later run on the same tree, another test module or another
 pytest process reuses it (a lock file serializes concurrent builders); a source change
@@ -9,7 +10,9 @@ replaces it.
 
 The rotary wheel every rotary test shares (tests/conftest.py's `rotary_build` session
 fixture and `rotary_wheel_dir`) is CUDA 13.0 with sm_80 + sm_90a + PTX: two SASS archs
-for the multi-arch checks of tests/test_plugin_build.py, still CI-sized.
+for the multi-arch checks of tests/test_plugin_build.py, still CI-sized. The FP8 build of
+tests/test_fp8_plugin.py (FP8_ARCHS) is the one tests/test_pip_install.py installs, and the
+attention wheel there is sm_90a without PTX (ATTENTION_ARCHS): one build of each per tree.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "build" / "test-wheels"
 PY = "cp%d%d" % sys.version_info[:2]
 ROTARY_ARCHS = "80;90a"
+# sm_86 must be skipped (FP8 needs sm_89+); sm_89 / sm_120 native QMMA, sm_90a emulated + wgmma
+FP8_ARCHS = "86;89;90a;120"
+ATTENTION_ARCHS = "90a"  # the slowest build: one arch, no PTX
 
 
 def cuda_tag(cuda: str) -> str:
@@ -60,11 +66,11 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a") -> Path:
+def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a", *, ptx: bool = True) -> Path:
     """The ci/build-wheels output folder of one astrai-<plugin> build for this Python:
     cu<ver>/ (the wheel), sdist-cu<ver>/, logs-cu<ver>/, build-report-cu<ver>.json."""
     tag = cuda_tag(cuda)
-    prefix = f"{plugin}-{tag}-{re.sub(r'[^0-9a-z]+', '_', archs.lower())}-"
+    prefix = f"{plugin}-{tag}-{re.sub(r'[^0-9a-z]+', '_', archs.lower())}-{'' if ptx else 'noptx-'}"
     folder = CACHE / f"{prefix}{_source_hash(plugin)}"
     with _locked(CACHE / f".{prefix}lock"):
         if list((folder / tag).glob(f"astrai_{plugin}-*-{PY}-*.whl")):
@@ -74,7 +80,8 @@ def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a") -> Path:
                 shutil.rmtree(stale, ignore_errors=True)
         require_toolkit(cuda)
         staging = Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=CACHE))
-        env = dict(os.environ, ASTRAI_CUDA_ARCHS=archs, CMAKE_BUILD_PARALLEL_LEVEL="2")
+        env = dict(os.environ, ASTRAI_CUDA_ARCHS=archs, ASTRAI_CUDA_PTX="1" if ptx else "0",
+                   CMAKE_BUILD_PARALLEL_LEVEL="2")
         build = subprocess.run([sys.executable, str(ROOT / "ci" / "build-wheels"), "--cuda", cuda, "--plugins",
                                 plugin, "--no-core", "--out", str(staging)], env=env, capture_output=True, text=True)
         if build.returncode != 0:
@@ -85,10 +92,10 @@ def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a") -> Path:
     return folder
 
 
-def plugin_wheel(plugin: str, cuda: str = "13.0", archs: str = "90a") -> Path:
+def plugin_wheel(plugin: str, cuda: str = "13.0", archs: str = "90a", *, ptx: bool = True) -> Path:
     """The wheel of `plugin_build(...)`."""
     tag = cuda_tag(cuda)
-    wheels = sorted((plugin_build(plugin, cuda, archs) / tag).glob(f"astrai_{plugin}-*-{PY}-*.whl"))
+    wheels = sorted((plugin_build(plugin, cuda, archs, ptx=ptx) / tag).glob(f"astrai_{plugin}-*-{PY}-*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"expected one astrai_{plugin} wheel for {PY}, found {wheels}")
     return wheels[0]
