@@ -1,14 +1,56 @@
+import os
+
 import pytest
 import torch
 
+MAX_WORKERS = 4  # each pytest-xdist worker imports torch: a few hundred MB apiece
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """With pytest-xdist installed (ci/requirements-dev.txt pins it) and no ``-n`` given, the
+    suite runs as ``-n auto --dist loadfile --no-loadscope-reorder``: whole modules per worker
+    (a module's build fixtures are made once), in the order of _slow_modules_first. ``-n 0``
+    or ``-p no:xdist`` runs it in this process; so does an environment without pytest-xdist.
+    Runs before xdist's own hook (both tryfirst; a conftest registers later, so goes first);
+    a worker (``config.workerinput``), or a pytest a worker started, runs in one process."""
+    option = config.option
+    in_worker = hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ
+    if not config.pluginmanager.hasplugin("xdist") or in_worker or option.numprocesses is not None \
+            or option.collectonly:
+        return
+    option.numprocesses = "auto"
+    if option.dist == "no":
+        option.dist, option.loadscopereorder = "loadfile", False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """The worker count of ``-n auto``: one per CPU this process may run on, at most
+    MAX_WORKERS; none on a CUDA machine, where the GPU tests would share the device (and
+    time kernels on it), so they run in this process as before."""
+    if torch.cuda.is_available():
+        return 0
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
 
 def pytest_collection_modifyitems(config, items):
+    _slow_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items):
+    """The modules with a ``slow`` test (they compile the plugins: minutes) before the rest,
+    each module's tests kept together and in order: pytest-xdist hands out whole modules in
+    this order (``--dist loadfile --no-loadscope-reorder``), so the compiles start at once
+    and overlap the rest of the suite instead of ending it."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture
