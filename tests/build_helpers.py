@@ -33,14 +33,17 @@ def load_module(name: str, path: Path, *, register: bool = False) -> ModuleType:
     return module
 
 
-def plugin_manifest_of(package_dir: Path, name: str) -> dict[str, Any]:
-    """manifest() of an unpacked plugin package, imported under a temporary name."""
+def plugin_manifest_of(package_dir: Path, name: str, build_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """manifest() of an unpacked plugin package, imported under a temporary name; with
+    `build_info`, of a source package too (that record stands in for the build's)."""
     spec = importlib.util.spec_from_file_location(name, package_dir / "__init__.py",
                                                   submodule_search_locations=[str(package_dir)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # importlib.resources.files(__name__) looks it up there
     try:
         spec.loader.exec_module(module)
+        if build_info is not None:
+            module.build_info = lambda: build_info
         return module.manifest()
     finally:
         del sys.modules[spec.name]
