@@ -4,6 +4,7 @@
 //   device_sm(dev)     host: the compute capability of a device, as major*10+minor
 //   kMinSmFor*         the lowest arch each feature needs
 //   kMmaEnabled        false when the build passed ASTRAI_NO_MMA (scalar fallbacks only)
+//   built_for_sm90()   the translation unit holds sm_90a kernels (wgmma, TMA)
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +30,22 @@ __host__ __device__ constexpr bool sm_at_least(int sm) {
 #else
     return (void)sm, false;
 #endif
+}
+
+// Whether this translation unit holds the sm_90a kernels. Plugin builds say so (ASTRAI_SM90A,
+// set by the CMake helper from the SASS list: plain sm_90 SASS or compute_90 PTX only carry
+// trap stubs); a bare nvcc build (the standalone tests) is asked through nvcc's host-pass list
+// of device archs (__CUDA_ARCH_LIST__), which shows 900 for sm_90 and sm_90a alike: without
+// 900 there is nothing to launch.
+inline constexpr bool built_for_sm90() {
+#if defined(ASTRAI_SM90A)
+    return ASTRAI_SM90A != 0;
+#elif defined(__CUDA_ARCH_LIST__)
+    constexpr int archs[] = {__CUDA_ARCH_LIST__};
+    for (int arch : archs)
+        if (arch == 900) return true;
+#endif
+    return false;
 }
 
 // Compute capability of `device` (major*10+minor); throws CudaError without a device.

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "astrai/device.cuh"
 #include "config.h"
 #include "kernel.cuh"
 #include "planning.h"
@@ -52,22 +53,9 @@ inline std::string device_limits(DeviceLimits& d) {
     return e == cudaSuccess ? "" : std::string("device query failed: ") + cudaGetErrorString(e);
 }
 
-// The kernel body exists only in sm_90a device code. nvcc's host pass lists the device
-// archs of this translation unit (__CUDA_ARCH_LIST__; it shows 900 for sm_90 and sm_90a
-// alike): without 900 there is nothing to launch. A stub compiled for plain sm_90 / PTX
-// traps (kernel.cuh) instead of returning garbage; build with 90a, as the plugin's arch
-// lists do.
-inline constexpr bool built_for_sm90() {
-#if defined(ASTRAI_SM90A)  // plugin builds: sm_90a SASS in the module (CMake helper)
-    return ASTRAI_SM90A != 0;
-#elif defined(__CUDA_ARCH_LIST__)
-    constexpr int archs[] = {__CUDA_ARCH_LIST__};
-    for (int arch : archs)
-        if (arch == 900) return true;
-#endif
-    return false;
-}
-
+// The kernel body exists only in sm_90a device code (astrai::built_for_sm90(), device.cuh):
+// without it there is nothing to launch. A stub compiled for plain sm_90 / PTX traps
+// (kernel.cuh) instead of returning garbage; build with 90a, as the plugin's arch lists do.
 template <class Cfg>
 std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     if constexpr (!built_for_sm90()) return kNoSm90Code;

@@ -1,7 +1,7 @@
 // gemm_entry (entry.h): the Hopper FP8 GEMM behind the plugin's fp8_gemm. This translation
 // unit holds every instantiation of the wgmma kernel (15 tile configs x 4 format pairs);
 // their bodies are compiled for sm_90a only; other archs get stubs that trap, and a build
-// without any sm_90 target reports NotApplicable (built_for_sm90() in dispatch.cuh).
+// without any sm_90 target reports NotApplicable (astrai::built_for_sm90(), cuda-common device.cuh).
 #include "entry.h"
 
 #include "dispatch.cuh"
