@@ -247,18 +247,23 @@ def test_cli_generate_from_a_local_checkpoint(tmp_path, capsys):
 def test_graphs_require_the_paged_decode_kernel_for_this_cache(monkeypatch):
     from types import SimpleNamespace
 
-    from astrai.extension import PagedKVCache
+    from astrai.extension import ATTN_BACKEND, PagedKVCache, attn_backend
     from astrai.extension.backend.attention import AttentionCall
     from astrai.serve import graphs
 
-    def decision(dtype, chosen):
-        key = AttentionCall(torch.device("cuda", 0), dtype, 128, 32, 8, "decode", None, True, 0, True, 16, False)
-        return SimpleNamespace(key=key, chosen=chosen)
+    def decision(dtype, chosen, source="default", kv_dtype=None):
+        key = AttentionCall(torch.device("cuda", 0), dtype, 128, 32, 8, "decode", None, True, 0, True, 16, False,
+                            kv_dtype=kv_dtype)
+        return SimpleNamespace(key=key, chosen=chosen, source=source)
 
     cache = PagedKVCache(num_layers=1, num_pages=4, page_size=16, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    seen = [decision(torch.float32, "torch_native"), decision(torch.bfloat16, "cuda")]
+    seen = [decision(torch.float32, "torch_native"), decision(torch.bfloat16, "cuda"),
+            decision(torch.bfloat16, "torch_native", kv_dtype=torch.float8_e4m3fn),  # an FP8 cache's
+            decision(torch.bfloat16, "torch_native", source="explicit")]  # forced with attn_backend elsewhere
     monkeypatch.setattr(graphs, "explain", lambda op: seen)
     graphs._require_graph_safe_attention(cache)  # another dtype's fallback is no concern
+    with attn_backend(ATTN_BACKEND.TORCH_NATIVE), pytest.raises(RuntimeError, match="torch_native"):
+        graphs._require_graph_safe_attention(cache)  # forced now: the forced decisions count
     seen.append(decision(torch.bfloat16, "torch_native"))
     with pytest.raises(RuntimeError, match="torch_native"):
         graphs._require_graph_safe_attention(cache)

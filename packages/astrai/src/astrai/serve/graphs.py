@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ..extension import BatchPlan, PagedKVCache, explain
+from ..extension.backend.attention import current_attn_backend
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan"]
 
@@ -34,11 +35,16 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, posit
 def _require_graph_safe_attention(cache: PagedKVCache) -> None:
     """The paged decode kernel reads only device metadata; the torch fallback sizes its
     gathers from the plan's host lengths, which a replay would not update. Looks at the
-    decisions for calls over caches like ``cache`` (the warm-up step just made one)."""
+    decisions for calls over caches like ``cache`` (the warm-up step just made one): same
+    dtypes (of the pages too) and geometry, and made as the engine's are (a backend forced
+    with ``attn_backend`` elsewhere in the process, e.g. a comparison against torch, is not
+    the engine's unless one is forced now)."""
+    forced = current_attn_backend() is not None
     chosen = {d.chosen for d in explain("attention")
               if d.key.paged and d.key.mode == "decode" and d.key.device.type == "cuda"
-              and d.key.dtype == cache.dtype and d.key.head_dim == cache.head_dim
-              and d.key.kv_heads == cache.kv_heads and d.key.page_size == cache.page_size}
+              and d.key.dtype == cache.dtype and (d.key.kv_dtype or d.key.dtype) == cache.kv_dtype
+              and d.key.head_dim == cache.head_dim and d.key.kv_heads == cache.kv_heads
+              and d.key.page_size == cache.page_size and (forced or d.source != "explicit")}
     if chosen - {"cuda"}:
         raise RuntimeError(f"decode attention runs on {sorted(chosen)}, not the CUDA kernels: "
                            "CUDA graphs need the astrai-attention plugin")

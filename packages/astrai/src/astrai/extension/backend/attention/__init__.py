@@ -86,6 +86,11 @@ def _parse_backend(value: object, source: str) -> ATTN_BACKEND:
 _explicit: contextvars.ContextVar[ATTN_BACKEND | None] = contextvars.ContextVar("astrai_attn_backend", default=None)
 
 
+def current_attn_backend() -> ATTN_BACKEND | None:
+    """The backend an enclosing ``attn_backend(...)`` forces, or None."""
+    return _explicit.get()
+
+
 @contextlib.contextmanager
 def attn_backend(backend: ATTN_BACKEND | str | None) -> Iterator[ATTN_BACKEND | None]:
     """Run the attention calls of this block on ``backend``, strictly (no silent fallback).
