@@ -255,7 +255,8 @@ def _t(ptr, shape, dtype=2, strides=None):
     return ptr, tuple(shape), tuple(strides), dtype
 
 
-def test_modules_apply_the_variants_the_manifest_states(build):
+def _plugin_package():
+    """The plugin's Python package from the source tree (its manifest code, nothing compiled)."""
     import importlib.util
 
     package = PLUGIN / "src" / "astrai_attention"
@@ -264,6 +265,11 @@ def test_modules_apply_the_variants_the_manifest_states(build):
     plugin = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("astrai_attention", plugin)
     spec.loader.exec_module(plugin)
+    return plugin
+
+
+def test_modules_apply_the_variants_the_manifest_states(build):
+    plugin = _plugin_package()
     build_dir, _ = build
     stated = {op: op_spec.get("variants") for op, op_spec in plugin._OPS.items()}
     for name in MODULES:
@@ -271,13 +277,7 @@ def test_modules_apply_the_variants_the_manifest_states(build):
 
 
 def test_the_paged_decode_reads_the_page_dtypes_the_manifest_states(build):
-    import importlib.util
-
-    package = PLUGIN / "src" / "astrai_attention"
-    spec = importlib.util.spec_from_file_location("astrai_attention_kv", package / "__init__.py",
-                                                  submodule_search_locations=[str(package)])
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
+    plugin = _plugin_package()
     build_dir, _ = build
     ops = plugin._ops({"sass_archs": [], "no_mma": False})
     assert tuple(_load(build_dir, "_attn_paged_decode").KV_DTYPES) == tuple(ops["attn_paged_decode"]["kv_dtypes"])
@@ -414,21 +414,32 @@ def test_cuda_failures_carry_their_code(build):
     assert exc.cuda_error_name.startswith("cudaError") and exc.cuda_error_name in str(exc)
 
 
+STANDALONE = ("attn_test.cu", "attn_paged_test.cu")
+
+
+def _run_together(commands: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
+    """Runs the commands at once (the compiles take minutes each); name -> (returncode, stderr)."""
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for name, cmd in commands.items()}
+    return {name: (proc.wait(), proc.communicate()[1]) for name, proc in procs.items()}
+
+
 def test_standalone_tests_compile():
     """csrc/tests/*.cu keep building with the command in their header (host code and PTX;
     the plugin build above already runs ptxas over the same kernels)."""
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
-    for name in ("attn_test.cu", "attn_paged_test.cu"):
+    commands = {}
+    for name in STANDALONE:
         header = (PLUGIN / "csrc" / "tests" / name).read_text().splitlines()[:10]
         assert any(line.lstrip("/ ").startswith("nvcc") for line in header), f"{name}: no build command"
-        res = subprocess.run([nvcc, "-std=c++17", "-I", str(PLUGIN / "csrc"), "-I", str(REPO / "packages" /
-                              "cuda-common" / "include"), "-gencode=arch=compute_90a,code=compute_90a", "-O1",
-                              "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp", "-c",
-                              "-o", os.devnull, str(PLUGIN / "csrc" / "tests" / name)],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-3000:]
+        commands[name] = [nvcc, "-std=c++17", "-I", str(PLUGIN / "csrc"), "-I", str(REPO / "packages" /
+                          "cuda-common" / "include"), "-gencode=arch=compute_90a,code=compute_90a", "-O1",
+                          "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp", "-c",
+                          "-o", os.devnull, str(PLUGIN / "csrc" / "tests" / name)]
+    for name, (rc, stderr) in _run_together(commands).items():
+        assert rc == 0, f"{name}: {stderr[-3000:]}"
 
 
 # The Hopper prefill's build knobs written before a GPU could run them (prefill_ws.cuh): they
@@ -437,22 +448,21 @@ PENDING_KNOBS = ("-DASTRAI_PREFILL_WS_MHA=1", "-DASTRAI_PREFILL_LAZY_RESCALE=1",
                  "-DASTRAI_PREFILL_EXP2_EMULATE=4")
 
 
-@pytest.mark.parametrize("name", ["attn_test.cu", "attn_paged_test.cu"])
-def test_pending_prefill_knobs_compile_clean(name):
+def test_pending_prefill_knobs_compile_clean():
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
-    res = subprocess.run([nvcc, "-std=c++17", "-I", str(PLUGIN / "csrc"), "-I", str(REPO / "packages" /
-                          "cuda-common" / "include"), "-gencode=arch=compute_90a,code=sm_90a", "-O3",
-                          "--use_fast_math", "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp", "-Xptxas", "-v",
-                          *PENDING_KNOBS, "-c", "-o", os.devnull, str(PLUGIN / "csrc" / "tests" / name)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "C7518" not in res.stderr, "ptxas serialized wgmma"
-    reports = [line for line in res.stderr.splitlines() if "spill" in line]
-    assert reports, "no ptxas report"
-    spills = [line for line in reports if " 0 bytes spill stores, 0 bytes spill loads" not in line]
-    assert not spills, spills[:5]
+    commands = {name: [nvcc, "-std=c++17", "-I", str(PLUGIN / "csrc"), "-I", str(REPO / "packages" / "cuda-common" /
+                       "include"), "-gencode=arch=compute_90a,code=sm_90a", "-O3", "--use_fast_math",
+                       "--expt-relaxed-constexpr", "-Xcompiler", "-fopenmp", "-Xptxas", "-v", *PENDING_KNOBS, "-c",
+                       "-o", os.devnull, str(PLUGIN / "csrc" / "tests" / name)] for name in STANDALONE}
+    for name, (rc, stderr) in _run_together(commands).items():
+        assert rc == 0, f"{name}: {stderr[-3000:]}"
+        assert "C7518" not in stderr, f"{name}: ptxas serialized wgmma"
+        reports = [line for line in stderr.splitlines() if "spill" in line]
+        assert reports, f"{name}: no ptxas report"
+        spills = [line for line in reports if " 0 bytes spill stores, 0 bytes spill loads" not in line]
+        assert not spills, (name, spills[:5])
 
 
 def test_custom_ops_have_fake_impls():
