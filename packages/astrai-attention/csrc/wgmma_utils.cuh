@@ -1,5 +1,4 @@
-// Hopper (sm_90a) helpers of the warp-specialized prefill: whether the module holds sm_90a
-// code, register fences around asynchronous MMAs, and shared-memory descriptors of
+// Hopper (sm_90a) helpers of the warp-specialized prefill: register fences around asynchronous MMAs, and shared-memory descriptors of
 // 128-byte-swizzled tiles (the MMAs themselves: wgmma_ops.cuh). Callers guard device code
 // with ASTRAI_ATTN_SM90 (sm_90a only).
 #pragma once
@@ -10,6 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "astrai/device.cuh"
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ASTRAI_ATTN_SM90 1
 #else
@@ -18,20 +19,7 @@
 
 namespace astrai::attn {
 
-// Whether the module holds the sm_90a kernels. Plugin builds say so (ASTRAI_SM90A, set by
-// the CMake helper from the SASS list: plain sm_90 SASS or compute_90 PTX only carry trap
-// stubs); a bare nvcc build (the standalone tests) is asked through nvcc's host-pass list of
-// device archs, which shows 900 for sm_90 and sm_90a alike.
-inline constexpr bool built_for_sm90() {
-#if defined(ASTRAI_SM90A)
-    return ASTRAI_SM90A != 0;
-#elif defined(__CUDA_ARCH_LIST__)
-    constexpr int archs[] = {__CUDA_ARCH_LIST__};
-    for (int arch : archs)
-        if (arch == 900) return true;
-#endif
-    return false;
-}
+// built_for_sm90(): astrai/device.cuh (whether the module holds the sm_90a kernels).
 
 #if ASTRAI_ATTN_SM90
 // Keeps the compiler from reading accumulators before the wait or moving writes across an issue.
