@@ -10,7 +10,8 @@ the engine (CUDA-graph decode), the engine with FP8 linears, transformers ``gene
 same ``--requests`` prompts (lengths uniform in ``--prompt-len``) with ``--new-tokens`` each.
 
 Reports decode tokens/s, TTFT, and the engine's decode step at batch sizes 1..64 (context
-``--context``) against its HBM limit: (weight bytes + KV bytes read per step) / 4.6 TB/s,
+``--context``) against its HBM floor: (weight bytes + KV bytes read per step) over the GPU's
+peak bandwidth (``astrai.serve.hbm.BANDWIDTH``, the figure ``astrai generate`` prints against),
 with the overlapped decode loop (default) and step by step (``overlap=False``).
 Correctness: token agreement with transformers ``generate`` (position by position, and
 teacher-forced: transformers' argmax on the engine's own sequence), and the engine's logits
@@ -30,8 +31,10 @@ import torch
 
 from astrai.serve import LLM
 from astrai.serve.compare import agreement, hf_generate, hf_generate_batch
+from astrai.serve.hbm import memory_bandwidth
 
-HBM_BYTES_PER_S = 4.6e12
+# the floor astrai generate prints: the device's peak bandwidth (4.8 TB/s on an H200)
+HBM_BYTES_PER_S = memory_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 def _args():
@@ -65,7 +68,7 @@ def _hbm_ms(llm: LLM, batch: int, context: int) -> float:
     rest = c.num_parameters() - linears - c.vocab_size * h * (0 if c.tie_word_embeddings else 1)
     weights = linears * (1 if llm.fp8 else item) + rest * item
     kv = batch * context * c.num_layers * 2 * c.kv_size * item
-    return 1e3 * (weights + kv) / HBM_BYTES_PER_S
+    return float("nan") if HBM_BYTES_PER_S is None else 1e3 * (weights + kv) / HBM_BYTES_PER_S
 
 
 def _decode_sweep(llm: LLM, sizes: list[int], context: int, rng: random.Random) -> list[dict]:
