@@ -185,7 +185,7 @@ __device__ __forceinline__ void b16_output(float (&o)[D / 8][4], const float (&s
 template <typename T, int D, class KvFmt, class QFrag>
 __device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_tile, int warp, int lane,
                                            QFrag&& q_frag) {
-    using K8 = Fp8ToT<T, KvFmt>;
+    using K8 = Fp8ToBf16<KvFmt>;  // bfloat16 q (float16 q: the hardware conversion)
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int seg = 0; seg < D / 64; ++seg) {
@@ -243,8 +243,9 @@ __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s
         for (int jj = 0; jj < 4 * kLoadWords; ++jj) {
             const int j = 4 * kLoadWords * part + jj, word = jj / 4, at = jj % 4;
             // byte `at` of rows 2t and 2t + 1 (2t + 8, 2t + 9) into the low 16 bits, converted
-            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(__byte_perm(w[0][word], w[1][word], (4 + at) << 4 | at)),
-                                        fp8x2_to_half2<KvFmt>(__byte_perm(w[2][word], w[3][word], (4 + at) << 4 | at))});
+            const uint32_t sel = low_pair_selector(at, 4 + at);
+            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(__byte_perm(w[0][word], w[1][word], sel)),
+                                        fp8x2_to_half2<KvFmt>(__byte_perm(w[2][word], w[3][word], sel))});
         }
     }
 }
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
         if constexpr (kFp8) {
             fp8_scores<T, D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
             // bfloat16 K carries the conversion's power of two (kv_fp8.cuh); two steps: no overflow
-            const float unit = std::is_same_v<T, __half> ? 1.f : Fp8ToT<T, KvFmt>::unit();
+            const float unit = std::is_same_v<T, __half> ? 1.f : Fp8ToBf16<KvFmt>::unit();
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll

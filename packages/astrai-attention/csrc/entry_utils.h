@@ -22,6 +22,18 @@ namespace astrai::attn {
 
 inline bool is_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
+// Rows the kernels copy 16 bytes at a time (cp.async): last dim contiguous, a 16-byte aligned
+// pointer, every other stride a whole number of 16 bytes.
+inline void check_rows16(const TensorArg& t) {
+    expect_last_dim_contiguous(t);
+    expect_data(t, 16);
+    const int64_t per_16 = 16 / dtype_size(t.dtype);
+    for (int i = 0; i + 1 < t.ndim(); ++i)
+        ASTRAI_CHECK(t.stride(i) % per_16 == 0 || t.size(i) <= 1, t.name, ": stride of dim ", i,
+                     " must be a multiple of ", per_16, " elements (16-byte rows), got strides ",
+                     shape_str(t.strides));
+}
+
 // q/k/v/o-like operands: 16-bit float, last dim contiguous, 16-byte aligned rows (cp.async).
 inline void check_operand(const TensorArg& t, int ndim, DType dtype) {
     expect_ndim(t, ndim);
@@ -29,12 +41,7 @@ inline void check_operand(const TensorArg& t, int ndim, DType dtype) {
                  ": dtype must be bfloat16 or float16, got ", dtype_name(t.dtype));
     ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from q's ",
                  dtype_name(dtype));
-    expect_last_dim_contiguous(t);
-    expect_data(t, 16);
-    for (int i = 0; i + 1 < t.ndim(); ++i)
-        ASTRAI_CHECK(t.stride(i) % 8 == 0 || t.size(i) <= 1, t.name, ": stride of dim ", i,
-                     " must be a multiple of 8 elements (16-byte rows), got strides ",
-                     shape_str(t.strides));
+    check_rows16(t);
 }
 
 inline void check_index(const TensorArg& t, int64_t len, const char* what) {
@@ -162,11 +169,7 @@ inline void check_fp8_pages(const TensorArg& t, DType dtype) {
     expect_ndim(t, 4);
     ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from k_cache's ",
                  dtype_name(dtype));
-    expect_last_dim_contiguous(t);
-    expect_data(t, 16);
-    for (int i = 0; i + 1 < t.ndim(); ++i)
-        ASTRAI_CHECK(t.stride(i) % 16 == 0 || t.size(i) <= 1, t.name, ": stride of dim ", i,
-                     " must be a multiple of 16 elements (16-byte rows), got strides ", shape_str(t.strides));
+    check_rows16(t);
 }
 
 // A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads), of

@@ -29,11 +29,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "astrai/check.h"
 #include "astrai/dtype.h"
 #include "astrai/tensor_arg.h"
+#include "mma_utils.cuh"  // Elem<T>
 
 namespace astrai::attn {
 
@@ -120,12 +120,6 @@ __device__ __forceinline__ KvAppendItem kv_append_item(const KvAppendParams& p, 
     return it;
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-    if constexpr (std::is_same_v<T, __half>) return __half2float(x);
-    else return __bfloat162float(x);
-}
-
 // 16-bit T into fp8 format kFmt, kVec values per item: x / scale in float32 (IEEE division),
 // rounded to nearest even and saturated.
 template <typename T, int kVec, __nv_fp8_interpretation_t kFmt>
@@ -139,15 +133,15 @@ __global__ void kv_append_fp8_kernel(KvAppendParams p) {
         uint8_t* dst = reinterpret_cast<uint8_t*>(it.dst) + it.u * kVec;
         const float scale = p.scale[it.which][it.h * p.scale_stride];
         if constexpr (kVec == 1) {
-            *dst = __nv_cvt_float_to_fp8(__fdiv_rn(to_float(*src), scale), __NV_SATFINITE, kFmt);
+            *dst = __nv_cvt_float_to_fp8(__fdiv_rn(Elem<T>::to_float(*src), scale), __NV_SATFINITE, kFmt);
         } else {
             T x[kVec];
             *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(src);
             uint16_t y[kVec / 2];
 #pragma unroll
             for (int k = 0; k < kVec / 2; ++k)
-                y[k] = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(to_float(x[2 * k]), scale),
-                                                            __fdiv_rn(to_float(x[2 * k + 1]), scale)),
+                y[k] = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(Elem<T>::to_float(x[2 * k]), scale),
+                                                            __fdiv_rn(Elem<T>::to_float(x[2 * k + 1]), scale)),
                                                 __NV_SATFINITE, kFmt);
             *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(y);
         }

@@ -10,7 +10,7 @@
 // shifted into bfloat16's exponent and mantissa fields, are the same number times
 // 2^-(127 - bias_fp8) (subnormals too: a zero exponent field stays a zero field), so a byte pair
 // becomes a bfloat16 pair in three integer ops and the power of two joins the K scale
-// (Fp8ToT::unit); e4m3's NaN encodings become finite values there (the cache saturates what it
+// (Fp8ToBf16::unit); e4m3's NaN encodings become finite values there (the cache saturates what it
 // stores; only a NaN key produces them). The scores convert K into the compute dtype; the
 // output converts V into float16 and runs P.V on float16 whatever the compute dtype (P in
 // [0, 1] keeps more bits there than in bfloat16).
@@ -53,26 +53,15 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t x) {
     return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
-template <typename T>
-struct Float16Bits;
-template <>
-struct Float16Bits<__nv_bfloat16> {
-    static constexpr int kExpBits = 8, kBias = 127;
-};
-template <>
-struct Float16Bits<__half> {
-    static constexpr int kExpBits = 5, kBias = 15;
-};
-
-// fp8 format F -> compute type T, two values at a time (the Conversion paragraph above).
-template <typename T, class F>
-struct Fp8ToT {
-    static constexpr int kShift = Float16Bits<T>::kExpBits - F::kExpBits;
+// fp8 format F -> bfloat16, two values at a time (the Conversion paragraph above).
+template <class F>
+struct Fp8ToBf16 {
+    static constexpr int kShift = 8 - F::kExpBits;                     // bfloat16: 8 exponent bits
     static constexpr uint32_t kMask = (0x7f00u >> kShift) * 0x10001u;  // exponent + mantissa, both halves
-    static constexpr int kUnitExp = Float16Bits<T>::kBias - F::kBias;
+    static constexpr int kUnitExp = 127 - F::kBias;
     // What a converted value is multiplied by to be the stored fp8 number: 2^kUnitExp.
     __device__ __forceinline__ static float unit() { return __int_as_float((kUnitExp + 127) << 23); }
-    // z: two fp8 bytes in bits 15:8 and 31:24 (the other bits are ignored) -> a packed T pair.
+    // z: two fp8 bytes in bits 15:8 and 31:24 (the other bits are ignored) -> a packed bfloat16 pair.
     __device__ __forceinline__ static uint32_t pair(uint32_t z) {
         return (z & 0x80008000u) | ((z >> kShift) & kMask);
     }
@@ -97,10 +86,11 @@ struct Fp8Tile {
     }
 };
 
-// The __byte_perm selector that puts byte lo of (a, b) (0..7) into bits 15:8 and byte hi into
-// bits 31:24: the z of Fp8ToT::pair.
+// __byte_perm selectors over the bytes 0..7 of (a, b): byte lo into bits 15:8 and byte hi into
+// bits 31:24 (the z of Fp8ToBf16::pair), or lo into bits 7:0 and hi into 15:8 (fp8x2_to_half2's).
 __device__ __forceinline__ constexpr uint32_t pair_selector(int lo, int hi) {
     return uint32_t((hi << 12) | (hi << 8) | (lo << 4) | lo);
 }
+__device__ __forceinline__ constexpr uint32_t low_pair_selector(int lo, int hi) { return uint32_t((hi << 4) | lo); }
 
 }  // namespace astrai::attn
