@@ -33,6 +33,7 @@ from ..extension.backend.rotary import rotary_torch
 from ..extension.device import probe_device
 from ..extension.kv_cache import PagedKVCache
 from ..extension.runtime import current_runtime
+from ..extension.op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, FP8_GEMM, ROTARY_EMB
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from .checks import UsageError, check_environment, plugin_names, require, writable
 from .doctor import backend_name
@@ -56,11 +57,11 @@ class Case:
 
 # every benchmark by name, and the op doctor lists that it times
 BENCHMARKS = {
-    "paged decode": "attn_paged_decode",
-    "prefill causal": "attn_paged_prefill",
-    "rotary": "rotary_emb",
-    "fp8 gemm vs bf16": "fp8_gemm",
-    "fp8 linear forward": "fp8_gemm",
+    "paged decode": ATTN_PAGED_DECODE,
+    "prefill causal": ATTN_PAGED_PREFILL,
+    "rotary": ROTARY_EMB,
+    "fp8 gemm vs bf16": FP8_GEMM,
+    "fp8 linear forward": FP8_GEMM,
 }
 
 
@@ -227,7 +228,7 @@ def _rotary_case(device, dtype, tokens, heads=32, d=128, batch=1) -> Case:
 
     nbytes = 2 * x.numel() * x.element_size() + 2 * cos.numel() * 4
     shape = f"{tokens} tok x {heads} x {d}" if batch == 1 else f"{batch} x {tokens} tok x {heads} x {d}"
-    return Case("rotary", shape, run, run_torch, bytes=nbytes, op="rotary_emb")
+    return Case("rotary", shape, run, run_torch, bytes=nbytes, op=ROTARY_EMB)
 
 
 def _fp8_case(device, m, n, k) -> Case:
@@ -243,7 +244,7 @@ def _fp8_case(device, m, n, k) -> Case:
         return (dense_a @ dense_b) * scale
 
     return Case("fp8 gemm vs bf16", f"{m}x{n}x{k}", run, run_torch, flops=2 * m * n * k,
-                op="fp8_gemm")
+                op=FP8_GEMM)
 
 
 def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
@@ -261,7 +262,7 @@ def _fp8_linear_case(device, m, n=8192, k=8192) -> Case:
             return lin(x)
 
     return Case("fp8 linear forward", f"M={m} N={n} K={k}", run, run_torch, flops=2 * m * n * k,
-                op="fp8_gemm")
+                op=FP8_GEMM)
 
 
 def cases(device: torch.device, quick: bool) -> list[Case]:

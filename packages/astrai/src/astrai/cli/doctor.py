@@ -16,6 +16,9 @@ from rich.table import Table
 from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
 from ..extension.install import PLUGIN_EXTRAS, PUBLISHED_CUDA, cuda_index_tag, index_is_published
+from ..extension.op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL,
+                                  FP8_GEMM, FP8_QUANTIZE, FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM,
+                                  ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import OpStatus, Registry
 from ..extension.runtime import current_runtime
@@ -24,18 +27,18 @@ from .install_hint import INSTALLERS, extra_of, install_command
 from .output import reader_may_leave
 
 FALLBACKS = {
-    "attn_decode": "torch SDPA",
-    "attn_prefill": "torch SDPA",
-    "attn_paged_decode": "torch SDPA over gathered pages",
-    "attn_paged_prefill": "torch SDPA over gathered pages",
-    "rotary_emb": "torch complex multiply",
-    "rope_paged_append": "torch rotation, then PagedKVCache.append",
-    "rms_norm": "torch ops (transformers' RMSNorm, op by op)",
-    "fused_add_rms_norm": "torch add, then RMSNorm op by op",
-    "silu_and_mul": "torch F.silu(gate) * up",
-    "fp8_quantize": "torch saturating cast",
-    "fp8_gemm": "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
-    "fp8_scale_update": "torch ops (nine small kernels)",
+    ATTN_DECODE: "torch SDPA",
+    ATTN_PREFILL: "torch SDPA",
+    ATTN_PAGED_DECODE: "torch SDPA over gathered pages",
+    ATTN_PAGED_PREFILL: "torch SDPA over gathered pages",
+    ROTARY_EMB: "torch complex multiply",
+    ROPE_PAGED_APPEND: "torch rotation, then PagedKVCache.append",
+    RMS_NORM: "torch ops (transformers' RMSNorm, op by op)",
+    FUSED_ADD_RMS_NORM: "torch add, then RMSNorm op by op",
+    SILU_AND_MUL: "torch F.silu(gate) * up",
+    FP8_QUANTIZE: "torch saturating cast",
+    FP8_GEMM: "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
+    FP8_SCALE_UPDATE: "torch ops (nine small kernels)",
 }
 
 

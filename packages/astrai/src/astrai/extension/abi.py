@@ -11,6 +11,9 @@ from contextlib import nullcontext
 
 import torch
 
+from .op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL, FP8_GEMM, FP8_QUANTIZE,
+                       FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
+
 # Mirrors astrai/dtype.h in packages/cuda-common; the numbers are part of ABI 1.
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
@@ -25,18 +28,18 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 
 # The ABI version of each op's call convention this core speaks.
 SUPPORTED_OP_ABI: dict[str, frozenset[int]] = {
-    "attn_decode": frozenset({1}),
-    "attn_prefill": frozenset({1}),
-    "attn_paged_decode": frozenset({1}),
-    "attn_paged_prefill": frozenset({1}),
-    "rotary_emb": frozenset({1}),
-    "rope_paged_append": frozenset({1}),
-    "rms_norm": frozenset({1}),
-    "fused_add_rms_norm": frozenset({1}),
-    "silu_and_mul": frozenset({1}),
-    "fp8_quantize": frozenset({1}),
-    "fp8_gemm": frozenset({1}),
-    "fp8_scale_update": frozenset({1}),
+    ATTN_DECODE: frozenset({1}),
+    ATTN_PREFILL: frozenset({1}),
+    ATTN_PAGED_DECODE: frozenset({1}),
+    ATTN_PAGED_PREFILL: frozenset({1}),
+    ROTARY_EMB: frozenset({1}),
+    ROPE_PAGED_APPEND: frozenset({1}),
+    RMS_NORM: frozenset({1}),
+    FUSED_ADD_RMS_NORM: frozenset({1}),
+    SILU_AND_MUL: frozenset({1}),
+    FP8_QUANTIZE: frozenset({1}),
+    FP8_GEMM: frozenset({1}),
+    FP8_SCALE_UPDATE: frozenset({1}),
 }
 
 

@@ -32,6 +32,7 @@ import torch
 
 from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
+from ..op_names import FP8_GEMM, FP8_QUANTIZE, FP8_SCALE_UPDATE
 from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime, current_runtime
 from . import fp8_torch, prefer
@@ -135,11 +136,11 @@ class _Always:
 
 
 def _gemm_candidates(runtime: Runtime) -> list:
-    return [_PluginOp("fp8_gemm", runtime), _ScaledMm(), _Always("emulated")]
+    return [_PluginOp(FP8_GEMM, runtime), _ScaledMm(), _Always("emulated")]
 
 
 def _quantize_candidates(runtime: Runtime) -> list:
-    return [_PluginOp("fp8_quantize", runtime), _Always("torch")]
+    return [_PluginOp(FP8_QUANTIZE, runtime), _Always("torch")]
 
 
 class _Candidates:
@@ -179,7 +180,7 @@ def choose_gemm(device: DeviceInfo, a_fmt: str, b_fmt: str, *, runtime: Runtime 
     cls = None if shape is None else shape_class(*shape)
     call = Fp8Call(device, (_FMT_NAMES[a_fmt], _FMT_NAMES[b_fmt]), cls)
     key = (device.key, device.sm, a_fmt, b_fmt, cls)
-    return runtime.resolver.resolve("fp8_gemm", _Candidates(_gemm_candidates, runtime), call, key,
+    return runtime.resolver.resolve(FP8_GEMM, _Candidates(_gemm_candidates, runtime), call, key,
                                     explicit=backend).name
 
 
@@ -190,7 +191,7 @@ def choose_quantize(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, *,
     dtype_name = _NAMES.get(x_dtype) or _dtype_name(x_dtype)
     call = Fp8Call(device, (dtype_name,))
     key = (device.key, device.sm, dtype_name, fmt)
-    return runtime.resolver.resolve("fp8_quantize", _Candidates(_quantize_candidates, runtime), call,
+    return runtime.resolver.resolve(FP8_QUANTIZE, _Candidates(_quantize_candidates, runtime), call,
                                     key, explicit=backend).name
 
 
@@ -312,7 +313,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3", out_layout
         try:
             return ops_fp8.fp8_quantize(x, scale.reshape(()), fmt, out_layout)
         except RuntimeError:
-            if backend is not None or not _plugin_broken(runtime, "fp8_quantize", device):
+            if backend is not None or not _plugin_broken(runtime, FP8_QUANTIZE, device):
                 raise
             return quantize(x, scale, fmt, out_layout, runtime=runtime)
     return fp8_torch.quantize(x, scale, fmt, out_layout)
@@ -345,7 +346,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
         try:
             return ops_fp8.mm_fp8(a, b, scale0, bias16)
         except RuntimeError:
-            if backend is not None or not _plugin_broken(runtime, "fp8_gemm", device):
+            if backend is not None or not _plugin_broken(runtime, FP8_GEMM, device):
                 raise
             return gemm(a, b, scale, bias, runtime=runtime)
     if chosen == "scaled_mm":
@@ -354,11 +355,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
 
 
 def _scale_update_candidates(runtime: Runtime) -> list:
-    return [_PluginOp("fp8_scale_update", runtime), _Always("torch")]
+    return [_PluginOp(FP8_SCALE_UPDATE, runtime), _Always("torch")]
 
 
 def choose_scale_update(device: DeviceInfo, *, runtime: Runtime | None = None) -> str:
     """The implementation of delayed scaling's end-of-step update for ``device``."""
     runtime = runtime or current_runtime()
-    return runtime.resolver.resolve("fp8_scale_update", _Candidates(_scale_update_candidates, runtime),
+    return runtime.resolver.resolve(FP8_SCALE_UPDATE, _Candidates(_scale_update_candidates, runtime),
                                     Fp8Call(device, ("float32",)), (device.key, device.sm)).name

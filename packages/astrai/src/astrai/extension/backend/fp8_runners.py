@@ -15,6 +15,7 @@ import functools
 import torch
 
 from ..device import DeviceInfo, probe_device
+from ..op_names import FP8_QUANTIZE, FP8_SCALE_UPDATE
 from ..ops import _plugin as ops_plugin
 from ..ops import fp8 as ops_fp8
 from ..runtime import Runtime
@@ -66,7 +67,7 @@ def quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runti
 def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime: Runtime):
     module = None
     if policy.choose_quantize(device, x_dtype, fmt, runtime=runtime) == "plugin":
-        module = _usable_module("fp8_quantize", device, runtime)
+        module = _usable_module(FP8_QUANTIZE, device, runtime)
     if module is None:
         def run_torch(x, multiplier, out_layout, amax=None, cache=None, reuse=None, reuse_t=False):
             return fp8_torch.quantize(x, multiplier, fmt, out_layout, amax)
@@ -82,7 +83,7 @@ def _build_quantizer(device: DeviceInfo, x_dtype: torch.dtype, fmt: str, runtime
         try:
             q, q_t = launch(x, multiplier, out_layout, out, cache, kept)
         except RuntimeError:
-            if not policy._plugin_broken(runtime, "fp8_quantize", device):
+            if not policy._plugin_broken(runtime, FP8_QUANTIZE, device):
                 raise
             return _quantize_checked(runtime, fmt, x, multiplier, out_layout, amax)
         return q, q_t, out
@@ -137,7 +138,7 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
                 return ops_fp8.scale_update(module, hist, pending, scale, scale_inv, factor, most_recent,
                                             launch_args)
             except RuntimeError:
-                if not policy._plugin_broken(runtime, "fp8_scale_update", probe_device(hist.device)):
+                if not policy._plugin_broken(runtime, FP8_SCALE_UPDATE, probe_device(hist.device)):
                     raise
     fp8_torch.scale_update(hist, pending, scale, scale_inv, factor, most_recent)
 
@@ -145,7 +146,7 @@ def scale_update(hist: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor,
 def _scale_update_module(device: DeviceInfo, runtime: Runtime):
     if policy.choose_scale_update(device, runtime=runtime) != "plugin":
         return None
-    return _usable_module("fp8_scale_update", device, runtime)
+    return _usable_module(FP8_SCALE_UPDATE, device, runtime)
 
 
 def _usable_module(op: str, device: DeviceInfo, runtime: Runtime):

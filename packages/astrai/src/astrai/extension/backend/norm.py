@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..op_names import FUSED_ADD_RMS_NORM, RMS_NORM, SILU_AND_MUL
 from ..ops import norm as ops_norm
 from ..ops.norm_args import check_gate_up, check_norm, rows
 from .norm_torch import fused_add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
@@ -42,11 +43,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     shape (and dtype, for a weight of ``x``'s dtype). Bad arguments raise ``TypeError`` /
     ``ValueError`` naming the argument."""
     check_norm(x, weight, eps)
-    if _kernel_takes(ops_norm.RMS_NORM, x, weight):
+    if _kernel_takes(RMS_NORM, x, weight):
         try:
             return ops_norm.rms_norm_unchecked(x, weight, float(eps))
         except RuntimeError:
-            return fall_back(x.device, lambda: rms_norm_torch(x, weight, eps), ops_norm.RMS_NORM)
+            return fall_back(x.device, lambda: rms_norm_torch(x, weight, eps), RMS_NORM)
     return rms_norm_torch(x, weight, eps)
 
 
@@ -56,7 +57,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     launch on CUDA); returns ``(x, residual)``. ``residual`` has ``x``'s shape, dtype and
     device. Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument."""
     check_norm(x, weight, eps, residual, fused=True)
-    op = ops_norm.FUSED_ADD_RMS_NORM
+    op = FUSED_ADD_RMS_NORM
     if _kernel_takes(op, x, residual, weight) and rows(x) is not None and rows(residual) is not None:
         try:
             ops_norm.fused_add_rms_norm_unchecked(x, residual, weight, float(eps))
@@ -70,9 +71,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, dim=-1)``: a new ``[..., inter]``
     tensor. Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument."""
     check_gate_up(gate_up)
-    if _kernel_takes(ops_norm.SILU_AND_MUL, gate_up):
+    if _kernel_takes(SILU_AND_MUL, gate_up):
         try:
             return ops_norm.silu_and_mul_unchecked(gate_up)
         except RuntimeError:
-            return fall_back(gate_up.device, lambda: silu_and_mul_torch(gate_up), ops_norm.SILU_AND_MUL)
+            return fall_back(gate_up.device, lambda: silu_and_mul_torch(gate_up), SILU_AND_MUL)
     return silu_and_mul_torch(gate_up)

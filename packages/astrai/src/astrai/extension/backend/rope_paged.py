@@ -21,13 +21,13 @@ import weakref
 import torch
 
 from ..kv_cache import BatchPlan, PagedKVCache
+from ..op_names import ROPE_PAGED_APPEND
 from ..ops import rope_paged as ops_rope_paged
 from ..ops.rotary_args import check_freqs, check_positions
 from .rotary import apply_rotary_emb_qk, choose, with_fallback
 
 __all__ = ["rope_and_append", "token_positions"]
 
-OP = "rope_paged_append"
 
 _POSITIONS: weakref.WeakKeyDictionary[BatchPlan, torch.Tensor] = weakref.WeakKeyDictionary()
 
@@ -84,11 +84,11 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     needs_grad = torch.is_grad_enabled() and q.requires_grad
     quantized = kv_cache.kv_dtype != kv_cache.dtype  # the kernel does not quantize: append() does
-    if choose(q3, needs_grad, OP) == "cuda" and not needs_grad and not quantized:
+    if choose(q3, needs_grad, ROPE_PAGED_APPEND) == "cuda" and not needs_grad and not quantized:
         kernel = lambda: ops_rope_paged.rope_paged_append_unchecked(  # noqa: E731
             q3, k3.detach(), v3.detach(), kv_cache.k_cache(layer), kv_cache.v_cache(layer), cos, sin, positions, slots,
             interleaved)
-        q_rot = with_fallback(q.device, kernel, torch_path, OP)
+        q_rot = with_fallback(q.device, kernel, torch_path, ROPE_PAGED_APPEND)
     else:
         q_rot = torch_path()
     kv_cache.mark_written(layer, plan)  # the kernel wrote the pages itself (the torch path's append marks too)

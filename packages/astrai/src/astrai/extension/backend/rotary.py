@@ -31,14 +31,13 @@ import torch
 
 from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
+from ..op_names import ROTARY_EMB
 from ..ops import rotary as ops_rotary
 from ..ops.rotary_args import check_freqs, check_positions, check_qk, check_x, debug_checks
 from ..runtime import Runtime, current_runtime
 from .rotary_torch import rotary_torch
 
 __all__ = ["RotaryCall", "apply_rotary_emb", "apply_rotary_emb_qk", "rotary_torch"]
-
-OP = "rotary_emb"
 
 
 class RotaryCall(NamedTuple):
@@ -55,7 +54,7 @@ class _Kernel:
 
     name = "cuda"
 
-    def __init__(self, runtime: Runtime, op: str = OP) -> None:
+    def __init__(self, runtime: Runtime, op: str = ROTARY_EMB) -> None:
         self.runtime = runtime
         self.op = op
 
@@ -80,7 +79,7 @@ class _Torch:
         return None
 
 
-def _decide(runtime: Runtime, call: RotaryCall, op: str = OP) -> str:
+def _decide(runtime: Runtime, call: RotaryCall, op: str = ROTARY_EMB) -> str:
     return runtime.resolver.resolve(op, (_Kernel(runtime, op), _Torch()), call, call).name
 
 
@@ -92,7 +91,7 @@ def _choose_while_compiling(device: str, dtype: torch.dtype, head_dim: int, need
     return _decide(current_runtime(), call, op)
 
 
-def choose(x: torch.Tensor, needs_grad: bool, op: str = OP) -> str:
+def choose(x: torch.Tensor, needs_grad: bool, op: str = ROTARY_EMB) -> str:
     """"cuda" or "torch" for calls of ``op`` like this one; decided once per key (the plan)."""
     if torch.compiler.is_compiling():
         return _choose_while_compiling(str(x.device), x.dtype, x.shape[-1], needs_grad, op)
@@ -105,7 +104,7 @@ def choose(x: torch.Tensor, needs_grad: bool, op: str = OP) -> str:
     return chosen
 
 
-def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
+def with_fallback(device: torch.device, kernel, torch_path, op: str = ROTARY_EMB):
     """Run ``kernel()``; if the plugin's module turns out unusable (the registry marks it so
     when it fails to load), forget the cached decisions and run ``torch_path()``."""
     try:
@@ -114,7 +113,7 @@ def with_fallback(device: torch.device, kernel, torch_path, op: str = OP):
         return fall_back(device, torch_path, op)
 
 
-def fall_back(device: torch.device, torch_path, op: str = OP):
+def fall_back(device: torch.device, torch_path, op: str = ROTARY_EMB):
     """What ``with_fallback`` does once the kernel raised ``RuntimeError``: ``torch_path()``
     when the plugin's module is now marked unusable, else the error again. Call it only
     while handling that error."""

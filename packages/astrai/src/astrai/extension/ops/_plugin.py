@@ -13,24 +13,26 @@ import torch
 from ..device import DeviceInfo, probe_device
 from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
 from ..manifest import OpSpec
+from ..op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL, FP8_GEMM, FP8_QUANTIZE,
+                        FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
 from ..registry import Registry, failure
 from ..runtime import current_runtime
 
 # Which of the project's plugins provides each op (for the error message only:
 # any plugin in the entry-point group may provide an op).
 PLUGIN_OF_OP = {
-    "attn_decode": "astrai-attention",
-    "attn_prefill": "astrai-attention",
-    "attn_paged_decode": "astrai-attention",
-    "attn_paged_prefill": "astrai-attention",
-    "rotary_emb": "astrai-rotary",
-    "rope_paged_append": "astrai-rotary",
-    "rms_norm": "astrai-rotary",
-    "fused_add_rms_norm": "astrai-rotary",
-    "silu_and_mul": "astrai-rotary",
-    "fp8_quantize": "astrai-fp8",
-    "fp8_gemm": "astrai-fp8",
-    "fp8_scale_update": "astrai-fp8",
+    ATTN_DECODE: "astrai-attention",
+    ATTN_PREFILL: "astrai-attention",
+    ATTN_PAGED_DECODE: "astrai-attention",
+    ATTN_PAGED_PREFILL: "astrai-attention",
+    ROTARY_EMB: "astrai-rotary",
+    ROPE_PAGED_APPEND: "astrai-rotary",
+    RMS_NORM: "astrai-rotary",
+    FUSED_ADD_RMS_NORM: "astrai-rotary",
+    SILU_AND_MUL: "astrai-rotary",
+    FP8_QUANTIZE: "astrai-fp8",
+    FP8_GEMM: "astrai-fp8",
+    FP8_SCALE_UPDATE: "astrai-fp8",
 }
 
 

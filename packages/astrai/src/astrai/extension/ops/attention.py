@@ -43,6 +43,7 @@ import torch
 
 from ..abi import launch, tensor_arg
 from ..compiling import assume_constant_result
+from ..op_names import ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from . import _plugin
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
@@ -121,7 +122,7 @@ def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, devi
 def q_tile_rows(device: torch.device | str | None = None) -> int:
     """Rows of the paged prefill kernels' Q tiles (``q_tile_to_batch`` / ``q_tile_to_index``):
     the compiled module's ``Q_TILE_ROWS``, the one definition of it."""
-    return int(_plugin.require("attn_paged_prefill", device).Q_TILE_ROWS)
+    return int(_plugin.require(ATTN_PAGED_PREFILL, device).Q_TILE_ROWS)
 
 
 def variant_arg(scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
@@ -149,15 +150,15 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
                 scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over contiguous K/V (split-KV). See the module docstring."""
-    _check_tensors("attn_decode", q, q=q, k=k, v=v, mask=mask, sinks=sinks)
+    _check_tensors(ATTN_DECODE, q, q=q, k=k, v=v, mask=mask, sinks=sinks)
     return _attn_decode_op(q, k, v, mask, scale, logits_soft_cap, window_left, sinks)
 
 
-@_plugin.plugin_op("astrai::attn_decode")
+@_plugin.plugin_op(f"astrai::{ATTN_DECODE}")
 def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    module = _plugin.require("attn_decode", q.device)
+    module = _plugin.require(ATTN_DECODE, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
     kv_heads = k.shape[2] if k.dim() == 4 else 1
@@ -179,15 +180,15 @@ def attn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                  is_causal: bool = False, *, scale: float | None = None, logits_soft_cap: float | None = None,
                  window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention over contiguous K/V (split-Q). See the module docstring."""
-    _check_tensors("attn_prefill", q, q=q, k=k, v=v, mask=mask, sinks=sinks)
+    _check_tensors(ATTN_PREFILL, q, q=q, k=k, v=v, mask=mask, sinks=sinks)
     return _attn_prefill_op(q, k, v, mask, bool(is_causal), scale, logits_soft_cap, window_left, sinks)
 
 
-@_plugin.plugin_op("astrai::attn_prefill")
+@_plugin.plugin_op(f"astrai::{ATTN_PREFILL}")
 def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
                      window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    module = _plugin.require("attn_prefill", q.device)
+    module = _plugin.require(ATTN_PREFILL, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
     launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
@@ -235,22 +236,22 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     0 plans it here from shapes (the mean tokens per request). ``k_scale`` / ``v_scale``: an
     FP8 cache's dequantization scales of this layer (``PagedKVCache.kv_scales``).
     """
-    batch, page_size, num_pages = _cache_geometry("attn_paged_decode", q, k_cache)
-    check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
+    batch, page_size, num_pages = _cache_geometry(ATTN_PAGED_DECODE, q, k_cache)
+    check_decode_table(ATTN_PAGED_DECODE, batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                        num_pages=num_pages)
-    _check_tensors("attn_paged_decode", q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
+    _check_tensors(ATTN_PAGED_DECODE, q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
                    kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits), scale,
                                  logits_soft_cap, window_left, sinks, k_scale, v_scale)
 
 
-@_plugin.plugin_op("astrai::attn_paged_decode")
+@_plugin.plugin_op(f"astrai::{ATTN_PAGED_DECODE}")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0,
                           scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
                           sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    module = _plugin.require("attn_paged_decode", q.device)
+    module = _plugin.require(ATTN_PAGED_DECODE, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     splits, ws_o, ws_lse = 1, None, None
@@ -281,26 +282,26 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        is_causal: bool = True, *, scale: float | None = None, logits_soft_cap: float | None = None,
                        window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
-    total_q, page_size, num_pages = _cache_geometry("attn_paged_prefill", q, k_cache)
-    check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
+    total_q, page_size, num_pages = _cache_geometry(ATTN_PAGED_PREFILL, q, k_cache)
+    check_prefill_table(ATTN_PAGED_PREFILL, total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
                         q_tile_to_index, page_size=page_size, num_pages=num_pages)
-    _check_tensors("attn_paged_prefill", q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
+    _check_tensors(ATTN_PAGED_PREFILL, q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
                    q_tile_to_index=q_tile_to_index, sinks=sinks)
     if debug_checks_enabled():
-        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
+        check_q_tiles(ATTN_PAGED_PREFILL, qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                   q_tile_to_batch, q_tile_to_index, bool(is_causal), scale, logits_soft_cap,
                                   window_left, sinks)
 
 
-@_plugin.plugin_op("astrai::attn_paged_prefill")
+@_plugin.plugin_op(f"astrai::{ATTN_PAGED_PREFILL}")
 def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                            q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                            is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
                            window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    module = _plugin.require("attn_paged_prefill", q.device)
+    module = _plugin.require(ATTN_PAGED_PREFILL, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),

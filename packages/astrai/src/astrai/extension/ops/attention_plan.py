@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, tensor_arg
+from ..op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL
 from . import _plugin
 from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
                         attn_paged_prefill, fp8_plan_arg, kv_scales_arg, variant_arg, variant_kwargs)
@@ -218,13 +219,13 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     called only when the launch needs it.
     """
     batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
-    check_decode_table("attn_paged_decode", batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
+    check_decode_table(ATTN_PAGED_DECODE, batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                            num_pages=num_pages)
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a positive multiple of kv_heads ({kv_heads})")
     index = _device_index(kv_lens)
     device = kv_lens.device
-    module = _plugin.require("attn_paged_decode", torch.device("cuda", index))
+    module = _plugin.require(ATTN_PAGED_DECODE, torch.device("cuda", index))
     splits = module.decode_plan(batch, kv_heads, q_heads // kv_heads, head_dim, max(max_kv_len, 1),
                                 _num_sms(torch.device("cuda", index)), **fp8_plan_arg(kv_bytes)) if batch > 0 else 1
     ws_o, ws_lse = _split_workspaces(splits, batch, q_heads, head_dim, device)
@@ -238,7 +239,7 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     append_args = (None, True) if append_last else None if slots is None else (tensor_arg(slots),)
     return PagedDecodeLaunch(kv_indptr, kv_indices, kv_lens, splits, ws_o, ws_lse, ws_count, bool(pdl),
                              module.attn_paged_decode, index, table, (tensor_arg(ws_count), bool(pdl)), slots,
-                             append_last, append_args, _plugin.unguarded(module, "attn_paged_decode"))
+                             append_last, append_args, _plugin.unguarded(module, ATTN_PAGED_DECODE))
 
 
 def _checked_slots(slots, batch: int, device: torch.device, module) -> torch.Tensor | None:
@@ -257,12 +258,12 @@ def plan_paged_prefill(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indi
                        total_q: int, page_size: int, num_pages: int) -> PagedPrefillLaunch:
     """Plan a batch's ragged paged prefill (see the module docstring). The Q tiles are of the
     module's ``Q_TILE_ROWS`` rows (``BatchPlan.q_tiles(ops.attention.q_tile_rows(device))``)."""
-    check_prefill_table("attn_paged_prefill", total_q, qo_indptr, kv_indptr, kv_indices, kv_lens,
+    check_prefill_table(ATTN_PAGED_PREFILL, total_q, qo_indptr, kv_indptr, kv_indices, kv_lens,
                         q_tile_to_batch, q_tile_to_index, page_size=page_size, num_pages=num_pages)
     index = _device_index(kv_lens)
-    module = _plugin.require("attn_paged_prefill", torch.device("cuda", index))
+    module = _plugin.require(ATTN_PAGED_PREFILL, torch.device("cuda", index))
     if debug_checks_enabled():
-        check_q_tiles("attn_paged_prefill", qo_indptr, q_tile_to_batch, q_tile_to_index,
+        check_q_tiles(ATTN_PAGED_PREFILL, qo_indptr, q_tile_to_batch, q_tile_to_index,
                       tile_rows=int(module.Q_TILE_ROWS))
     table = tuple(tensor_arg(t) for t in (qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
                                           q_tile_to_index))

@@ -38,6 +38,7 @@ import threading
 import torch
 
 from ..abi import DTYPE_CODES, current_stream, launch, tensor_arg
+from ..op_names import FP8_GEMM, FP8_QUANTIZE
 from . import _plugin
 
 __all__ = ["fp8_gemm", "fp8_quantize", "mm_fp8", "quantize"]
@@ -113,10 +114,10 @@ def _quantize_outputs(x: torch.Tensor, fmt: str, out_layout: int):
     return q, q_t, amax
 
 
-@_plugin.plugin_op("astrai::fp8_quantize")
+@_plugin.plugin_op(f"astrai::{FP8_QUANTIZE}")
 def _fp8_quantize_op(x: torch.Tensor, scale: torch.Tensor, fmt: str,
                      out_layout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    module = _plugin.require("fp8_quantize", x.device)
+    module = _plugin.require(FP8_QUANTIZE, x.device)
     x = _row_major(x)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     q, q_t = quantize_launcher(module, fmt)(x, scale.reshape(()), out_layout, amax)
@@ -276,10 +277,10 @@ def _gemm_shape(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool) 
     return (a.shape[1] if trans_a else a.shape[0]), (b.shape[0] if trans_b else b.shape[1])
 
 
-@_plugin.plugin_op("astrai::fp8_gemm")
+@_plugin.plugin_op(f"astrai::{FP8_GEMM}")
 def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  trans_a: bool, trans_b: bool) -> torch.Tensor:
-    module = _plugin.require("fp8_gemm", a.device)
+    module = _plugin.require(FP8_GEMM, a.device)
     m, n = _gemm_shape(a, b, trans_a, trans_b)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     a, b = _row_major(a), _row_major(b)

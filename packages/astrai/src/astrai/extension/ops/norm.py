@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 
 from ..abi import launch, tensor_arg
+from ..op_names import FUSED_ADD_RMS_NORM, RMS_NORM, SILU_AND_MUL
 from . import _plugin
 from .norm_args import check_gate_up, check_norm, rows
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_unchecked", "rms_norm", "rms_norm_unchecked", "silu_and_mul",
            "silu_and_mul_unchecked"]
 
-RMS_NORM, FUSED_ADD_RMS_NORM, SILU_AND_MUL = "rms_norm", "fused_add_rms_norm", "silu_and_mul"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,7 +83,7 @@ def _matrix(t: torch.Tensor) -> torch.Tensor:
     return view if view is not None else t.reshape(-1, t.shape[-1]).contiguous()
 
 
-@_plugin.plugin_op("astrai::rms_norm")
+@_plugin.plugin_op(f"astrai::{RMS_NORM}")
 def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = _plugin.require(RMS_NORM, x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -112,7 +112,7 @@ def _fused_add_rms_norm_fake(x, residual, weight, eps):
     return None
 
 
-@_plugin.plugin_op("astrai::silu_and_mul")
+@_plugin.plugin_op(f"astrai::{SILU_AND_MUL}")
 def silu_and_mul_unchecked(gate_up: torch.Tensor) -> torch.Tensor:
     module = _plugin.require(SILU_AND_MUL, gate_up.device)
     inter = gate_up.shape[-1] // 2

@@ -18,22 +18,21 @@ from __future__ import annotations
 import torch
 
 from ..abi import launch, tensor_arg
+from ..op_names import ROPE_PAGED_APPEND
 from . import _plugin
 
 __all__ = ["rope_paged_append_unchecked"]
-
-OP = "rope_paged_append"
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-@_plugin.plugin_op("astrai::rope_paged_append", mutates_args=("k_cache", "v_cache"))
+@_plugin.plugin_op(f"astrai::{ROPE_PAGED_APPEND}", mutates_args=("k_cache", "v_cache"))
 def rope_paged_append_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                                 slots: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    module = _plugin.require(OP, q.device)
+    module = _plugin.require(ROPE_PAGED_APPEND, q.device)
     q, k, v = _rows(q), _rows(k), _rows(v)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch(q.device, module.rope_paged_append, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(k_cache),

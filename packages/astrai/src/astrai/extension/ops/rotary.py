@@ -21,13 +21,12 @@ from __future__ import annotations
 import torch
 
 from ..abi import contiguous_strides, current_device, current_stream, dtype_code, empty_allocator, launch, tensor_arg
+from ..op_names import ROTARY_EMB
 from . import _plugin
 from .rotary_args import check_freqs, check_positions, check_qk, check_x
 
 __all__ = ["rotary_emb", "rotary_qk", "rotary_emb_launcher", "rotary_emb_unchecked", "rotary_qk_unchecked",
            "rotary_qk_inplace_unchecked"]
-
-OP = "rotary_emb"
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor | None, cos, sin, positions) -> None:
@@ -67,7 +66,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, k, cos, sin, positions, q_out, k_out, interleaved: bool, inverse: bool) -> None:
-    module = _plugin.require(OP, q.device)
+    module = _plugin.require(ROTARY_EMB, q.device)
     launch(q.device, module.rotary, tensor_arg(q), tensor_arg(k), tensor_arg(_rows(cos)), tensor_arg(_rows(sin)),
            tensor_arg(positions), tensor_arg(q_out), tensor_arg(k_out), interleaved, inverse)
 
@@ -91,7 +90,7 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         nonlocal entry, failed
         if entry is None:
-            entry, failed = _plugin.unguarded(_plugin.require(OP, device), "rotary")
+            entry, failed = _plugin.unguarded(_plugin.require(ROTARY_EMB, device), "rotary")
         current = current_device()
         if current != index and index is not None:  # another device is current: the op switches to x's
             return rotary_emb_unchecked(x, cos, sin, positions, interleaved, inverse)
@@ -108,7 +107,7 @@ def rotary_emb_launcher(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p
     return run
 
 
-@_plugin.plugin_op("astrai::rotary_emb")
+@_plugin.plugin_op(f"astrai::{ROTARY_EMB}")
 def rotary_emb_unchecked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
                          interleaved: bool, inverse: bool) -> torch.Tensor:
     x = _rows(x)

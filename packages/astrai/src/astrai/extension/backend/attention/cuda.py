@@ -31,6 +31,7 @@ import torch
 from ...abi import tensor_arg
 from ...device import probe_device
 from ...kv_cache import BatchPlan, PagedKVCache
+from ...op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from .. import prefer
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
@@ -55,10 +56,10 @@ class CudaBackend(AttentionBackend):
         if not call.paged:
             if call.mode == "decode":
                 return "dense decode runs on torch SDPA (the plugin's decode serves a PagedKVCache)"
-            return self._op_unsupported("attn_prefill", call)
+            return self._op_unsupported(ATTN_PREFILL, call)
         if call.mask_ndim:
             return "the paged CUDA kernels take no explicit mask"
-        op = "attn_paged_decode" if call.mode == "decode" else "attn_paged_prefill"
+        op = ATTN_PAGED_DECODE if call.mode == "decode" else ATTN_PAGED_PREFILL
         return self._op_unsupported(op, call) or _unsupported_pages(op, call)
 
     def slower_than_peer(self, call: AttentionCall) -> str | None:
@@ -81,7 +82,7 @@ class CudaBackend(AttentionBackend):
     @staticmethod
     def _measured(call: AttentionCall) -> prefer.Verdict | None:
         device = probe_device(call.device)
-        status = current_runtime().registry.op_status("attn_prefill", device)
+        status = current_runtime().registry.op_status(ATTN_PREFILL, device)
         mode = "masked" if call.mask_ndim else "causal" if call.causal else "full"
         verdict = prefer.verdict(status.spec.prefer, device.sm, (*call.size_class, call.head_dim), mode)
         if verdict is None or not verdict.plugin_faster:
