@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fakes import FakeAppendingModule, FakeDecodeModule, FakeLastAppendingModule
 
 from astrai.extension.backend.attention.base import AttentionCall
 from astrai.extension.backend.attention.cuda import CudaBackend
@@ -17,25 +18,6 @@ from astrai.extension.kv_cache import PagedKVCache
 from astrai.extension.ops import attention_plan
 
 HQ, HKV, D, PAGE = 8, 2, 64, 4
-
-
-class FakeDecodeModule:
-    """What plan_paged_decode / a launch call use of the compiled module."""
-
-    def __init__(self, splits=3):
-        self.splits = splits
-        self.plans: list[tuple] = []
-        self.launches: list[tuple] = []
-
-    def decode_plan(self, batch, kv_heads, group, head_dim, kv_len_hint, num_sms):
-        self.plans.append((batch, kv_heads, group, head_dim, kv_len_hint, num_sms))
-        return self.splits
-
-    def attn_paged_decode(self, *args):
-        self.launches.append(args)
-
-    def attn_paged_prefill(self, *args):
-        self.launches.append(args)
 
 
 def fake_module(monkeypatch, module):
@@ -132,13 +114,6 @@ def test_a_failing_preparer_is_dropped_and_plan_still_succeeds(fake):
     assert "broken" not in cache.plan([0], [1]).launches
 
 
-class FakeAppendingModule(FakeDecodeModule):
-    """A compiled module with the fused append (``kv_append`` and the decode's trailing k_new, v_new, slots)."""
-
-    def kv_append(self, *args):
-        raise AssertionError("the decode launch appends itself")
-
-
 def test_a_decode_step_appends_in_the_decode_launch_where_the_module_can(monkeypatch):
     module = fake_module(monkeypatch, FakeAppendingModule())
     cache, plan = decode_cache([6, 3])
@@ -181,12 +156,6 @@ def test_plan_rejects_slots_that_are_not_one_int64_row_per_request(fake):
         attention_plan.plan_paged_decode(plan.kv_indptr, plan.kv_indices, plan.kv_lens, q_heads=HQ, kv_heads=HKV,
                                          head_dim=D, max_kv_len=plan.max_kv_len, page_size=PAGE,
                                          num_pages=cache.num_pages, slots=plan.write_index.int())
-
-
-class FakeLastAppendingModule(FakeAppendingModule):
-    """A compiled module whose decode kernel appends each request's last position itself (``append_last``)."""
-
-    APPEND_LAST = True
 
 
 def test_a_decode_step_appends_inside_the_decode_kernel_through_the_page_table(monkeypatch):
