@@ -7,7 +7,8 @@
 Each engine step plans the cache once (``with kv_cache.step(...)``: a step that fails is
 rolled back) and runs the model over the step's packed tokens; decode steps on CUDA replay
 a captured graph (:mod:`.graphs`) unless ``cuda_graphs=False``. ``fp8=True`` runs the
-decoder layers' linears in FP8.
+decoder layers' linears in FP8; ``kv_cache_dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``)
+stores the KV cache in FP8.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import torch
 
 from ..extension import PagedKVCache
+from ..extension.kv_quant import FP8_KV_DTYPES
 from .config import ModelConfig, preset
 from .graphs import DecodeGraphs
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
@@ -27,6 +29,21 @@ from .stats import GenerationStats, progress
 __all__ = ["LLM"]
 
 _PAD_SEQ = "__pad__"
+_CALIBRATION_SEQ = "__calibrate__"
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object, dtype: torch.dtype) -> torch.dtype | None:
+    """``LLM``'s ``kv_cache_dtype`` as the cache's ``kv_dtype``: None (pages in the model's
+    ``dtype``, which names the same) or one of the FP8 formats."""
+    valid = f"None (the model's {dtype}), {', '.join(map(str, FP8_KV_DTYPES))}"
+    if kv_cache_dtype is None or kv_cache_dtype == dtype:
+        return None
+    if not isinstance(kv_cache_dtype, torch.dtype):
+        raise TypeError(f"kv_cache_dtype must be one of {valid}, got {type(kv_cache_dtype).__name__} "
+                        f"{kv_cache_dtype!r}")
+    if kv_cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {valid}, got {kv_cache_dtype}")
+    return kv_cache_dtype
 
 
 @contextlib.contextmanager
@@ -77,13 +94,27 @@ class LLM:
             host (while no request waits for a slot); False waits for every step.
         fused_rope: rotary fused with the KV-cache write (``attention(..., rope=...)``); False
             rotates q and k with ``apply_rotary_emb_qk`` first.
+        kv_cache_dtype: the KV cache's storage: None (the model's dtype), or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: one byte per value, with per-layer
+            K and V scales (``PagedKVCache(kv_dtype=...)``, docs/kv_cache_fp8.md).
+
+    An FP8 cache's scales are calibrated when the engine builds the cache, before any decode
+    graph is captured: the workload's first prefill step (the one ``generate`` then runs
+    first) runs eagerly on throw-away sequences, and each layer's first append calibrates its
+    scales (``amax / fp8 max`` of that step's keys and values), the values a cache calibrated
+    by the step itself would hold. A capture's warm-up step would otherwise calibrate them on
+    its filler tokens, and a capture would record the calibration into the graph. The scales
+    then never change for the cache's life (a graph reads them by address); a cache rebuilt
+    for a larger workload calibrates again on that workload.
     """
 
     def __init__(self, model: DecoderModel, *, page_size: int = 16, max_batch_size: int = 64,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, fp8: bool = False,
-                 memory_fraction: float = 0.8, overlap: bool = True, fused_rope: bool = True) -> None:
+                 memory_fraction: float = 0.8, overlap: bool = True, fused_rope: bool = True,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, model.dtype)
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -155,6 +186,12 @@ class LLM:
 
     # -- the KV cache
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache's pages (keys and values of every layer), 0 before it is built."""
+        cache = self.kv_cache
+        return 0 if cache is None else cache.k_pages.nbytes + cache.v_pages.nbytes
+
     @torch.inference_mode()
     def reserve(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Size the KV cache (and capture the decode graphs) for this workload now, so a later
@@ -175,18 +212,21 @@ class LLM:
         self.kv_cache = self.graphs = cache = None
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # the old cache and graph pool count as free
-            page_bytes = 2 * c.num_layers * ps * c.kv_size * self.model.dtype.itemsize
+            page_bytes = 2 * c.num_layers * ps * c.kv_size * (self.kv_cache_dtype or self.model.dtype).itemsize
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.memory_fraction) // page_bytes
             if budget < longest + 1:
                 raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {longest}")
             num_pages = min(need, budget)
         cache = PagedKVCache(num_layers=c.num_layers, num_pages=num_pages, page_size=ps, kv_heads=c.num_kv_heads,
-                             head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device)
+                             head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device,
+                             kv_dtype=self.kv_cache_dtype)
         cache.k_pages.zero_()  # no NaN garbage under the pad rows and capture steps
         cache.v_pages.zero_()
         cache.add_sequence(_PAD_SEQ)
         cache.plan([_PAD_SEQ], [1])  # owns one page: pad rows of graph replays write and read only there
+        if self.kv_cache_dtype is not None:
+            self._calibrate_kv_scales(cache, requests)
         if self.use_graphs:
             try:
                 self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
@@ -195,6 +235,26 @@ class LLM:
                 self.graphs_off_reason = str(exc)
                 self.use_graphs = False
         self.kv_cache = cache
+
+    def _calibrate_kv_scales(self, cache: PagedKVCache, requests: list[Request]) -> None:
+        """Run the workload's first prefill step eagerly on throw-away sequences (released
+        after): every layer's first append calibrates its FP8 scales (see the class docstring)."""
+        sched = Scheduler(requests, page_size=self.page_size, num_pages=cache.free_pages,
+                          max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens)
+        step = sched.next_step()  # reads the requests, changes none of them
+        ids = [(_CALIBRATION_SEQ, r.rid) for r in step.requests]
+        tokens = [t for r, n in zip(step.requests, step.q_lens) for t in r.prompt[:n]]
+        positions = [p for n in step.q_lens for p in range(n)]
+        for s in ids:
+            cache.add_sequence(s)
+        try:
+            with cache.step(ids, list(step.q_lens)):
+                tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
+                last = torch.tensor([len(tokens) - 1], device=self.model.device)  # one logit row: only the appends matter
+                self._forward(tokens_t, positions_t, last, cache)
+        finally:
+            for s in ids:
+                cache.release(s)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
                  cache: PagedKVCache) -> torch.Tensor:

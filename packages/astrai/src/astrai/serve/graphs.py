@@ -14,6 +14,11 @@ batch of ``B`` requests holds at most ``B * max_seq_pages`` pages and never more
 free ones. The decode kernel sizes its split-KV schedule from that length (the mean
 context), so it is kept no longer than needed. Capture needs an otherwise empty cache; the
 engine captures before serving.
+
+An FP8 cache's scales must be set (or calibrated) on every layer before a capture
+(:func:`require_kv_scales`): the capture's warm-up step would calibrate them on its filler
+tokens, and a graph captured over a layer without scales would replay its calibration. A
+graph reads the scale tensors by address; the cache updates them in place only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from ..extension import BatchPlan, PagedKVCache, explain
 from ..extension.backend.attention import current_attn_backend
 
-__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan"]
+__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan", "require_kv_scales"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -48,6 +53,18 @@ def _require_graph_safe_attention(cache: PagedKVCache) -> None:
     if chosen - {"cuda"}:
         raise RuntimeError(f"decode attention runs on {sorted(chosen)}, not the CUDA kernels: "
                            "CUDA graphs need the astrai-attention plugin")
+
+
+def require_kv_scales(cache: PagedKVCache) -> None:
+    """Raise ``ValueError`` naming the layers of an FP8 ``cache`` whose scales are not set yet."""
+    if cache.kv_dtype == cache.dtype:
+        return
+    missing = [i for i in range(cache.num_layers) if cache.kv_scales(i) is None]
+    if missing:
+        raise ValueError(
+            f"the FP8 kv_cache has no K/V scales for layers {missing}: set them (set_kv_scales) or calibrate them "
+            "on a real prefill step before capturing decode graphs (the capture's warm-up step would calibrate "
+            "them on filler tokens)")
 
 
 def capture_pages(free: int, size: int, max_seq_pages: int) -> list[int]:
@@ -114,6 +131,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, kv_cache: PagedKVCache, pad_page: int, max_batch_size: int,
                  max_seq_pages: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        require_kv_scales(kv_cache)
         if kv_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA kv_cache, got one on {kv_cache.device}")
         self.kv_cache = kv_cache
