@@ -63,3 +63,11 @@ def test_decode_context_is_every_key_each_step_attends_over(overlap):
     assert stats.decode_steps == new - 1 and stats.decode_context_tokens == want
     assert stats.summary()["decode_context_per_step"] == want / (new - 1)
     assert stats.summary()["decode_batch_mean"] == 3
+
+
+def test_an_fp8_kv_cache_halves_the_kv_bytes_of_the_floor():
+    common = dict(device="NVIDIA H200", context_tokens_per_step=576 * 64, step_ms=5.0)
+    bf16 = decode_floor(LLAMA3_8B, torch.bfloat16, **common)
+    fp8 = decode_floor(LLAMA3_8B, torch.bfloat16, kv_dtype=torch.float8_e4m3fn, **common)
+    assert fp8["kv_bytes"] == bf16["kv_bytes"] // 2 == 64 * 1024 * 576 * 64
+    assert fp8["weight_bytes"] == bf16["weight_bytes"] and fp8["floor_ms"] < bf16["floor_ms"]

@@ -1,12 +1,15 @@
 """astrai.serve with an FP8 KV cache on the CPU (the torch fallbacks): greedy generation against
 a transformers reference that quantizes its keys and values the same way, the scales calibrated
-before any decode graph is captured, the cache's bytes, bad ``kv_cache_dtype`` values."""
+before any decode graph is captured, the cache's bytes, bad ``kv_cache_dtype`` values, the CLI."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from astrai.cli.main import main
 from astrai.extension import PagedKVCache
 from astrai.serve import LLM, engine, graphs
 from astrai.serve.graphs import DecodeGraphs
@@ -242,3 +245,32 @@ def test_kv_cache_dtype_none_or_the_model_dtype_keeps_the_cache_unquantized():
         llm.reserve(PROMPTS[:1], 2)
         assert llm.kv_cache.kv_dtype == torch.float32 and llm.kv_cache.kv_scales(0) is None
 
+
+# -- astrai generate --kv-cache-dtype ------------------------------------------------------
+
+
+def test_cli_bad_kv_cache_dtype_lists_the_valid_ones(capsys):
+    assert main(["generate", "--preset", "tiny", "--kv-cache-dtype", "fp8"]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["astrai generate: --kv-cache-dtype 'fp8' is unknown: valid values are auto, "
+                                "fp8_e4m3, fp8_e5m2"]
+    assert "model:" not in out
+
+
+@pytest.mark.parametrize(("arg", "dtype", "itemsize"), [("fp8_e4m3", "torch.float8_e4m3fn", 1),
+                                                        ("auto", "torch.float32", 4)])
+def test_cli_reports_the_kv_cache_dtype_and_bytes(tmp_path, capsys, arg, dtype, itemsize):
+    out = tmp_path / "g.json"
+    argv = ["generate", "--preset", "tiny", "--requests", "2", "--prompt-len", "4", "9", "--max-new-tokens", "3",
+            "--dtype", "float32", "--kv-cache-dtype", arg, "--json", str(out)]
+    assert main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    result = json.loads(out.read_text())
+    kv = result["kv_cache"]
+    assert kv["dtype"] == dtype and kv["bytes"] > 0
+    c = LLM.from_preset("tiny").config
+    assert kv["bytes"] == 2 * c.num_layers * kv["pages"] * kv["page_size"] * c.kv_size * itemsize
+    assert f"KV cache: {dtype.removeprefix('torch.')}, {kv['pages']} pages of {kv['page_size']} tokens" in text
+    engine_ = result["engine"]  # the floor's KV bytes are the cache's: one byte a value in FP8
+    assert engine_["hbm_floor"]["kv_bytes"] == int(2 * c.num_layers * c.kv_size * itemsize
+                                                   * engine_["decode_context_per_step"])

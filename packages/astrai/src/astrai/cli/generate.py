@@ -4,7 +4,8 @@ Random prompts (lengths drawn between ``--prompt-len MIN MAX``) go through
 :class:`astrai.serve.LLM`; the table gives TTFT, prefill and decode tokens/s and the GPU
 memory used, and the decode step is set beside its HBM floor (:mod:`astrai.serve.hbm`).
 ``--checkpoint DIR`` loads a local transformers folder straight into the engine
-(:mod:`astrai.serve.checkpoint`). ``--compare hf`` runs the same weights and prompts through
+(:mod:`astrai.serve.checkpoint`); ``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) stores
+the KV cache in FP8. ``--compare hf`` runs the same weights and prompts through
 transformers (``generate`` with sdpa, and ``generate_batch`` where it runs) and prints the
 ratios of the peers that ran (a peer that fails is shown failed, with its error), and the
 accuracy: the teacher-forced error of the logits against a float32 reference, the engine's
@@ -28,6 +29,7 @@ from .generate_report import count, print_report
 
 ACCURACY_REQUESTS = 4  # the first requests, teacher-forced through the float32 reference
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # auto: the model's dtype
 
 
 def add_arguments(parser) -> None:
@@ -40,6 +42,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="new tokens per request (default 256 GPU / 32 CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--fp8", action="store_true", help="FP8 linears in the decoder layers")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                        help="the KV cache's storage: auto (the model's dtype) or FP8 with per-layer scales")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--compare", choices=["hf"], help="also run the same weights in transformers")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,6 +57,9 @@ def _check(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is unknown: valid values are "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
     if args.prompt_len and not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise UsageError(f"--prompt-len needs 1 <= MIN <= MAX, got {' '.join(map(str, args.prompt_len))}")
     check_environment(plugin_names(current_runtime().registry))
@@ -89,7 +96,7 @@ def _check(args) -> None:
 def _build(args, device: torch.device, dtype: torch.dtype):
     from ..serve import LLM
 
-    options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8)
+    options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8, kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.checkpoint:  # tensor by tensor into the engine's model: no transformers model is built
         return LLM.from_pretrained(args.checkpoint, dtype=dtype, device=device, **options)
     name = args.preset or ("llama3-8b" if device.type == "cuda" else "tiny")
@@ -137,7 +144,8 @@ def main(args) -> int:
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
                   f"of {c.head_dim}, {count(c.num_parameters())} parameters, {dtype}"
-                  f"{', FP8 linears' if args.fp8 else ''}; {n} requests, prompts {lo}-{hi}, {new} new tokens")
+                  f"{', FP8 linears' if args.fp8 else ''}{', FP8 KV cache' if llm.kv_cache_dtype else ''}; "
+                  f"{n} requests, prompts {lo}-{hi}, {new} new tokens")
     llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
     llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
     if llm.graphs_off_reason:
@@ -146,9 +154,11 @@ def main(args) -> int:
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "cuda_graphs": llm.use_graphs,
-              "attention_backend": _attention_backend(), "engine": stats.summary(), "peers": [], "accuracy": None}
+              "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
+              "peers": [], "accuracy": None}
     result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8, step_ms=stats.decode_step_ms,
-                                                 context_tokens_per_step=stats.decode_context_per_step)
+                                                 context_tokens_per_step=stats.decode_context_per_step,
+                                                 kv_dtype=llm.kv_cache.kv_dtype)
     if args.compare == "hf":
         hf = _peer_model(args, llm, dtype)
         result["peers"] = _compare(llm, hf, prompts, new, tokens)
@@ -163,6 +173,12 @@ def main(args) -> int:
         _plot(result, args.plot)
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _kv_cache(llm) -> dict:
+    cache = llm.kv_cache
+    return {"dtype": str(cache.kv_dtype), "bytes": llm.kv_cache_bytes, "pages": cache.num_pages,
+            "page_size": cache.page_size}
 
 
 def _compare(llm, hf, prompts, new, tokens) -> list[dict]:

@@ -1,5 +1,5 @@
 """What ``astrai generate`` prints of its result: the table, the peers' ratios (of those that
-ran), the failed and skipped peers with their reasons, the accuracy and the HBM floor."""
+ran), the failed and skipped peers with their reasons, the accuracy, the HBM floor and the KV cache."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def print_report(console: Console, result: dict) -> None:
     if result.get("accuracy"):
         console.print(accuracy_line(result["accuracy"]))
     console.print(floor_line(e["hbm_floor"], e.get("decode_batch_mean")))
+    if result.get("kv_cache"):
+        console.print(kv_cache_line(result["kv_cache"]))
     if e["gpu_memory_bytes"]:
         console.print(f"GPU memory (peak allocated): {e['gpu_memory_bytes'] / 2**30:.2f} GiB")
 
@@ -80,3 +82,9 @@ def floor_line(floor: dict, batch: float | None = None) -> str:
     ratio = f": {floor['step_over_floor']:.2f}x the floor" if floor["step_over_floor"] else ""
     return (f"{step}; HBM floor {floor['floor_ms']:.2f} ms ({_gb(floor['weight_bytes'])} of weights + "
             f"{_gb(floor['kv_bytes'])} of KV cache per step at {floor['bandwidth_tb_s']:g} TB/s){ratio}")
+
+
+def kv_cache_line(kv: dict) -> str:
+    """The KV cache's storage dtype and size."""
+    return (f"KV cache: {kv['dtype'].removeprefix('torch.')}, {kv['pages']} pages of {kv['page_size']} tokens, "
+            f"{_gb(kv['bytes'])}")

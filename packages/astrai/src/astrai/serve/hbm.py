@@ -3,8 +3,9 @@
 A decode step reads every weight but the embedding table (whose rows are gathered, a few
 kilobytes; the LM head is read whole, also when it is tied to the embedding) and the KV cache
 of every request in the batch, ``2 * layers * kv_heads * head_dim * itemsize`` bytes per
-token of context. With ``fp8`` the decoder layers' linears are read as their FP8 copies (one
-byte per weight); norms, biases and the LM head stay in the model's dtype. The floor is
+token of context (the cache's storage: one byte for an FP8 cache). With ``fp8`` the decoder
+layers' linears are read as their FP8 copies (one byte per weight); norms, biases and the LM
+head stay in the model's dtype. The floor is
 those bytes over the device's peak memory bandwidth (:data:`BANDWIDTH`, the vendors' figures);
 a step can come near it but not under it.
 """
@@ -58,14 +59,15 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def decode_floor(config: ModelConfig, dtype: torch.dtype, *, device: str, context_tokens_per_step: float,
-                 step_ms: float, fp8: bool = False) -> dict:
+                 step_ms: float, fp8: bool = False, kv_dtype: torch.dtype | None = None) -> dict:
     """The floor of a decode step that attends over ``context_tokens_per_step`` tokens (summed over
-    the batch) on ``device`` (``"cpu"`` or a CUDA device name), beside the measured ``step_ms``.
+    the batch) on ``device`` (``"cpu"`` or a CUDA device name), beside the measured ``step_ms``;
+    ``kv_dtype``: the KV cache's storage (default ``dtype``).
 
     ``floor_ms`` and ``step_over_floor`` are None where the floor is not known; ``note`` says why.
     """
     weights = weight_bytes_per_step(config, dtype, fp8)
-    kv = int(kv_bytes_per_token(config, dtype) * context_tokens_per_step)
+    kv = int(kv_bytes_per_token(config, kv_dtype or dtype) * context_tokens_per_step)
     out = {"device": device, "weight_bytes": weights, "kv_bytes": kv, "bandwidth_tb_s": None, "floor_ms": None,
            "step_ms": step_ms, "step_over_floor": None, "note": None}
     if device == "cpu":
