@@ -3,11 +3,14 @@ transformers, in one run.
 
     PYTHONPATH=packages/astrai/src python3 tests/gpu/bench_generate.py            # ~3-4 min on an H200
     PYTHONPATH=packages/astrai/src python3 tests/gpu/bench_generate.py --quick    # ~1 min
+    PYTHONPATH=packages/astrai/src python3 tests/gpu/bench_generate.py --kv-cache-dtype fp8_e4m3  # FP8 KV cache
 
 Runs (bf16, ``--layers`` layers of hidden 4096, 32/8 heads of 128, MLP 14336, vocab 128256):
 the engine (CUDA-graph decode), the engine with FP8 linears, transformers ``generate``
 (sdpa, dynamic cache, left-padded batches) and ``generate_batch`` where it runs, all on the
 same ``--requests`` prompts (lengths uniform in ``--prompt-len``) with ``--new-tokens`` each.
+``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) runs every engine with an FP8 KV cache
+(``LLM(kv_cache_dtype=...)``; default ``auto``, the model's bf16).
 
 Reports decode tokens/s, TTFT, and the engine's decode step at batch sizes 1..64 (context
 ``--context``) against its HBM floor: (weight bytes + KV bytes read per step) over the GPU's
@@ -33,6 +36,8 @@ from astrai.serve import LLM
 from astrai.serve.compare import agreement, hf_generate, hf_generate_batch
 from astrai.serve.hbm import memory_bandwidth
 
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 # the floor astrai generate prints: the device's peak bandwidth (4.8 TB/s on an H200)
 HBM_BYTES_PER_S = memory_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
@@ -47,6 +52,8 @@ def _args():
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--logit-requests", type=int, default=8, help="requests whose logits are compared")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                   help="the engines' KV cache storage (auto: the model's bf16)")
     p.add_argument("--no-fused-rope", action="store_true", help="rotary before attention, not fused with the cache write")
     p.add_argument("--no-serial-sweep", action="store_true", help="skip the decode sweep without overlap")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (and the correctness checks)")
@@ -67,7 +74,7 @@ def _hbm_ms(llm: LLM, batch: int, context: int) -> float:
     linears = c.num_layers * (h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * i)
     rest = c.num_parameters() - linears - c.vocab_size * h * (0 if c.tie_word_embeddings else 1)
     weights = linears * (1 if llm.fp8 else item) + rest * item
-    kv = batch * context * c.num_layers * 2 * c.kv_size * item
+    kv = batch * context * c.num_layers * 2 * c.kv_size * (llm.kv_cache_dtype or llm.model.dtype).itemsize
     return float("nan") if HBM_BYTES_PER_S is None else 1e3 * (weights + kv) / HBM_BYTES_PER_S
 
 
@@ -107,11 +114,13 @@ def main() -> None:
     rng = random.Random(0)
     t_start = time.perf_counter()
     llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
-                          max_batch_size=64, fused_rope=not a.no_fused_rope)
+                          max_batch_size=64, fused_rope=not a.no_fused_rope,
+                          kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
     c = llm.config
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.requests)]
     result = {"device": torch.cuda.get_device_name(), "layers": a.layers, "requests": a.requests,
-              "prompt_len": list(a.prompt_len), "new_tokens": a.new_tokens, "context": a.context, "runs": {}}
+              "prompt_len": list(a.prompt_len), "new_tokens": a.new_tokens, "context": a.context,
+              "kv_cache_dtype": a.kv_cache_dtype, "runs": {}}
 
     # the cache sized for the main run (the sweep reuses it), graphs captured, kernels loaded
     llm.reserve(prompts, a.new_tokens)
@@ -121,13 +130,15 @@ def main() -> None:
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     result["decode_sweep_bf16"] = _decode_sweep(llm, sizes, a.context, rng)
     if not a.no_serial_sweep:  # every step waits for its tokens: what the overlap hides
-        serial = LLM(llm.model, overlap=False, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope)
+        serial = LLM(llm.model, overlap=False, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope,
+                     kv_cache_dtype=llm.kv_cache_dtype)
         result["decode_sweep_bf16_serial"] = _decode_sweep(serial, sizes, a.context, rng)
         serial.kv_cache = serial.graphs = None
         del serial
 
     if not a.no_fp8:
-        fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope)
+        fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope,
+                  kv_cache_dtype=llm.kv_cache_dtype)
         fp8.reserve(prompts, a.new_tokens)
         fp8.generate(prompts, max_new_tokens=2)
         fp8_tokens = fp8.generate(prompts, max_new_tokens=a.new_tokens)
@@ -165,7 +176,8 @@ def _print(r: dict) -> None:
         return "-" if v is None else format(v, spec)
 
     print(f"\n{r['device']}: {r['layers']} layers of Llama-3-8B, {r['requests']} requests, prompts "
-          f"{r['prompt_len'][0]}-{r['prompt_len'][1]}, {r['new_tokens']} new tokens (wall {r['wall_s']:.0f} s)")
+          f"{r['prompt_len'][0]}-{r['prompt_len'][1]}, {r['new_tokens']} new tokens, KV cache {r['kv_cache_dtype']} "
+          f"(wall {r['wall_s']:.0f} s)")
     print(f"{'run':32} {'TTFT mean s':>11} {'TTFT max s':>10} {'decode tok/s':>12} {'step ms':>8} {'total s':>8}")
     for name, s in r["runs"].items():
         if s.get("skipped"):

@@ -32,15 +32,7 @@ def llm():
     return LLM.from_preset("llama3-8b", num_layers=2, dtype=torch.bfloat16, device="cuda", seed=0, max_batch_size=16)
 
 
-def test_graph_decode_matches_eager_decode(llm):
-    eager = LLM(llm.model, cuda_graphs=False, max_batch_size=16)
-    prompts = _prompts(1, [5, 130, 17, 700, 64], llm.config.vocab_size)
-    llm.reserve(prompts * 3, 24)  # graphs up to 15 requests: the 5 decode in the bucket of 8, with 3 pad rows
-    assert llm.graphs.bucket(5) == 8
-    replays = llm.graphs.replays
-    got, got_logits = llm.generate(prompts, max_new_tokens=24, return_logits=True)
-    assert llm.graphs.replays - replays == llm.last_stats.decode_steps >= 23
-    want, want_logits = eager.generate(prompts, max_new_tokens=24, return_logits=True)
+def _assert_graph_agrees_with_eager(got, want, got_logits, want_logits) -> None:
     for g, w, gl, wl in zip(got, want, got_logits, want_logits):
         first = _first_divergence(g, w)
         n = first + 1  # logits agree up to and including the first differing step
@@ -51,6 +43,18 @@ def test_graph_decode_matches_eager_decode(llm):
             # continuations differ and are compared no further)
             step = wl[first].float()
             assert float(step.max() - step[g[first]]) <= 2e-2 * float(step.abs().max()), (first, g[first], w[first])
+
+
+def test_graph_decode_matches_eager_decode(llm):
+    eager = LLM(llm.model, cuda_graphs=False, max_batch_size=16)
+    prompts = _prompts(1, [5, 130, 17, 700, 64], llm.config.vocab_size)
+    llm.reserve(prompts * 3, 24)  # graphs up to 15 requests: the 5 decode in the bucket of 8, with 3 pad rows
+    assert llm.graphs.bucket(5) == 8
+    replays = llm.graphs.replays
+    got, got_logits = llm.generate(prompts, max_new_tokens=24, return_logits=True)
+    assert llm.graphs.replays - replays == llm.last_stats.decode_steps >= 23
+    want, want_logits = eager.generate(prompts, max_new_tokens=24, return_logits=True)
+    _assert_graph_agrees_with_eager(got, want, got_logits, want_logits)
 
 
 def test_overlapped_graph_decode_equals_step_by_step(llm):
@@ -88,6 +92,28 @@ def test_fp8_engine_runs_in_graphs_and_stays_close(llm):
         # e4m3 activations and weights in every linear of 2 layers and the LM head: 0.17 measured on
         # the H200 (random weights); a wrong scale or a skipped K tile lands far above 0.25
         assert 0 < float(_rel(got[:1], want[:1]).max()) < 0.25
+
+
+@pytest.mark.parametrize(("kv_dtype", "bound"), [(torch.float8_e4m3fn, 0.15), (torch.float8_e5m2, 0.3)])
+def test_fp8_kv_cache_decodes_in_graphs_like_eager(llm, kv_dtype, bound):
+    """Scales calibrated before the capture (the same on both engines: the same first prefill
+    step), the paged decode kernel reading FP8 pages inside the graphs as eagerly."""
+    graphs = LLM(llm.model, max_batch_size=16, kv_cache_dtype=kv_dtype)
+    eager = LLM(llm.model, max_batch_size=16, kv_cache_dtype=kv_dtype, cuda_graphs=False)
+    prompts = _prompts(6, [40, 300, 12, 700], llm.config.vocab_size)
+    got, got_logits = graphs.generate(prompts, max_new_tokens=16, return_logits=True)
+    assert graphs.graphs is not None and graphs.graphs.replays >= 15, graphs.graphs_off_reason
+    want, want_logits = eager.generate(prompts, max_new_tokens=16, return_logits=True)
+    for i in range(llm.config.num_layers):
+        for a, b in zip(graphs.kv_cache.kv_scales(i), eager.kv_cache.kv_scales(i)):
+            assert torch.equal(a, b)
+    _assert_graph_agrees_with_eager(got, want, got_logits, want_logits)
+    assert graphs.kv_cache.kv_dtype == kv_dtype
+    _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)
+    for g, w in zip(got_logits, exact):
+        # against the bf16 cache's first logits (relative L2); the CPU's tiny preset in float32
+        # measures at most 0.04 (e4m3) / 0.08 (e5m2) as max |error| over the largest logit
+        assert 0 < float(_rel(g[:1], w[:1]).max()) < bound
 
 
 def test_transformers_attn_implementation_astrai_bf16():
