@@ -250,8 +250,8 @@ class LLM:
         try:
             with cache.step(ids, list(step.q_lens)):
                 tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
-                last = torch.tensor([len(tokens) - 1], device=self.model.device)  # one logit row: only the appends matter
-                self._forward(tokens_t, positions_t, last, cache)
+                last = torch.tensor([len(tokens) - 1], device=self.model.device)
+                self._forward(tokens_t, positions_t, last, cache)  # one logit row: the appends are what counts
         finally:
             for s in ids:
                 cache.release(s)
