@@ -100,6 +100,24 @@ def test_paged_decode_over_fp8_pages(lens, page, Hq, Hkv, D, dtype, fmt, per_hea
     check_against_reference(out, q, cache, scales, dtype, f"fp8 {fmt} decode page={page} splits={splits}")
 
 
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (32, 1, 64), (8, 2, 256)])
+def test_bfloat16_queries_of_any_magnitude(Hq, Hkv, D):
+    """The scores run on float16 with each bfloat16 query row scaled by a power of two: rows from
+    1e-12 to 1e6 (outside float16's range, inside bfloat16's) keep their results, and a row with
+    one large element beside small ones still sees them."""
+    seed = seed_of("fp8 q magnitudes", Hq, Hkv, D)
+    q, cache = paged_inputs([70, 513], 16, Hq, Hkv, D, BF16, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    exponents = torch.randint(-12, 7, (1, 1, Hq, 1), generator=g, device="cuda").float()
+    q = (q.float() * 10.0 ** exponents).to(BF16)
+    q[:, :, 0, 0] = 3e4  # row 0: one element near the scaled row's top, the rest ~1
+    _, scales = fp8_copy(cache, torch.float8_e4m3fn, True, seed)
+    for scale in (None, 1e-6):
+        kw = {} if scale is None else {"scale": scale}
+        out, _ = direct_fp8_decode(q, cache, scales, variant_arg(**kw), splits=1)
+        check_against_reference(out, q, cache, scales, BF16, f"bf16 q magnitudes scale={scale}", **kw)
+
+
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("variant", ["window37", "softcap30", "sinks", "all"])
 @pytest.mark.parametrize("fmt", FORMATS)

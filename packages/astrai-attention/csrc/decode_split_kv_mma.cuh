@@ -179,13 +179,12 @@ __device__ __forceinline__ void b16_output(float (&o)[D / 8][4], const float (&s
     }
 }
 
-// The scores of a warp's 16 rows of one fp8 K tile (raw q.k times 2^-unit, kv_fp8.cuh): per
-// 64-byte segment of a row, one 16-byte load per n-tile feeds four k-steps; q_frag(ks, qa)
-// gives Q's A fragment of k-step ks in the same permutation.
-template <typename T, int D, class KvFmt, class QFrag>
+// The scores of a warp's 16 rows of one fp8 K tile on float16 (raw q.k, Q in float16:
+// kv_fp8.cuh): per 64-byte segment of a row, one 16-byte load per n-tile feeds four k-steps;
+// q_frag(ks, qa) gives Q's A fragment of k-step ks in the same permutation.
+template <int D, class KvFmt, class QFrag>
 __device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_tile, int warp, int lane,
                                            QFrag&& q_frag) {
-    using K8 = Fp8ToBf16<KvFmt>;  // bfloat16 q (float16 q: the hardware conversion)
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int seg = 0; seg < D / 64; ++seg) {
@@ -200,15 +199,49 @@ __device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_ti
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const uint32_t w = (&kw[j].x)[kk];
-                if constexpr (std::is_same_v<T, __half>) {
-                    mma_sync<T>(s[j], qa, {fp8x2_to_half2<KvFmt>(w), fp8x2_to_half2<KvFmt>(w >> 16)});
-                } else {
-                    mma_sync<T>(s[j], qa, {K8::pair(__byte_perm(w, w, pair_selector(0, 1))),
-                                           K8::pair(__byte_perm(w, w, pair_selector(2, 3)))});
-                }
+                mma_sync<__half>(s[j], qa, {fp8x2_to_half2<KvFmt>(w), fp8x2_to_half2<KvFmt, true>(w)});
             }
         }
     }
+}
+
+// A bfloat16 Q tile (16 rows in SwizzledTile<D> layout) rewritten in place as float16, row r
+// times a power of two that puts its largest |element| in [2^14, 2^15); q_unit[r] gets the
+// inverse (kv_fp8.cuh). kThreads / 16 consecutive lanes take a row.
+template <int D, int kThreads>
+__device__ __forceinline__ void q_rows_to_half(uint8_t* q_tile, float* q_unit, int tid) {
+    constexpr int kPerRow = kThreads / 16;
+    constexpr int kOwn = SwizzledTile<D>::kChunks / kPerRow;  // 8-element chunks per thread
+    const int r = tid / kPerRow, part = tid % kPerRow;
+    uint4 x[kOwn];
+    float mx = 0.f;
+#pragma unroll
+    for (int i = 0; i < kOwn; ++i) {
+        x[i] = *reinterpret_cast<const uint4*>(q_tile + SwizzledTile<D>::offset(r, part + i * kPerRow));
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t v = (&x[i].x)[w];
+            mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(v << 16)), fabsf(__uint_as_float(v & 0xffff0000u))));
+        }
+    }
+#pragma unroll
+    for (int o = kPerRow / 2; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    // mx in [2^(E-127), 2^(E-126)): times 2^(141-E) lands in [2^14, 2^15); a zero row keeps 1
+    const int e = int(__float_as_uint(mx) >> 23);
+    const int up = mx > 0.f ? min(141 - e, 126) : 0;
+    const float factor = __uint_as_float(uint32_t(up + 127) << 23);
+#pragma unroll
+    for (int i = 0; i < kOwn; ++i) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t v = (&x[i].x)[w];
+            const __half2 h = __floats2half2_rn(__uint_as_float(v << 16) * factor,
+                                                __uint_as_float(v & 0xffff0000u) * factor);
+            (&x[i].x)[w] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        *reinterpret_cast<uint4*>(q_tile + SwizzledTile<D>::offset(r, part + i * kPerRow)) = x[i];
+    }
+    if (part == 0) q_unit[r] = __uint_as_float(uint32_t(127 - up) << 23);
 }
 
 // O += P.V for a warp's 16 rows of one fp8 V tile, on float16 (kv_fp8.cuh): P (probabilities
@@ -240,12 +273,13 @@ __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s
             }
         }
 #pragma unroll
-        for (int jj = 0; jj < 4 * kLoadWords; ++jj) {
+        for (int jj = 0; jj < 4 * kLoadWords; jj += 2) {
             const int j = 4 * kLoadWords * part + jj, word = jj / 4, at = jj % 4;
-            // byte `at` of rows 2t and 2t + 1 (2t + 8, 2t + 9) into the low 16 bits, converted
-            const uint32_t sel = low_pair_selector(at, 4 + at);
-            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(__byte_perm(w[0][word], w[1][word], sel)),
-                                        fp8x2_to_half2<KvFmt>(__byte_perm(w[2][word], w[3][word], sel))});
+            // bytes at, at + 1 of rows 2t and 2t + 1 (2t + 8, 2t + 9): n-tiles j and j + 1
+            const uint32_t lo = __byte_perm(w[0][word], w[1][word], interleave_selector(at));
+            const uint32_t hi = __byte_perm(w[2][word], w[3][word], interleave_selector(at));
+            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(lo), fp8x2_to_half2<KvFmt>(hi)});
+            mma_sync<__half>(o[j + 1], pa, {fp8x2_to_half2<KvFmt, true>(lo), fp8x2_to_half2<KvFmt, true>(hi)});
         }
     }
 }
@@ -374,6 +408,13 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     }
     cp_async_wait<C::kStages - 1>();  // group 0 (Q) has landed
     __syncthreads();
+    // fp8 pages: the scores run on float16 (kv_fp8.cuh); a bfloat16 Q is converted in place,
+    // row r times 1 / q_unit[r], and each score row carries q_unit back with the K scale
+    __shared__ float q_unit[C::kHeads];
+    if constexpr (kFp8 && !std::is_same_v<T, __half>) {
+        q_rows_to_half<D, C::kThreads>(smem + C::kQSmemOffset, q_unit, tid);
+        __syncthreads();
+    }
     // Q's A fragment of k-step ks; over fp8 pages with the head-dim permutation of kv_fp8.cuh:
     // the thread's elements e .. e + 3, e = 64 * (ks / 4) + 16 * t + 4 * (ks % 4), rows g, g + 8.
     auto load_q = [&](int ks, uint32_t (&qa)[4]) {
@@ -400,6 +441,16 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     // fp8 pages: the layer's K / V scales of this kv head (per tensor: stride 0)
     const float k_scale = kFp8 ? __ldg(p.k_scale + kvh * p.kv_scale_stride) : 1.f;
     const float v_scale = kFp8 ? __ldg(p.v_scale + kvh * p.kv_scale_stride) : 1.f;
+    // what a raw fp8 score of rows g and g + 8 is multiplied by to be q.k, and the softmax's
+    // scale of those rows (the cap, if any, has applied the factor already)
+    float score_factor[2] = {1.f, 1.f}, row_scale_log2[2] = {p.scale_log2, p.scale_log2};
+    if constexpr (kFp8) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            score_factor[r] = k_scale * (std::is_same_v<T, __half> ? 1.f : q_unit[(lane >> 2) + 8 * r]);
+            if constexpr (!kSoftCap) row_scale_log2[r] = p.scale_log2 * score_factor[r];
+        }
+    }
     float o[D / 8][4];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -429,13 +480,13 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
             }
         };
         if constexpr (kFp8) {
-            fp8_scores<T, D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
-            // bfloat16 K carries the conversion's power of two (kv_fp8.cuh); two steps: no overflow
-            const float unit = std::is_same_v<T, __half> ? 1.f : Fp8ToBf16<KvFmt>::unit();
+            fp8_scores<D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
+            if constexpr (kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
+                for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] = s[j][e] * unit * k_scale;
+                    for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e / 2];
+            }
         } else {
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
@@ -467,7 +518,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
         // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
         // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
         bool rescale = true;
-        if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, p.scale_log2, alpha);
+        if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, row_scale_log2, alpha);
         else online_softmax<2>(st, s, p.scale_log2, alpha);
         if constexpr (kFp8) {
             fp8_output<D, KvFmt>(o, s, alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);

@@ -5,15 +5,13 @@
 // A page value is stored = round_to_fp8(x / scale) (kv_quant.py); the kernel computes with
 // stored * scale, exactly (the gathers' values before their cast to the compute dtype).
 //
-// Conversion. Into float16 the hardware converts a byte pair exactly in one instruction
-// (fp8x2_to_half2). Into bfloat16 there is none: an fp8 byte's exponent and mantissa bits,
-// shifted into bfloat16's exponent and mantissa fields, are the same number times
-// 2^-(127 - bias_fp8) (subnormals too: a zero exponent field stays a zero field), so a byte pair
-// becomes a bfloat16 pair in three integer ops and the power of two joins the K scale
-// (Fp8ToBf16::unit); e4m3's NaN encodings become finite values there (the cache saturates what it
-// stores; only a NaN key produces them). The scores convert K into the compute dtype; the
-// output converts V into float16 and runs P.V on float16 whatever the compute dtype (P in
-// [0, 1] keeps more bits there than in bfloat16).
+// Conversion. Into float16 the hardware converts a byte pair exactly in one instruction, from
+// either half of a 32-bit word (fp8x2_to_half2<F, kHigh>), so both GEMMs run on float16 whatever
+// the compute dtype: a bfloat16 Q is converted into float16 once per block, each query row times
+// a power of two that puts its largest element in [2^14, 2^15) (exact down to 2^-29 of that
+// largest, where float16's normal range ends), and the scores carry its
+// inverse with the K scale; P in [0, 2^8] (the lazy rescale's bound) keeps more bits in float16
+// than in bfloat16.
 //
 // Fragments. The k dimension of an mma may be permuted at will as long as A and B agree: for
 // the scores (k = head dim) a thread takes the four consecutive bytes 16t + 4kk .. + 3 of each
@@ -21,7 +19,8 @@
 // 16-byte load feeds four k-steps, and Q's A fragments are read with the same permutation. For
 // the output (k = key position) the n dimension (head dim) is permuted instead: mma column n of
 // n-tile j is head-dim element n * D/8 + j, so a thread's B values of every n-tile sit in D/8
-// consecutive bytes of each of its four V rows.
+// consecutive bytes of each of its four V rows; one byte permute interleaves two rows' bytes of
+// two n-tiles, and the word's halves convert into the two n-tiles' B registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,27 +44,29 @@ struct KvE5M2 {
     static constexpr __nv_fp8_interpretation_t kFormat = __NV_E5M2;
 };
 
-// Two fp8 values of format F (bits 7:0 and 15:8 of x) as a packed float16 pair, exactly (one
-// hardware conversion on sm_89+; NaN stays NaN): the float16 fragments' conversion.
-template <class F>
+// Two fp8 values of format F (bytes 0, 1 of x, or with kHigh bytes 2, 3) as a packed float16
+// pair, exactly: one hardware conversion on sm_89+, which reads either half of x in place (NaN
+// stays NaN); cuda_fp8.h's software form below that.
+template <class F, bool kHigh = false>
 __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t x) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), F::kFormat);
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
-
-// fp8 format F -> bfloat16, two values at a time (the Conversion paragraph above).
-template <class F>
-struct Fp8ToBf16 {
-    static constexpr int kShift = 8 - F::kExpBits;                     // bfloat16: 8 exponent bits
-    static constexpr uint32_t kMask = (0x7f00u >> kShift) * 0x10001u;  // exponent + mantissa, both halves
-    static constexpr int kUnitExp = 127 - F::kBias;
-    // What a converted value is multiplied by to be the stored fp8 number: 2^kUnitExp.
-    __device__ __forceinline__ static float unit() { return __int_as_float((kUnitExp + 127) << 23); }
-    // z: two fp8 bytes in bits 15:8 and 31:24 (the other bits are ignored) -> a packed bfloat16 pair.
-    __device__ __forceinline__ static uint32_t pair(uint32_t z) {
-        return (z & 0x80008000u) | ((z >> kShift) & kMask);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t h;
+    if constexpr (F::kExpBits == 4 && kHigh) {
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(h) : "r"(x));
+    } else if constexpr (F::kExpBits == 4) {
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(h) : "r"(x));
+    } else if constexpr (kHigh) {
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}" : "=r"(h) : "r"(x));
+    } else {
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}" : "=r"(h) : "r"(x));
     }
-};
+    return h;
+#else
+    const uint32_t bytes = kHigh ? x >> 16 : x & 0xffffu;
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bytes), F::kFormat);
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+#endif
+}
 
 // A [rows][D] tile of fp8 bytes: 16-byte chunks with the chunk index XOR-swizzled per row so
 // that the cp.async stores and the decode kernel's K and V fragment loads (8 lanes per bank
@@ -86,11 +87,10 @@ struct Fp8Tile {
     }
 };
 
-// __byte_perm selectors over the bytes 0..7 of (a, b): byte lo into bits 15:8 and byte hi into
-// bits 31:24 (the z of Fp8ToBf16::pair), or lo into bits 7:0 and hi into 15:8 (fp8x2_to_half2's).
-__device__ __forceinline__ constexpr uint32_t pair_selector(int lo, int hi) {
-    return uint32_t((hi << 12) | (hi << 8) | (lo << 4) | lo);
+// The __byte_perm selector over the bytes 0..7 of (a, b) that gives (a[at], b[at], a[at + 1],
+// b[at + 1]): two rows' bytes of two adjacent columns, each column's pair in one half.
+__device__ __forceinline__ constexpr uint32_t interleave_selector(int at) {
+    return uint32_t(((5 + at) << 12) | ((at + 1) << 8) | ((4 + at) << 4) | at);
 }
-__device__ __forceinline__ constexpr uint32_t low_pair_selector(int lo, int hi) { return uint32_t((hi << 4) | lo); }
 
 }  // namespace astrai::attn

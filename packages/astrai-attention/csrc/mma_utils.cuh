@@ -96,8 +96,9 @@ __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], 
 // relative to the old base, so most tiles of a long row leave O alone. Returns whether the
 // warp rescales (any of its rows moved; warp-uniform): alpha is then the factor for O, 1 for
 // the rows that kept their base; without a rescale alpha is all ones and O is left as is.
+// scale_log2[r]: row r's own scale (the decode over fp8 pages folds its score factors into it).
 template <int NT, int EMU = 0>
-__device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], float scale_log2,
+__device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], const float (&scale_log2)[2],
                                                     float (&alpha)[2]) {
     constexpr float kSlack = 8.f;
     float mx[2];
@@ -106,7 +107,7 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
         mx[r] = -INFINITY;
 #pragma unroll
         for (int j = 0; j < NT; ++j) mx[r] = fmaxf(mx[r], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx[r] = warp_reduce_max<4>(mx[r]) * scale_log2;
+        mx[r] = warp_reduce_max<4>(mx[r]) * scale_log2[r];
     }
     // -inf + kSlack is -inf: a row's first finite max always moves its base
     const bool rescale = __any_sync(0xffffffffu, mx[0] > st.m[0] + kSlack || mx[1] > st.m[1] + kSlack);
@@ -122,13 +123,20 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            s[j][2 * r] = tile_exp2<EMU>(j, fmaf(s[j][2 * r], scale_log2, -base));
-            s[j][2 * r + 1] = tile_exp2<EMU>(j, fmaf(s[j][2 * r + 1], scale_log2, -base));
+            s[j][2 * r] = tile_exp2<EMU>(j, fmaf(s[j][2 * r], scale_log2[r], -base));
+            s[j][2 * r + 1] = tile_exp2<EMU>(j, fmaf(s[j][2 * r + 1], scale_log2[r], -base));
             sum += s[j][2 * r] + s[j][2 * r + 1];
         }
         st.l[r] = st.l[r] * alpha[r] + sum;
     }
     return rescale;
+}
+
+template <int NT, int EMU = 0>
+__device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], float scale_log2,
+                                                    float (&alpha)[2]) {
+    const float rows[2] = {scale_log2, scale_log2};
+    return online_softmax_lazy<NT, EMU>(st, s, rows, alpha);
 }
 
 // An accumulator's rows g and g + 8 (mma C layout, ND n-tiles) times alpha[0] and alpha[1]:
