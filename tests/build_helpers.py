@@ -49,6 +49,24 @@ def plugin_manifest_of(package_dir: Path, name: str, build_info: dict[str, Any] 
         del sys.modules[spec.name]
 
 
+# A build record with every optional piece (the Hopper kernels, the mma kernels), for
+# manifests read from the source tree.
+FULL_BUILD_INFO = {"version": "0.1.0+cu130", "cuda": "13.0", "nvcc_version": "13.0", "sass_archs": ["sm_90a"],
+                   "ptx_archs": ["compute_90"], "no_mma": False, "modules": {}}
+
+
+def declared_ops() -> dict[str, str]:
+    """op -> the plugin package ("astrai-attention", ...) whose source manifest declares it,
+    under FULL_BUILD_INFO."""
+    root = Path(__file__).resolve().parents[1]
+    ops = {}
+    for plugin in ("attention", "rotary", "fp8"):
+        package = root / "packages" / f"astrai-{plugin}" / "src" / f"astrai_{plugin}"
+        manifest = plugin_manifest_of(package, f"_astrai_{plugin}_declared_ops", build_info=FULL_BUILD_INFO)
+        ops.update(dict.fromkeys(manifest["ops"], f"astrai-{plugin}"))
+    return ops
+
+
 def require_toolkit(cuda: str = "13.0") -> None:
     """Skip the calling test (or fixture) unless ci/build-wheels can build CUDA ``cuda``
     plugins here: a local nvcc of that version (CUDACXX or PATH) or a provisioned toolkit.

@@ -11,8 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL, FP8_GEMM, FP8_QUANTIZE,
-                       FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
+from .op_names import ALL_OPS
 
 # Mirrors astrai/dtype.h in packages/cuda-common; the numbers are part of ABI 1.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -27,20 +26,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 }
 
 # The ABI version of each op's call convention this core speaks.
-SUPPORTED_OP_ABI: dict[str, frozenset[int]] = {
-    ATTN_DECODE: frozenset({1}),
-    ATTN_PREFILL: frozenset({1}),
-    ATTN_PAGED_DECODE: frozenset({1}),
-    ATTN_PAGED_PREFILL: frozenset({1}),
-    ROTARY_EMB: frozenset({1}),
-    ROPE_PAGED_APPEND: frozenset({1}),
-    RMS_NORM: frozenset({1}),
-    FUSED_ADD_RMS_NORM: frozenset({1}),
-    SILU_AND_MUL: frozenset({1}),
-    FP8_QUANTIZE: frozenset({1}),
-    FP8_GEMM: frozenset({1}),
-    FP8_SCALE_UPDATE: frozenset({1}),
-}
+SUPPORTED_OP_ABI: dict[str, frozenset[int]] = dict.fromkeys(ALL_OPS, frozenset({1}))  # every op: version 1
 
 
 def dtype_code(tensor: torch.Tensor) -> int:
