@@ -190,7 +190,7 @@ def test_decode_graphs_are_captured_after_the_scales_are_set(graphs_on_the_cpu):
 
 
 def test_a_capture_before_the_scales_are_set_is_refused(graphs_on_the_cpu, monkeypatch):
-    monkeypatch.setattr(LLM, "_calibrate_kv_scales", lambda self, cache, requests: None)
+    monkeypatch.setattr(engine, "calibrate_kv_scales", lambda llm, cache, requests: None)
     llm = _tiny(kv_cache_dtype=E4M3)
     llm.use_graphs = True
     with pytest.raises(ValueError, match=r"no K/V scales for layers \[0, 1\].*before capturing decode graphs"):

@@ -32,11 +32,11 @@ import time
 
 import torch
 
+from astrai.cli.generate import KV_CACHE_DTYPES
 from astrai.serve import LLM
 from astrai.serve.compare import agreement, hf_generate, hf_generate_batch
 from astrai.serve.hbm import memory_bandwidth
 
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 # the floor astrai generate prints: the device's peak bandwidth (4.8 TB/s on an H200)
 HBM_BYTES_PER_S = memory_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None

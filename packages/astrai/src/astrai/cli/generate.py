@@ -27,10 +27,11 @@ from ..extension.runtime import current_runtime
 from .checks import UsageError, check_environment, plugin_names, require, writable
 from .generate_report import count, print_report
 
+# --kv-cache-dtype's names: auto is the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 ACCURACY_REQUESTS = 4  # the first requests, teacher-forced through the float32 reference
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# --kv-cache-dtype: the LLM's kv_cache_dtype (auto: None, the model's dtype)
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def add_arguments(parser) -> None:

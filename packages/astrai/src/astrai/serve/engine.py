@@ -19,9 +19,9 @@ import time
 import torch
 
 from ..extension import PagedKVCache
-from ..extension.kv_quant import FP8_KV_DTYPES
 from .config import ModelConfig, preset
 from .graphs import DecodeGraphs
+from .kv_cache_dtype import calibrate_kv_scales, check_kv_cache_dtype
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
 from .scheduler import Request, Scheduler, Step
 from .stats import GenerationStats, progress
@@ -29,21 +29,6 @@ from .stats import GenerationStats, progress
 __all__ = ["LLM"]
 
 _PAD_SEQ = "__pad__"
-_CALIBRATION_SEQ = "__calibrate__"
-
-
-def check_kv_cache_dtype(kv_cache_dtype: object, dtype: torch.dtype) -> torch.dtype | None:
-    """``LLM``'s ``kv_cache_dtype`` as the cache's ``kv_dtype``: None (pages in the model's
-    ``dtype``, which names the same) or one of the FP8 formats."""
-    valid = f"None (the model's {dtype}), {', '.join(map(str, FP8_KV_DTYPES))}"
-    if kv_cache_dtype is None or kv_cache_dtype == dtype:
-        return None
-    if not isinstance(kv_cache_dtype, torch.dtype):
-        raise TypeError(f"kv_cache_dtype must be one of {valid}, got {type(kv_cache_dtype).__name__} "
-                        f"{kv_cache_dtype!r}")
-    if kv_cache_dtype not in FP8_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {valid}, got {kv_cache_dtype}")
-    return kv_cache_dtype
 
 
 @contextlib.contextmanager
@@ -226,7 +211,7 @@ class LLM:
         cache.add_sequence(_PAD_SEQ)
         cache.plan([_PAD_SEQ], [1])  # owns one page: pad rows of graph replays write and read only there
         if self.kv_cache_dtype is not None:
-            self._calibrate_kv_scales(cache, requests)
+            calibrate_kv_scales(self, cache, requests)
         if self.use_graphs:
             try:
                 self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
@@ -235,26 +220,6 @@ class LLM:
                 self.graphs_off_reason = str(exc)
                 self.use_graphs = False
         self.kv_cache = cache
-
-    def _calibrate_kv_scales(self, cache: PagedKVCache, requests: list[Request]) -> None:
-        """Run the workload's first prefill step eagerly on throw-away sequences (released
-        after): every layer's first append calibrates its FP8 scales (see the class docstring)."""
-        sched = Scheduler(requests, page_size=self.page_size, num_pages=cache.free_pages,
-                          max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens)
-        step = sched.next_step()  # reads the requests, changes none of them
-        ids = [(_CALIBRATION_SEQ, r.rid) for r in step.requests]
-        tokens = [t for r, n in zip(step.requests, step.q_lens) for t in r.prompt[:n]]
-        positions = [p for n in step.q_lens for p in range(n)]
-        for s in ids:
-            cache.add_sequence(s)
-        try:
-            with cache.step(ids, list(step.q_lens)):
-                tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
-                last = torch.tensor([len(tokens) - 1], device=self.model.device)
-                self._forward(tokens_t, positions_t, last, cache)  # one logit row: the appends are what counts
-        finally:
-            for s in ids:
-                cache.release(s)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
                  cache: PagedKVCache) -> torch.Tensor:
