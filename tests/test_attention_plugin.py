@@ -444,7 +444,7 @@ def test_standalone_tests_compile():
 
 # The Hopper prefill's build knobs written before a GPU could run them (prefill_ws.cuh): they
 # must keep compiling to sm_90a code without spills or serialized wgmma until they are measured.
-PENDING_KNOBS = ("-DASTRAI_PREFILL_WS_MHA=1", "-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
+PENDING_KNOBS = ("-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
                  "-DASTRAI_PREFILL_EXP2_EMULATE=4")
 
 

@@ -13,6 +13,7 @@ both transposes. Exits non-zero on a wrong result; prints one line per kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -62,18 +63,33 @@ def dense_attention() -> None:
         mask3 = torch.rand(2, 70, 133, device=DEV) < 0.7
         close(f"attn_prefill mask3 {dtype} d{d}", attn_ops.attn_prefill(q, k, v, mask3),
               attention_ref(q, k, v, mask3), dtype)
+        # multi-head: the Hopper prefill's one-head blocks of 128 rows
+        q, k, v = rand(2, 200, 4, d, dtype=dtype), rand(2, 200, 4, d, dtype=dtype), rand(2, 200, 4, d, dtype=dtype)
+        close(f"attn_prefill multi-head causal {dtype} d{d}", attn_ops.attn_prefill(q, k, v, None, is_causal=True),
+              attention_ref(q, k, v, None, True), dtype)
 
 
 def paged_attention() -> None:
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        paged_steps(kv_dtype)
+
+
+def paged_steps(kv_dtype) -> None:
+    """Three steps (chunked prefill, then two decode steps) through attention() over one cache;
+    FP8 pages are checked against the 16-bit reference with FP8's error (scales calibrated on the
+    first append)."""
     dtype, hkv, hq, d = torch.bfloat16, 2, 8, 128
-    cache = PagedKVCache(1, 32, 16, hkv, d, dtype=dtype, device=DEV)
+    cache = PagedKVCache(1, 32, 16, hkv, d, dtype=dtype, device=DEV, kv_dtype=kv_dtype)
     cache.k_pages.zero_()
     cache.v_pages.zero_()
     seqs = [0, 1, 2]
     for s in seqs:
         cache.add_sequence(s)
     history = {s: ([], []) for s in seqs}
-    with torch.no_grad(), attn_backend(ATTN_BACKEND.CUDA):
+    tol = tolerance(dtype) if kv_dtype is None else dict(rtol=0.1, atol=0.1)
+    # the prefill kernels do not read FP8 pages yet: the resolver picks per step there
+    forced = attn_backend(ATTN_BACKEND.CUDA) if kv_dtype is None else contextlib.nullcontext()
+    with torch.no_grad(), forced:
         for q_lens in ([70, 5, 17], [1, 1, 1], [1, 1, 1]):
             cache.plan(seqs, q_lens)
             total = sum(q_lens)
@@ -85,10 +101,9 @@ def paged_attention() -> None:
                 history[s][1].append(v[0, start:start + n])
                 ks, vs = (torch.cat(p)[None] for p in history[s])
                 torch.testing.assert_close(out[:, start:start + n].double().cpu(),
-                                           attention_ref(q[:, start:start + n], ks, vs, is_causal=True),
-                                           **tolerance(dtype))
+                                           attention_ref(q[:, start:start + n], ks, vs, is_causal=True), **tol)
                 start += n
-            print(f"ok paged attention q_lens={q_lens}", flush=True)
+            print(f"ok paged attention {kv_dtype or dtype} q_lens={q_lens}", flush=True)
 
 
 def fp8() -> None:
