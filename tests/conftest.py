@@ -1,7 +1,13 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The helpers every test folder imports by name (``from reference import ...``, ``fakes``,
+# ``attention_cases``, ...); the benchmark scripts in bench/ add the same folder themselves.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 MAX_WORKERS = 4  # each pytest-xdist worker imports torch: a few hundred MB apiece
 
@@ -91,7 +97,7 @@ def require_plugin():
 def rotary_build():
     """The one astrai-rotary +cu130 build (sm_80 + sm_90a + PTX) every rotary packaging test
     shares: the ci/build-wheels output folder, cached on disk per source tree by
-    tests/wheel_cache.py (read-only: copy it before writing an index into it)."""
+    tests/helpers/wheel_cache.py (read-only: copy it before writing an index into it)."""
     from wheel_cache import plugin_build, ROTARY_ARCHS
 
     return plugin_build("rotary", "13.0", ROTARY_ARCHS)

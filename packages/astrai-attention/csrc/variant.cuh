@@ -20,7 +20,7 @@ namespace astrai::attn {
 constexpr double kLog2e = 1.4426950408889634;
 
 // The features the kernels apply, by the names of attention()'s arguments; the modules bind it
-// as VARIANTS, and tests/test_attention_plugin.py checks the plugin's manifest states the same.
+// as VARIANTS, and tests/attention/test_attention_plugin.py checks the plugin's manifest states the same.
 constexpr const char* kVariantFeatures[] = {"window_left", "logits_soft_cap", "sinks", "scale"};
 
 // Host: the variant fields of p from validated values. scale <= 0 means 1/sqrt(head_dim),

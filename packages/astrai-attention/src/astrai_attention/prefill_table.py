@@ -3,7 +3,7 @@
 A call of ``attention()`` without a KV cache has a peer outside the plugin: the core's torch
 backend (SDPA, with whatever kernel SDPA picks). ``prefill_table.json`` (next to this file)
 holds both times per shape class, measured side by side on an H200 by
-``tests/gpu/bench_prefill.py --write-table`` (or this module on a saved benchmark JSON)::
+``bench/bench_prefill.py --write-table`` (or this module on a saved benchmark JSON)::
 
     python -m astrai_attention.prefill_table bench_prefill.json --commit 1a2b3c4 --date 2026-12-01 \\
         -o packages/astrai-attention/src/astrai_attention/prefill_table.json
@@ -61,7 +61,7 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
         "torch": str(bench.get("torch", "")),
         "commit": commit,
         "date": date,
-        "source": f"tests/gpu/bench_prefill.py (medians of CUDA-graph replays, heads {q_heads}/{kv_heads} bf16)",
+        "source": f"bench/bench_prefill.py (medians of CUDA-graph replays, heads {q_heads}/{kv_heads} bf16)",
         "q_heads": q_heads,
         "kv_heads": kv_heads,
         "peer": PEER,

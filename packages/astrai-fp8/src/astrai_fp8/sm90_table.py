@@ -1,7 +1,7 @@
 """The measured sm_90 preference table: the Hopper wgmma GEMM against cuBLASLt, per shape.
 
 ``sm90_table.json`` (next to this file) is written from a real benchmark run on an H200
-(``tests/gpu/bench_fp8_sm90.py --write-table``, or this module on a saved benchmark JSON)::
+(``bench/bench_fp8_sm90.py --write-table``, or this module on a saved benchmark JSON)::
 
     python -m astrai_fp8.sm90_table bench_fp8_sm90.json --commit 1a2b3c4 --date 2026-11-29 \\
         -o packages/astrai-fp8/src/astrai_fp8/sm90_table.json
@@ -53,7 +53,7 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
         "torch": str(bench.get("torch", "")),
         "commit": commit,
         "date": date,
-        "source": "tests/gpu/bench_fp8_sm90.py (medians of CUDA-graph replays, e4m3 x e4m3 -> bf16)",
+        "source": "bench/bench_fp8_sm90.py (medians of CUDA-graph replays, e4m3 x e4m3 -> bf16)",
         "peer": PEER,
         "measured": f"{device}, commit {commit}, {date}",
         "classes": list(classes.values()),

@@ -1,6 +1,6 @@
 // Python bindings of the Hopper planner (planning.h), so that Python never re-implements
 // it: bound into _fp8_ops as the submodule `sm90`, and into a host-only module that the CPU
-// tests build from this header alone (tests/build_helpers.py: sm90_planner()).
+// tests build from this header alone (tests/helpers/build_helpers.py: sm90_planner()).
 //
 //   TILE_CONFIGS, TILE_M, TILE_K, GROUP_M, H200     the table and constants
 //   ProblemShape(M, N, K, lda=K, ldb=K, a_addr=0, b_addr=0), DeviceLimits(cc_major, cc_minor,

@@ -6,8 +6,8 @@ default in the binding). The ops wrappers pass them positionally, the stream whe
 ``stream`` stands (``abi.launch`` appends it), and the optional ones after it by keyword
 (``variant=``, ``kv_scales=``, ``kv_bytes=``) or positionally in this order.
 
-``tests/test_bindings.py`` holds the plugins' ``m.def`` lists (``packages/*/csrc/*.cu``) and
-the tests' fake modules (``tests/fakes.py``) to this table, so a renamed, added or moved
+``tests/core/test_bindings.py`` holds the plugins' ``m.def`` lists (``packages/*/csrc/*.cu``) and
+the tests' fake modules (``tests/helpers/fakes.py``) to this table, so a renamed, added or moved
 argument fails a test on the CPU. An entry point of the same name in two modules
 (``decode_plan``, ``prefill_plan``) takes the same arguments in both.
 """

@@ -14,7 +14,7 @@ def assume_constant_result(fn: F) -> F:
 
     Importing dynamo pulls in inductor and sympy (0.7 s to 6 s) and the decorator only
     marks ``fn`` for dynamo to read when it traces a call; so the mark is made here and
-    dynamo is imported only when something is compiled. ``tests/test_import_time.py``
+    dynamo is imported only when something is compiled. ``tests/core/test_import_time.py``
     checks the mark is still the one dynamo's decorator makes.
     """
     dynamo = sys.modules.get("torch._dynamo")

@@ -4,7 +4,7 @@ registry, the resolver and the ops wrappers key on, and what errors, ``explain``
 them) and of what users read: they never change.
 
 ``ALL_OPS`` lists every op the project's plugins provide, in the order ``astrai doctor``
-shows them (``tests/test_op_names.py`` holds it to the manifests and the core's tables).
+shows them (``tests/core/test_op_names.py`` holds it to the manifests and the core's tables).
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""Paged decode over FP8 pages beside the bf16 pages and cuDNN bf16, in one run: GQA 32/8 d128,
+page 16 shuffled, bf16 q. Each row has the CUDA-graph time (median of graph replays,
+bench/graph_timing.py) and the eager per-call time of the public op; cuDNN runs bf16 on
+contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the faster is reported).
+"GB/s" is the K/V bytes the call must read over its graph time.
+
+    python bench/bench_kv_fp8.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
+from attention_cases import Paged, abi, module  # noqa: E402
+from bench_variants import cudnn_us  # noqa: E402
+from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
+
+from astrai.extension.abi import stream_handle  # noqa: E402
+from astrai.extension.kv_quant import calibrated_scale, quantize  # noqa: E402
+from astrai.extension.ops import attention as ops  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = [(1, 32768), (1, 4096), (16, 4096), (64, 4096), (128, 2048), (8, 8192)]
+PAGES = {"bf16": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def rows_for(batch: int, kv_len: int) -> list[dict]:
+    cache16 = Paged([kv_len] * batch, 16, HKV, D, torch.bfloat16, order="shuffled", seed=1)
+    q = torch.randn(batch, 1, HQ, D, device="cuda").to(torch.bfloat16)
+    mod = module("attn_paged_decode")
+    k, v = (torch.randn(batch, kv_len, HKV, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    peer = cudnn_us(q, k, v, False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, kv_dtype in PAGES.items():
+        kv_bytes = 2 if kv_dtype is None else 1
+        splits = mod.decode_plan(batch, HKV, HQ // HKV, D, kv_len, sms, kv_bytes=kv_bytes)
+        ws_o = torch.empty(splits * batch * HQ * D, dtype=torch.float32, device="cuda")
+        ws_lse = torch.empty(splits * batch * HQ, dtype=torch.float32, device="cuda")
+        pages = (cache16.k_cache, cache16.v_cache)
+        kw, scales = {}, {}
+        if kv_dtype is not None:
+            s = [calibrated_scale(t, "tensor", kv_dtype) for t in pages]
+            pages = tuple(quantize(t, sc, kv_dtype) for t, sc in zip(pages, s))
+            kw = {"kv_scales": (abi(s[0]), abi(s[1]))}
+            scales = dict(k_scale=s[0], v_scale=s[1])
+        out = torch.empty_like(q)
+
+        def direct():
+            mod.attn_paged_decode(abi(q), abi(pages[0]), abi(pages[1]), abi(out), abi(cache16.kv_indptr),
+                                  abi(cache16.kv_indices), abi(cache16.kv_lens), splits, abi(ws_o), abi(ws_lse),
+                                  stream_handle(q.device), **kw)
+
+        def public():
+            return ops.attn_paged_decode(q, pages[0], pages[1], cache16.kv_indptr, cache16.kv_indices,
+                                         cache16.kv_lens, num_splits=splits, **scales)
+        graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
+        nbytes = 2 * batch * kv_len * HKV * D * pages[0].element_size()
+        rows.append(dict(shape=f"B={batch} kv={kv_len}", pages=name, splits=splits, graph_us=graph,
+                         eager_us=eager_time_ms(public) * 1e3, gbps=nbytes / graph / 1e3, cudnn_us=peer,
+                         vs_cudnn=peer / graph))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the issue's two shapes only")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    shapes = [(1, 32768), (16, 4096)] if args.quick else SHAPES
+    rows = [r for shape in shapes for r in rows_for(*shape)]
+    print(f"{'shape':16} {'pages':6} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'cuDNN us':>9} "
+          f"{'cuDNN/ours':>10}")
+    for r in rows:
+        print(f"{r['shape']:16} {r['pages']:6} {r['splits']:6d} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
+              f"{r['gbps']:7.0f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

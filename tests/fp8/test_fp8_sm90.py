@@ -1,0 +1,230 @@
+"""The Hopper (sm_90a) FP8 GEMM on a machine without a GPU.
+
+* Planning (``csrc/gemm/sm90/planning.h``, the C++ the binary runs, bound for Python by
+  ``planning_bind.h`` and built here with the host compiler): which shapes the path takes,
+  the reasons it gives when it cannot, the tile choice by wave math, the shared-memory
+  fallback.
+* The device code compiled for ``sm_90a``: the SASS holds ``QGMMA`` (FP8 wgmma) and
+  ``UTMALDG`` (TMA loads; ``.MULTICAST`` in the 2-CTA cluster configs), ``setmaxnreg``, no ``F2FP...UNPACK_B`` (the fp16 emulation of the
+  mma.sync path); ptxas reports no spills, no stack frame, and no serialized wgmma.
+* The generated wgmma wrapper header matches its generator.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from build_helpers import find_tool, load_module, sm90_planner
+
+REPO = Path(__file__).resolve().parents[2]
+SM90 = REPO / "packages" / "astrai-fp8" / "csrc" / "gemm" / "sm90"
+
+
+def _load(name: str, path: Path):
+    return load_module(name, path, register=True)
+
+
+sp = sm90_planner()  # the same module as _fp8_ops.sm90, without nvcc
+H200 = sp.H200
+
+
+def _plan(M, N, K, accum="promote", **kw):
+    return sp.plan(sp.ProblemShape(M, N, K, **kw), H200, accum)
+
+
+# ============================================================ planning (pure, fast)
+def _cfg(p):
+    return sp.TILE_CONFIGS[p.config]
+
+
+def test_takes_llm_shapes_with_the_wide_tiles():
+    for N, K in ((8192, 8192), (28672, 8192), (8192, 28672)):
+        fast, prom = _plan(8192, N, K, "fast"), _plan(8192, N, K, "promote")
+        assert (_cfg(fast).bn, _cfg(fast).promote, fast.cluster) == (256, False, 1)
+        # promoted: the pipelined promotion's 128-wide tiles (config 14)
+        assert (prom.config, _cfg(prom).bn, prom.cluster) == (14, 128, 1)
+    p = _plan(8192, 8192, 8192, "fast")
+    assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid, p.k_blocks) == (64, 32, 2048, 132, 64)
+
+
+def test_cluster_configs_run_only_when_forced_and_count_tile_pairs():
+    assert all(not c.enabled for c in sp.TILE_CONFIGS if c.cluster == 2)
+    for M in (16, 1024, 8192):
+        for accum in ("promote", "fast"):
+            assert _plan(M, 8192, 8192, accum).cluster == 1
+    p = sp.plan(sp.ProblemShape(8192, 8192, 8192), H200, force_config=4)
+    # 64 x 32 tiles of 128 x 256 in 32 x 32 pairs sharing B, 66 pairs at a time
+    assert (p.cluster, p.tiles_m, p.tiles_n, p.num_tiles, p.grid) == (2, 32, 32, 1024, 132)
+    p = sp.plan(sp.ProblemShape(16, 8192, 8192), H200, force_config=7)  # one CTA of each pair idle
+    assert p.grid == 2 * p.num_tiles == 128 and p.tiles_m == 1
+    p = sp.plan(sp.ProblemShape(1, 1, 16), H200, force_config=6)
+    assert (p.grid, p.k_blocks) == (2, 1)
+
+
+def test_wave_math_prefers_narrow_tiles_when_wide_ones_quantise_badly():
+    # 1024 x 10240: 320 wide tiles = 2.4 waves (3 rounds) vs 640 narrow = 4.8 (5 rounds)
+    p = _plan(1024, 10240, 8192, "fast")
+    assert _cfg(p).bn == 128 and p.num_tiles == 640
+    assert any("320 tiles, 3 rounds" in line for line in p.trace)
+
+
+def test_promoted_sums_keep_192_wide_tiles_where_they_need_fewer_rounds():
+    # N = 132 * 192: one round of 192-wide tiles against two of 128-wide ones
+    p = _plan(128, 132 * 192, 4096, "promote")
+    assert (p.config, p.num_tiles) == (1, 132)
+    assert _plan(128, 8192, 4096, "promote").config == 14
+    assert not sp.TILE_CONFIGS[2].enabled  # the same tile as 14 without the pipelining
+
+
+def test_small_problems_use_one_cta_per_tile():
+    p = _plan(16, 8192, 8192, "promote")  # swap-AB: 64 tiles of 128 rows over N
+    assert p.grid == p.num_tiles == 64 and (p.tiles_m, p.tiles_n) == (64, 1)
+    p = _plan(1, 1, 16, "fast")
+    assert (p.grid, p.k_blocks) == (1, 1)
+
+
+@pytest.mark.parametrize("M, bn", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)])
+@pytest.mark.parametrize("accum", ["promote", "fast"])
+def test_small_m_swaps_a_and_b_with_the_narrowest_tile_that_covers_m(M, bn, accum):
+    for N, K in ((8192, 8192), (28672, 8192), (1000, 1008)):
+        c = _cfg(_plan(M, N, K, accum))
+        assert (c.swap, c.bn, c.promote) == (True, bn, accum == "promote"), (M, N, K)
+    p = _plan(M, 28672, 8192, accum)
+    assert (p.tiles_m, p.tiles_n, p.num_tiles, p.grid) == (224, 1, 224, 132)
+
+
+def test_swap_ab_stops_above_64_rows():
+    for M in (65, 128, 1024):
+        p = _plan(M, 8192, 8192)
+        assert not _cfg(p).swap
+        assert any("only for M <= 64" in line for line in p.trace)
+    p = sp.plan(sp.ProblemShape(130, 1000, 1024), H200, force_config=8)  # forced: M over bn
+    assert (p.ok, p.tiles_m, p.tiles_n) == (True, 8, 9)
+
+
+def test_k_tail_counts_a_partial_block():
+    assert _plan(128, 128, 4000).k_blocks == 32   # 31 full blocks + 32 (zero-filled by TMA)
+    assert _plan(128, 128, 16).k_blocks == 1
+
+
+@pytest.mark.parametrize("shape, reason", [
+    (dict(M=128, N=128, K=40), "K must be a multiple of 16"),
+    (dict(M=0, N=128, K=128), "must be positive"),
+    (dict(M=128, N=128, K=128, lda=136), "multiples of 16 bytes"),
+    (dict(M=128, N=128, K=128, ldb=64), ">= K"),
+    (dict(M=128, N=128, K=128, a_addr=8), "16-byte aligned"),
+    (dict(M=2**31, N=128, K=128), "int32"),
+])
+def test_rejections_name_the_reason(shape, reason):
+    s = sp.ProblemShape(**shape)
+    assert reason in sp.can_implement(s, H200)
+    p = sp.plan(s, H200)
+    assert not p.ok and reason in p.trace[0]
+
+
+def test_other_archs_are_refused():
+    for cc in ((8, 9), (10, 0), (12, 0)):
+        d = sp.DeviceLimits(cc[0], cc[1], 132, 232448)
+        assert "needs sm_90" in sp.can_implement(sp.ProblemShape(128, 128, 128), d)
+
+
+def test_shared_memory_limit_falls_back_then_refuses():
+    small = sp.DeviceLimits(9, 0, 132, 200000)  # the 4 x 48 KiB ring of 128x256 still fits
+    assert sp.TILE_CONFIGS[sp.plan(sp.ProblemShape(8192, 8192, 8192), small, "fast").config].bn == 256
+    smaller = sp.DeviceLimits(9, 0, 132, 190000)
+    p = sp.plan(sp.ProblemShape(8192, 8192, 8192), smaller, "fast")
+    assert not p.ok and "no tile config fits" in p.trace[-1]
+    assert any("needs 197696 B shared memory" in line for line in p.trace)
+
+
+def test_every_config_fits_the_h200_and_forcing_picks_it():
+    for c in sp.TILE_CONFIGS:
+        assert sp.smem_bytes(c) <= H200.smem_optin
+        p = sp.plan(sp.ProblemShape(1000, 1000, 1024), H200, force_config=c.id)
+        assert p.ok and p.config == c.id
+    with pytest.raises(ValueError, match="accum"):
+        sp.plan(sp.ProblemShape(1, 1, 16), H200, accum="bf16")
+
+
+# ============================================================ generated header
+def test_wgmma_header_matches_its_generator():
+    gen = _load("astrai_sm90_gen_wgmma", SM90 / "gen_wgmma.py")
+    assert (SM90 / "wgmma_fp8.cuh").read_text() == gen.render(), "re-run gen_wgmma.py"
+
+
+# ============================================================ SASS (nvcc, sm_90a)
+PROBE = r"""
+#include "config.h"
+#include "kernel.cuh"
+namespace astrai::fp8::sm90 {
+using K4 = Fp8Kind;
+void* probes[] = {
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, true, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, false, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<192, 5, true, 2, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<256, 4, false, 2, K4::E5M2, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<16, 12, true, 1, K4::E4M3, K4::E4M3, true>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, false, 1, K4::E4M3, K4::E5M2, true>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, 2, 1, K4::E4M3, K4::E4M3>>,
+};
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    nvcc, cuobjdump = shutil.which("nvcc"), find_tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    d = tmp_path_factory.mktemp("sm90")
+    (d / "probe.cu").write_text(PROBE)
+    obj = d / "probe.o"
+    r = subprocess.run([nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        "-I", str(SM90), "-I", str(REPO / "packages" / "cuda-common" / "include"),
+                        "-c", str(d / "probe.cu"), "-o", str(obj)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    env_path = str(Path(cuobjdump).parent)
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True, check=True,
+                          env={"PATH": env_path + ":/usr/bin:/bin"}).stdout
+    return r.stderr, sass
+
+
+def _kernels(sass: str) -> dict[str, str]:
+    parts = re.split(r"\n\s*Function : (\S+)", sass)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_sass_is_native_hopper_fp8(built):
+    _, sass = built
+    kernels = _kernels(sass)
+    assert len(kernels) == 10
+    for name, body in kernels.items():
+        assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E[45]M[23]", body), name
+        assert "UTMALDG" in body, name
+        if "Li2ELNS" in name:  # ClusterM = 2: B through multicast, remote empty arrivals
+            assert "UTMALDG.2D.MULTICAST" in body and "UCGABAR_WAIT" in body, name
+            assert "SYNCS.ARRIVE.TRANS64.RED" in body, name
+        assert "USETMAXREG" in body, name
+        assert "SYNCS.PHASECHK" in body, name  # mbarrier waits
+        assert not re.search(r"F2FP\.[A-Z0-9]+\.E[45]M[23]\.UNPACK_B", body), name
+        assert "HMMA" not in body, name
+        assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
+    widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
+    assert widths == {"16", "64", "128", "192", "256"}  # 16 / 64: the swap-AB configs
+    assert sum("MULTICAST" in body for body in kernels.values()) == 3
+
+
+def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
+    log, _ = built
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) == 10 and all(f == ("0", "0", "0") for f in frames), log
+    assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
+    assert "C7508" not in log, log  # setmaxnreg ignored
