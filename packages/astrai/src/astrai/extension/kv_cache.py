@@ -66,6 +66,7 @@ from .device_page_table import DevicePageTable
 from .kv_pages import PageStore, locked as _locked
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype
 from .kv_steps import CacheStateError, CacheSteps, OpenStep, StepLog
+from .kv_window import WindowPages, check_window
 
 __all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache"]
 
@@ -74,7 +75,7 @@ class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
 
 
-class PagedKVCache(CacheSteps, PageStore):
+class PagedKVCache(CacheSteps, PageStore, WindowPages):
     """Paged key/value storage for ``num_layers`` layers, with a page allocator per sequence.
 
     Args:
@@ -92,6 +93,13 @@ class PagedKVCache(CacheSteps, PageStore):
             layer, shape ``[1]``) or ``"head"`` (one per KV head, shape ``[kv_heads]``).
         page_order: the order free pages are handed out (a permutation of ``range(num_pages)``);
             default ascending. A shuffled order gives non-contiguous page tables.
+        window: None (keep every page until its sequence is released), or ``W >= 0``: every
+            layer attends with ``attention(..., window_left=w)``, ``0 <= w <= W``
+            (:func:`~astrai.extension.kv_window.shared_window` of the layers' windows), and
+            each plan returns to the pool its requests' leading pages wholly left of
+            ``length - W``; their page-table columns then point at :attr:`null_page`, one page
+            taken out of the pool for good (zeros, never written), so positions stay right
+            for every backend (:mod:`~astrai.extension.kv_window`).
 
     Storage: :attr:`k_pages` / :attr:`v_pages` are ``[num_layers, num_pages, page_size,
     kv_heads, head_dim]`` of :attr:`kv_dtype`; :meth:`k_cache` / :meth:`v_cache` give one
@@ -103,7 +111,8 @@ class PagedKVCache(CacheSteps, PageStore):
     :meth:`rollback`, :meth:`append`, :meth:`set_kv_scales` and the
     readers of the page accounting hold one lock, so request threads may add and release
     sequences while an engine thread plans and runs batches: a page is never handed out
-    twice and free + owned pages always make up the cache. The batch itself stays the
+    twice and free + owned pages (+ the :attr:`null_page` of a cache with a ``window``)
+    always make up the cache. The batch itself stays the
     engine's to order: a plan is the cache's :attr:`active_plan` until the next ``plan``,
     so one thread should plan a batch and run its layers (or pass ``plan=`` to
     :meth:`append`).
@@ -126,6 +135,7 @@ class PagedKVCache(CacheSteps, PageStore):
         page_order: Sequence[int] | None = None,
         kv_dtype: torch.dtype | None = None,
         kv_scale_granularity: str = "tensor",
+        window: int | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -142,6 +152,7 @@ class PagedKVCache(CacheSteps, PageStore):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         storage = check_kv_dtype(kv_dtype, dtype)
         check_granularity(kv_scale_granularity)
+        self.window = check_window(window)
         if page_order is None:
             order = list(range(num_pages))
         else:
@@ -174,6 +185,8 @@ class PagedKVCache(CacheSteps, PageStore):
         self._table = DevicePageTable(self.k_pages.device)
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        self._dropped: dict[Hashable, int] = {}  # leading columns released to the pool (window)
+        self._null_page = None if self.window is None else self._reserve_null_page()
         self._active: BatchPlan | None = None
         self._steps = StepLog(num_layers)
         self._preparers: dict[Hashable, Callable[[PagedKVCache, BatchPlan], object]] = {}
@@ -218,6 +231,7 @@ class PagedKVCache(CacheSteps, PageStore):
 
     @_locked
     def page_table(self, seq_id: Hashable) -> tuple[int, ...]:
+        """``seq_id``'s page per column; a column released by the window holds :attr:`null_page`."""
         self._require_seq(seq_id)
         return tuple(self._pages[seq_id])
 
@@ -238,6 +252,7 @@ class PagedKVCache(CacheSteps, PageStore):
             raise ValueError(f"seq_id {seq_id!r} is already in the cache")
         self._pages[seq_id] = []
         self._lens[seq_id] = 0
+        self._dropped[seq_id] = 0
         self._table.add(seq_id)
 
     @_locked
@@ -249,7 +264,7 @@ class PagedKVCache(CacheSteps, PageStore):
         if step is not None:
             self._warn_rolled_back(step, f"the release of {seq_id!r}", 4)
             self._roll_back(step)
-        self._free.extend(reversed(self._pages.pop(seq_id)))
+        self._free.extend(reversed(self._pages.pop(seq_id)[self._dropped.pop(seq_id):]))
         del self._lens[seq_id]
         self._table.release(seq_id)
         if self._scales is not None and not any(self._lens.values()):
@@ -266,7 +281,8 @@ class PagedKVCache(CacheSteps, PageStore):
         """Reserve pages for ``q_lens[b]`` new tokens of ``seq_ids[b]`` and build the batch plan.
 
         Sequence lengths advance now; every layer then appends the same new tokens. Raises
-        :class:`CacheFullError` (reserving nothing) when the free pages do not suffice.
+        :class:`CacheFullError` (reserving nothing) when the free pages do not suffice. A
+        cache with a ``window`` first returns the requests' pages left of it to the pool.
         An earlier plan over any of ``seq_ids`` that some layers wrote and others did not is
         rolled back first, with a ``RuntimeWarning`` (see the class docstring); prefer
         :meth:`step`, which rolls a failed batch back as it fails.
@@ -278,6 +294,8 @@ class PagedKVCache(CacheSteps, PageStore):
         for step in self._steps.settle(seq_ids):
             self._warn_rolled_back(step, "a new plan over its requests", 5)
             self._roll_back(step)
+        if self.window is not None:  # lengths are committed now
+            self._drop_left_of_window(seq_ids)
         page, lens, pages = self.page_size, self._lens, self._pages
         new_lens = tuple(lens[s] + n for s, n in zip(seq_ids, q_lens))
         extra = [-(-n // page) - len(pages[s]) for s, n in zip(seq_ids, new_lens)]
@@ -383,6 +401,7 @@ class PagedKVCache(CacheSteps, PageStore):
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
             f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-            f"{f'kv_dtype={self.kv_dtype}, ' if self._scales is not None else ''}device={self.device}, "
+            f"{f'kv_dtype={self.kv_dtype}, ' if self._scales is not None else ''}"
+            f"{f'window={self.window}, ' if self.window is not None else ''}device={self.device}, "
             f"sequences={len(self._pages)}, free_pages={self.free_pages})"
         )

@@ -8,7 +8,10 @@ Each engine step plans the cache once (``with kv_cache.step(...)``: a step that 
 rolled back) and runs the model over the step's packed tokens; decode steps on CUDA replay
 a captured graph (:mod:`.graphs`) unless ``cuda_graphs=False``. ``fp8=True`` runs the
 decoder layers' linears in FP8; ``kv_cache_dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``)
-stores the KV cache in FP8.
+stores the KV cache in FP8. On a model whose every layer slides (Mistral; Qwen2 with
+``use_sliding_window`` on every layer) the cache returns the pages left of the widest window
+to the pool as requests decode (``PagedKVCache(window=...)``), so a request may grow far past
+what the cache could hold as full history.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import time
 import torch
 
 from ..extension import PagedKVCache
+from ..extension.kv_window import shared_window
 from .config import ModelConfig, preset
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, held_while_growing
 from .kv_cache_dtype import calibrate_kv_scales, check_kv_cache_dtype
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
 from .scheduler import Request, Scheduler, Step
@@ -183,13 +187,23 @@ class LLM:
         ``generate`` of it (or of a smaller one) starts at once; ``generate`` does it when needed."""
         self._ensure_cache(self._requests(prompts, max_new_tokens))
 
+    @property
+    def cache_window(self) -> int | None:
+        """The KV cache's ``window``: the widest ``window_left`` of the layers, None when one
+        attends to every key (then no page is released before its request ends)."""
+        return shared_window(layer.window_left for layer in self.model.layers)
+
     def _ensure_cache(self, requests: list[Request]) -> None:
-        ps = self.page_size
-        need = sum(r.pages_needed(ps) for r in requests) + 1  # + the graphs' pad page
-        longest = max(r.pages_needed(ps) for r in requests)
+        ps, window = self.page_size, self.cache_window
+        held = [r.pages_held(ps, window, self.max_batch_tokens) for r in requests]
+        extra = 1 + (window is not None)  # the graphs' pad page, the null page released columns point at
+        longest = max(r.pages_needed(ps) for r in requests)  # page-table columns, released ones too
         widest = min(len(requests), self.max_batch_size)  # the largest decode batch this workload runs
+        need = sum(held) + extra
+        if window is not None and self.use_graphs:  # the widest capture: every sequence with `longest` columns
+            need = max(need, widest * min(held_while_growing(window, ps), longest) + extra)
         cache, graphs = self.kv_cache, self.graphs
-        if cache is not None and cache.num_pages >= need and (
+        if cache is not None and cache.window == window and cache.num_pages >= need and (
                 graphs is None or (graphs.max_seq_pages >= longest and graphs.sizes[-1] >= widest)):
             return
         c = self.config
@@ -200,12 +214,13 @@ class LLM:
             page_bytes = 2 * c.num_layers * ps * c.kv_size * (self.kv_cache_dtype or self.model.dtype).itemsize
             free, _ = torch.cuda.mem_get_info(self.model.device)
             budget = int(free * self.memory_fraction) // page_bytes
-            if budget < longest + 1:
-                raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs {longest}")
+            if budget < max(held) + extra:
+                raise MemoryError(f"the KV cache fits {budget} pages in GPU memory, the longest request needs "
+                                  f"{max(held)}")
             num_pages = min(need, budget)
         cache = PagedKVCache(num_layers=c.num_layers, num_pages=num_pages, page_size=ps, kv_heads=c.num_kv_heads,
                              head_dim=c.head_dim, dtype=self.model.dtype, device=self.model.device,
-                             kv_dtype=self.kv_cache_dtype)
+                             kv_dtype=self.kv_cache_dtype, window=window)
         cache.k_pages.zero_()  # no NaN garbage under the pad rows and capture steps
         cache.v_pages.zero_()
         cache.add_sequence(_PAD_SEQ)
@@ -241,7 +256,8 @@ class LLM:
         self._ensure_cache(requests)
         cache = self.kv_cache
         sched = Scheduler(requests, page_size=self.page_size, num_pages=cache.free_pages,
-                          max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens)
+                          max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
+                          window=cache.window)
         stats = GenerationStats(num_requests=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
         logits_out: dict[int, list[torch.Tensor]] = {r.rid: [] for r in requests}
         eos = set(self.config.eos_token_ids)

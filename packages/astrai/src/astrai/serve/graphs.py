@@ -15,6 +15,11 @@ free ones. The decode kernel sizes its split-KV schedule from that length (the m
 context), so it is kept no longer than needed. Capture needs an otherwise empty cache; the
 engine captures before serving.
 
+On a cache that releases the pages left of its window (``PagedKVCache(window=W)``) a real
+step's page table counts the released columns too (they point at the null page), so the
+throw-away sequences grow to ``max_seq_pages`` columns a page per plan, releasing as they
+go: each holds only the pages of ``W`` keys and a page at once.
+
 An FP8 cache's scales must be set (or calibrated) on every layer before a capture
 (:func:`require_kv_scales`): the capture's warm-up step would calibrate them on its filler
 tokens, and a graph captured over a layer without scales would replay its calibration. A
@@ -30,7 +35,8 @@ import torch
 from ..extension import BatchPlan, PagedKVCache, explain
 from ..extension.backend.attention import current_attn_backend
 
-__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan", "require_kv_scales"]
+__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan", "grow", "held_while_growing",
+           "require_kv_scales"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -67,12 +73,37 @@ def require_kv_scales(cache: PagedKVCache) -> None:
             "them on filler tokens)")
 
 
-def capture_pages(free: int, size: int, max_seq_pages: int) -> list[int]:
-    """Pages of each throw-away sequence a graph of ``size`` requests is captured with:
-    ``max_seq_pages`` each, or every free page shared out when they are fewer."""
-    if free >= size * max_seq_pages:
+def capture_pages(free: int, size: int, max_seq_pages: int, held_pages: int | None = None) -> list[int]:
+    """Pages (page-table columns) of each throw-away sequence a graph of ``size`` requests is
+    captured with: ``max_seq_pages`` each, or every free page shared out when they are fewer.
+    ``held_pages``: the pages one of them holds at once on a cache releasing the pages left of
+    its window (None: all of its columns)."""
+    held = max_seq_pages if held_pages is None else min(held_pages, max_seq_pages)
+    if free >= size * held:
         return [max_seq_pages] * size
     return [free // size + (b < free % size) for b in range(size)]
+
+
+def held_while_growing(window: int | None, page_size: int) -> int | None:
+    """The most pages a throw-away sequence grown by :func:`grow` (then decoded) holds at once
+    on a cache releasing the pages left of ``window``: a decode step's, ``ceil((window + 1) /
+    page_size) + 1`` (a page per plan from an aligned start holds no more); None: every page."""
+    return None if window is None else -(-(window + 1) // page_size) + 1
+
+
+def grow(cache: PagedKVCache, seq_ids: list, lengths: list[int]) -> None:
+    """Plan (reserve: no layer writes) ``lengths`` tokens of the empty ``seq_ids``: in one plan,
+    or a page per plan on a cache with a ``window`` (each plan releases the pages left of it)."""
+    if cache.window is None:
+        cache.plan(seq_ids, lengths)
+        return
+    done = [0] * len(seq_ids)
+    while any(d < n for d, n in zip(done, lengths)):
+        todo = [b for b, (d, n) in enumerate(zip(done, lengths)) if d < n]
+        q_lens = [min(cache.page_size, lengths[b] - done[b]) for b in todo]
+        cache.plan([seq_ids[b] for b in todo], q_lens)
+        for b, n in zip(todo, q_lens):
+            done[b] += n
 
 
 def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
@@ -156,12 +187,12 @@ class DecodeGraphs:
         if free < size or free * ps < 3 * size:
             raise ValueError(f"the kv_cache needs at least {max(size, -(-3 * size // ps))} free pages to capture "
                              f"a decode graph of {size} requests, it has {free}")
-        pages = capture_pages(free, size, self.max_seq_pages)
+        pages = capture_pages(free, size, self.max_seq_pages, held_while_growing(cache.window, ps))
         ids = [("__capture__", size, b) for b in range(size)]
         for s in ids:
             cache.add_sequence(s)
         try:
-            cache.plan(ids, [n * ps - 2 for n in pages])
+            grow(cache, ids, [n * ps - 2 for n in pages])
             device = cache.device
             tokens = torch.zeros(size, dtype=torch.long, device=device)
             positions = torch.zeros(size, dtype=torch.long, device=device)

@@ -32,7 +32,7 @@ def calibrate_kv_scales(llm, cache: PagedKVCache, requests: list[Request]) -> No
     """Run the workload's first prefill step eagerly on throw-away sequences (released
     after): every layer's first append calibrates its FP8 scales (see ``LLM``'s docstring)."""
     sched = Scheduler(requests, page_size=llm.page_size, num_pages=cache.free_pages,
-                      max_batch_size=llm.max_batch_size, max_batch_tokens=llm.max_batch_tokens)
+                      max_batch_size=llm.max_batch_size, max_batch_tokens=llm.max_batch_tokens, window=cache.window)
     step = sched.next_step()  # reads the requests, changes none of them
     ids = [(_CALIBRATION_SEQ, r.rid) for r in step.requests]
     tokens = [t for r, n in zip(step.requests, step.q_lens) for t in r.prompt[:n]]

@@ -5,7 +5,9 @@ tokens) or a **decode** step (one token for every request whose prompt is in the
 Prefill goes first, so a request admitted while others decode gets its first token soon;
 requests are admitted while there are free slots (``max_batch_size``) and enough free
 cache pages for their whole prompt plus ``max_new_tokens`` (reserved on admission, so a
-running request never finds the cache full).
+running request never finds the cache full). On a cache that releases the pages left of a
+sliding window (``PagedKVCache(window=W)``) a request holds at most the pages of ``W`` keys
+and one step's tokens at once, and that is what it reserves.
 """
 
 from __future__ import annotations
@@ -37,7 +39,18 @@ class Request:
         return self.prefilled < len(self.prompt)
 
     def pages_needed(self, page_size: int) -> int:
+        """Columns of its page table at its longest: every page it would ever use."""
         return math.ceil((len(self.prompt) + self.max_new_tokens) / page_size)
+
+    def pages_held(self, page_size: int, window: int | None = None, max_step_tokens: int | None = None) -> int:
+        """Most pages it holds at once: :meth:`pages_needed`, or on a cache releasing the pages
+        left of ``window`` the pages spanning ``window`` keys and one step's new tokens (at most
+        ``max_step_tokens`` of its prompt, one when decoding), with one more for misalignment."""
+        full = self.pages_needed(page_size)
+        if window is None:
+            return full
+        step = min(len(self.prompt), max_step_tokens or len(self.prompt))
+        return min(full, math.ceil((window + step) / page_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -53,19 +66,25 @@ class Step:
 
 class Scheduler:
     def __init__(self, requests: list[Request], *, page_size: int, num_pages: int,
-                 max_batch_size: int, max_batch_tokens: int) -> None:
+                 max_batch_size: int, max_batch_tokens: int, window: int | None = None) -> None:
         self.waiting = deque(requests)
         self.running: list[Request] = []
         self.page_size = page_size
         self.free_pages = num_pages
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.window = window  # the cache's: pages left of it go back to the pool
         for r in requests:
-            if r.pages_needed(page_size) > num_pages:
+            if self.pages_of(r) > num_pages:
                 raise ValueError(
-                    f"request {r.rid} needs {r.pages_needed(page_size)} cache pages of {page_size} tokens "
-                    f"(prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens}) but the cache has {num_pages}"
+                    f"request {r.rid} needs {self.pages_of(r)} cache pages of {page_size} tokens "
+                    f"(prompt {len(r.prompt)} + max_new_tokens {r.max_new_tokens}"
+                    f"{f', window {window}' if window is not None else ''}) but the cache has {num_pages}"
                 )
+
+    def pages_of(self, request: Request) -> int:
+        """The pages ``request`` reserves while it runs (:meth:`Request.pages_held`)."""
+        return request.pages_held(self.page_size, self.window, self.max_batch_tokens)
 
     @property
     def done(self) -> bool:
@@ -73,7 +92,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
-            need = self.waiting[0].pages_needed(self.page_size)
+            need = self.pages_of(self.waiting[0])
             if need > self.free_pages:
                 break
             self.free_pages -= need
@@ -102,4 +121,4 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         request.finished = True
         self.running.remove(request)
-        self.free_pages += request.pages_needed(self.page_size)
+        self.free_pages += self.pages_of(request)

@@ -310,7 +310,8 @@ def attention(
         window_left: ``-1`` (no window) or ``W >= 0``: a query at absolute position ``p`` (its
             row plus ``kv_len - q_len``; with a cache, its position in its sequence) sees keys
             ``j >= p - W`` only (Mistral's ``sliding_window`` is ``W + 1``). Kernels skip the
-            pages and tiles left of the window.
+            pages and tiles left of the window. A ``kv_cache`` built with ``window=`` (it
+            releases pages left of it) needs ``0 <= window_left <=`` its window.
         logits_soft_cap: ``None`` or ``c > 0``: scaled scores ``s`` become ``c * tanh(s / c)``
             (Gemma 2).
         sinks: ``None`` or float32 ``[q_heads]``: one extra logit per query head in the softmax
@@ -337,6 +338,8 @@ def attention(
         raise ValueError(f"layout must be 'blhd' ([batch, seq, heads, head_dim]) or 'bhld' (SDPA's "
                          f"[batch, heads, seq, head_dim]), got {layout!r}")
     variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) else PLAIN
+    if isinstance(kv_cache, PagedKVCache) and kv_cache.window is not None:  # it releases keys left of its window
+        kv_cache.check_window_left(variant.window_left)
     if rope is not None:
         q = rope_and_append(q, k, v, kv_cache, layer_id, rope, rope_interleaved)
         return default_policy(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, appended=True, variant=variant)
