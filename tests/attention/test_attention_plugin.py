@@ -276,18 +276,13 @@ def test_modules_apply_the_variants_the_manifest_states(build):
         assert tuple(_load(build_dir, name).VARIANTS) == tuple(stated[name.removeprefix("_")]), name
 
 
-PAGED_OPS = ("attn_paged_decode", "attn_paged_prefill")
-
-
-def test_the_paged_ops_read_the_page_dtypes_the_manifest_states(build):
+def test_the_paged_decode_reads_the_page_dtypes_the_manifest_states(build):
     plugin = _plugin_package()
     build_dir, _ = build
     ops = plugin._ops({"sass_archs": [], "no_mma": False})
-    for name in PAGED_OPS:
-        assert tuple(_load(build_dir, f"_{name}").KV_DTYPES) == tuple(ops[name]["kv_dtypes"]), name
-    assert all("kv_dtypes" not in spec for name, spec in ops.items() if name not in PAGED_OPS)
-    scalar_build = plugin._ops({"sass_archs": [], "no_mma": True})
-    assert all("kv_dtypes" not in scalar_build[name] for name in PAGED_OPS)
+    assert tuple(_load(build_dir, "_attn_paged_decode").KV_DTYPES) == tuple(ops["attn_paged_decode"]["kv_dtypes"])
+    assert all("kv_dtypes" not in spec for name, spec in ops.items() if name != "attn_paged_decode")
+    assert "kv_dtypes" not in plugin._ops({"sass_archs": [], "no_mma": True})["attn_paged_decode"]
 
 
 def test_the_variant_argument_is_checked_before_any_launch(build):
