@@ -2,9 +2,11 @@
 page 16 shuffled, bf16 q. Each row has the CUDA-graph time (median of graph replays,
 bench/graph_timing.py) and the eager per-call time of the public op; cuDNN runs bf16 on
 contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the faster is reported).
-"GB/s" is the K/V bytes the call must read over its graph time.
+"GB/s" is the K/V bytes the call must read over its graph time. ``--prefill`` times the paged
+prefill instead (causal, q = kv per request: the Hopper kernel over bf16 pages, the mma.sync
+kernel over FP8 pages), with TFLOP/s counting the causal half.
 
-    python bench/bench_kv_fp8.py [--quick] [--json out.json]
+    python bench/bench_kv_fp8.py [--quick] [--prefill] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
-from attention_cases import Paged, abi, module  # noqa: E402
+from attention_cases import Paged, abi, module, ragged_plan  # noqa: E402
 from bench_variants import cudnn_us  # noqa: E402
 from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 
@@ -28,6 +30,7 @@ from astrai.extension.ops import attention as ops  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 32768), (1, 4096), (16, 4096), (64, 4096), (128, 2048), (8, 8192)]
+PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384)]
 PAGES = {"bf16": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -44,13 +47,7 @@ def rows_for(batch: int, kv_len: int) -> list[dict]:
         splits = mod.decode_plan(batch, HKV, HQ // HKV, D, kv_len, sms, kv_bytes=kv_bytes)
         ws_o = torch.empty(splits * batch * HQ * D, dtype=torch.float32, device="cuda")
         ws_lse = torch.empty(splits * batch * HQ, dtype=torch.float32, device="cuda")
-        pages = (cache16.k_cache, cache16.v_cache)
-        kw, scales = {}, {}
-        if kv_dtype is not None:
-            s = [calibrated_scale(t, "tensor", kv_dtype) for t in pages]
-            pages = tuple(quantize(t, sc, kv_dtype) for t, sc in zip(pages, s))
-            kw = {"kv_scales": (abi(s[0]), abi(s[1]))}
-            scales = dict(k_scale=s[0], v_scale=s[1])
+        pages, kw, scales = fp8_pages((cache16.k_cache, cache16.v_cache), kv_dtype)
         out = torch.empty_like(q)
 
         def direct():
@@ -69,11 +66,59 @@ def rows_for(batch: int, kv_len: int) -> list[dict]:
     return rows
 
 
+def fp8_pages(pages, kv_dtype):
+    """(pages, the binding's keyword, the ops' keywords) of 16-bit pages quantized to kv_dtype
+    (None: as they are)."""
+    if kv_dtype is None:
+        return pages, {}, {}
+    s = [calibrated_scale(t, "tensor", kv_dtype) for t in pages]
+    quantized = tuple(quantize(t, sc, kv_dtype) for t, sc in zip(pages, s))
+    return quantized, {"kv_scales": (abi(s[0]), abi(s[1]))}, {"k_scale": s[0], "v_scale": s[1]}
+
+
+def prefill_rows_for(batch: int, length: int) -> list[dict]:
+    cache16 = Paged([length] * batch, 16, HKV, D, torch.bfloat16, order="shuffled", seed=1)
+    q = torch.randn(batch * length, HQ, D, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(batch, length, HKV, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    peer = cudnn_us(q.view(batch, length, HQ, D), k, v, True)
+    mod = module("attn_paged_prefill")
+    qo, tb, ti = ragged_plan([length] * batch, q.device)
+    flops = 4 * batch * length * length * HQ * D / 2
+    rows = []
+    for name, kv_dtype in PAGES.items():
+        pages, kw, _ = fp8_pages((cache16.k_cache, cache16.v_cache), kv_dtype)
+        out = torch.empty_like(q)
+
+        def direct():
+            mod.attn_paged_prefill(abi(q), abi(pages[0]), abi(pages[1]), abi(out), abi(qo), abi(cache16.kv_indptr),
+                                   abi(cache16.kv_indices), abi(cache16.kv_lens), abi(tb), abi(ti), True,
+                                   stream_handle(q.device), **kw)
+        graph = graph_time_ms(direct, calls=5, rounds=7) * 1e3
+        rows.append(dict(shape=f"{batch}x{length}", pages=name, graph_us=graph, tflops=flops / graph / 1e6,
+                         cudnn_us=peer, vs_cudnn=peer / graph))
+    return rows
+
+
+def prefill_main(args) -> None:
+    shapes = PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
+    rows = [r for shape in shapes for r in prefill_rows_for(*shape)]
+    print(f"paged prefill, causal, GQA {HQ}/{HKV} d{D}, page 16 shuffled, bf16 q; cuDNN bf16 contiguous")
+    print(f"{'shape':10} {'pages':6} {'graph us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} {'cuDNN/ours':>10}")
+    for r in rows:
+        print(f"{r['shape']:10} {r['pages']:6} {r['graph_us']:9.1f} {r['tflops']:8.1f} {r['cudnn_us']:9.1f} "
+              f"{r['vs_cudnn']:10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the issue's two shapes only")
     ap.add_argument("--json")
+    ap.add_argument("--prefill", action="store_true", help="the paged prefill instead of the decode")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_main(args)
     shapes = [(1, 32768), (16, 4096)] if args.quick else SHAPES
     rows = [r for shape in shapes for r in rows_for(*shape)]
     print(f"{'shape':16} {'pages':6} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'cuDNN us':>9} "

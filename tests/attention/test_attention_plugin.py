@@ -218,11 +218,13 @@ def test_mma_kernels_use_tensor_cores(build):
     assert len(mma) >= 24, sorted(bodies)
     for func, body in mma.items():
         assert re.search(r"HMMA\.16816\.F32", body), f"{func}: no HMMA.16816"
-        if re.search(r"KvE(4M3|5M2)", func):  # fp8 pages: bytes permuted straight into fragments (kv_fp8.cuh)
+        fp8 = re.search(r"KvE(4M3|5M2)", func)
+        if fp8 and "decode" in func:  # fp8 pages: bytes permuted straight into fragments (kv_fp8.cuh)
             assert "PRMT" in body and "F2FP" in body, f"{func}: no byte permutes or fp8 conversions"
             assert re.search(r"HMMA\.16816\.F32 ", body), f"{func}: no float16 P.V"
-        else:
+        else:  # the prefill widens fp8 tiles in shared memory, then reads them as 16-bit ones
             assert "LDSM" in body, f"{func}: no ldmatrix"
+            assert not fp8 or "F2FP" in body, f"{func}: no fp8 conversions"
         assert "LDGSTS" in body, f"{func}: no cp.async"
 
 
@@ -276,13 +278,18 @@ def test_modules_apply_the_variants_the_manifest_states(build):
         assert tuple(_load(build_dir, name).VARIANTS) == tuple(stated[name.removeprefix("_")]), name
 
 
-def test_the_paged_decode_reads_the_page_dtypes_the_manifest_states(build):
+PAGED_OPS = ("attn_paged_decode", "attn_paged_prefill")
+
+
+def test_the_paged_ops_read_the_page_dtypes_the_manifest_states(build):
     plugin = _plugin_package()
     build_dir, _ = build
     ops = plugin._ops({"sass_archs": [], "no_mma": False})
-    assert tuple(_load(build_dir, "_attn_paged_decode").KV_DTYPES) == tuple(ops["attn_paged_decode"]["kv_dtypes"])
-    assert all("kv_dtypes" not in spec for name, spec in ops.items() if name != "attn_paged_decode")
-    assert "kv_dtypes" not in plugin._ops({"sass_archs": [], "no_mma": True})["attn_paged_decode"]
+    for name in PAGED_OPS:
+        assert tuple(_load(build_dir, f"_{name}").KV_DTYPES) == tuple(ops[name]["kv_dtypes"]), name
+    assert all("kv_dtypes" not in spec for name, spec in ops.items() if name not in PAGED_OPS)
+    scalar_build = plugin._ops({"sass_archs": [], "no_mma": True})
+    assert all("kv_dtypes" not in scalar_build[name] for name in PAGED_OPS)
 
 
 def test_the_variant_argument_is_checked_before_any_launch(build):

@@ -214,6 +214,7 @@ def test_cuda_backend_takes_only_the_variants_its_manifest_states(monkeypatch, s
 @pytest.mark.parametrize("mode, stated, reason", [
     ("decode", ["float8_e4m3fn", "float8_e5m2"], None),
     ("decode", None, "attn_paged_decode reads bfloat16 pages in this build, not float8_e4m3fn"),
+    ("prefill", ["float8_e4m3fn", "float8_e5m2"], None),
     ("prefill", None, "attn_paged_prefill reads bfloat16 pages in this build, not float8_e4m3fn"),
 ])
 def test_cuda_backend_reads_fp8_pages_only_where_its_manifest_states_them(monkeypatch, mode, stated, reason):
@@ -222,7 +223,7 @@ def test_cuda_backend_reads_fp8_pages_only_where_its_manifest_states_them(monkey
     plugin = _plugin_with(None)
     if stated is not None:
         raw = plugin.load()
-        raw["ops"]["attn_paged_decode"]["kv_dtypes"] = stated
+        raw["ops"][f"attn_paged_{mode}"]["kv_dtypes"] = stated
     call = _cuda_call((), mode)._replace(kv_dtype=torch.float8_e4m3fn)
     with use_runtime(Runtime(Registry(entry_points(plugin)))):
         assert cuda_backend.CudaBackend().check(call) == reason

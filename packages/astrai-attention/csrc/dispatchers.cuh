@@ -118,14 +118,14 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
                    stream, has_pdl, p);
 }
 
-template <typename T, int D, int WARPS, class QSched, class KV>
+template <typename T, int D, int WARPS, class QSched, class KV, class KvFmt = Kv16>
 void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
     const PrefillGrid g = prefill_mma_grid(p, num_q_tiles, batch, WARPS);
     const dim3 grid(g.x, g.y, g.z);
-    using C = PrefillMmaConfig<D, WARPS>;
+    using C = PrefillMmaConfig<D, WARPS, KvFmt::kBytes>;
     static std::atomic<uint64_t> done{0};
-    set_smem_limit(prefill_mma_kernel<T, D, WARPS, QSched, KV>, C::kSmemBytes, done);
-    prefill_mma_kernel<T, D, WARPS, QSched, KV><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+    set_smem_limit(prefill_mma_kernel<T, D, WARPS, QSched, KV, KvFmt>, C::kSmemBytes, done);
+    prefill_mma_kernel<T, D, WARPS, QSched, KV, KvFmt><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 }
 
@@ -194,28 +194,30 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
 }
 
 // layout = 0: the heuristic: the warp-specialized kernel where it applies (sm_90 device,
-// sm_90a code, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync layout. 4 or 8
-// forces that many mma.sync warps, kPrefillWgmma the Hopper kernel where it applies
-// (benchmarks and tests).
-template <typename T, int D, class QSched, class KV>
+// sm_90a code, 16-bit pages, HB >= 2 or ASTRAI_PREFILL_WS_MHA), else prefill_warps' mma.sync
+// layout. 4 or 8 forces that many mma.sync warps, kPrefillWgmma the Hopper kernel where it
+// applies (benchmarks and tests). fp8 pages (KvFmt) run the mma.sync kernel.
+template <typename T, int D, class QSched, class KV, class KvFmt = Kv16>
 void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream, int layout = 0) {
 #ifdef ASTRAI_NO_MMA
     (void)layout;
+    static_assert(KvFmt::kBytes == 2, "the scalar prefill reads 16-bit pages only (kPrefillReadsFp8)");
     p.blocks_per_tile = p.head_block;
     const dim3 grid(num_q_tiles * p.blocks_per_tile, p.kv_heads * p.head_groups, batch);
     prefill_scalar_kernel<T, D, QSched, KV><<<grid, 32 * kPrefillWarps, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 #else
-    if constexpr (built_for_sm90()) {
+    if constexpr (built_for_sm90() && KvFmt::kBytes == 2) {
         if ((layout == 0 || layout == kPrefillWgmma) && (p.head_block >= 2 || ASTRAI_PREFILL_WS_MHA) &&
             device_is_sm90())
             return launch_prefill_ws<T, D, QSched, KV>(p, num_q_tiles, batch, stream);
     }
     const int warps = layout == 4 || layout == 8 ? layout : prefill_warps(p.group, D);
     if constexpr (D <= 128) {
-        if (warps == 8 && p.head_block >= 2) return launch_prefill_w<T, D, 8, QSched, KV>(p, num_q_tiles, batch, stream);
+        if (warps == 8 && p.head_block >= 2)
+            return launch_prefill_w<T, D, 8, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
     }
-    launch_prefill_w<T, D, 4, QSched, KV>(p, num_q_tiles, batch, stream);
+    launch_prefill_w<T, D, 4, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
 #endif
 }
 
@@ -235,13 +237,14 @@ void decode_by_dim(const AttentionParams& p, int head_dim, cudaStream_t stream, 
     bad_dtype_dim(DType::BFloat16, head_dim);
 }
 
-// The page dtypes the paged decode reads besides the compute dtype (the module's KV_DTYPES):
-// fp8 needs the mma kernel.
+// The page dtypes the paged decode and prefill read besides the compute dtype (the modules'
+// KV_DTYPES): fp8 needs the mma kernels.
 #ifdef ASTRAI_NO_MMA
 constexpr bool kDecodeReadsFp8 = false;
 #else
 constexpr bool kDecodeReadsFp8 = true;
 #endif
+constexpr bool kPrefillReadsFp8 = kDecodeReadsFp8;
 
 template <typename T, class KV>
 void decode_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, cudaStream_t stream, bool pdl) {
@@ -262,24 +265,37 @@ void dispatch_decode(const AttentionParams& p, DType dtype, int head_dim, cudaSt
     bad_dtype_dim(dtype, head_dim);
 }
 
-template <typename T, class QSched, class KV>
+template <typename T, class QSched, class KV, class KvFmt = Kv16>
 void prefill_by_dim(const AttentionParams& p, int head_dim, unsigned num_q_tiles, unsigned batch,
                     cudaStream_t stream) {
     switch (head_dim) {
-        case 64: return launch_prefill_d<T, 64, QSched, KV>(p, num_q_tiles, batch, stream);
-        case 128: return launch_prefill_d<T, 128, QSched, KV>(p, num_q_tiles, batch, stream);
-        case 256: return launch_prefill_d<T, 256, QSched, KV>(p, num_q_tiles, batch, stream);
+        case 64: return launch_prefill_d<T, 64, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
+        case 128: return launch_prefill_d<T, 128, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
+        case 256: return launch_prefill_d<T, 256, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
     }
     bad_dtype_dim(DType::BFloat16, head_dim);
 }
 
+template <typename T, class QSched, class KV>
+void prefill_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, unsigned num_q_tiles,
+                         unsigned batch, cudaStream_t stream) {
+    if constexpr (kPrefillReadsFp8 && KV::kPaged) {
+        if (kv_dtype == DType::Float8E4M3)
+            return prefill_by_dim<T, QSched, KV, KvE4M3>(p, head_dim, num_q_tiles, batch, stream);
+        if (kv_dtype == DType::Float8E5M2)
+            return prefill_by_dim<T, QSched, KV, KvE5M2>(p, head_dim, num_q_tiles, batch, stream);
+    }
+    return prefill_by_dim<T, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
+}
+
+// kv_dtype as in dispatch_decode.
 template <class QSched, class KV>
 void dispatch_prefill(const AttentionParams& p, DType dtype, int head_dim, unsigned num_q_tiles,
-                      unsigned batch, cudaStream_t stream) {
+                      unsigned batch, cudaStream_t stream, DType kv_dtype = DType::BFloat16) {
     if (dtype == DType::BFloat16)
-        return prefill_by_dim<__nv_bfloat16, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
+        return prefill_by_kv_dtype<__nv_bfloat16, QSched, KV>(p, kv_dtype, head_dim, num_q_tiles, batch, stream);
     if (dtype == DType::Float16)
-        return prefill_by_dim<__half, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
+        return prefill_by_kv_dtype<__half, QSched, KV>(p, kv_dtype, head_dim, num_q_tiles, batch, stream);
     bad_dtype_dim(dtype, head_dim);
 }
 

@@ -13,6 +13,10 @@
 // inverse with the K scale; P in [0, 2^8] (the lazy rescale's bound) keeps more bits in float16
 // than in bfloat16.
 //
+// Prefill (prefill_split_q_mma.cuh) instead widens each staged tile once into a 16-bit tile
+// of the compute dtype (widen_fp8_tile; exact in float16 and bfloat16 alike), which every row
+// block of Q then reads as it reads 16-bit pages; the scales join the scores and the output.
+//
 // Fragments. The k dimension of an mma may be permuted at will as long as A and B agree: for
 // the scores (k = head dim) a thread takes the four consecutive bytes 16t + 4kk .. + 3 of each
 // 64-byte segment of a K row as the k-step's k = 2t, 2t+1, 2t+8, 2t+9 (t = lane % 4), so one
@@ -28,6 +32,9 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "mma_utils.cuh"
 
 namespace astrai::attn {
 
@@ -91,6 +98,47 @@ struct Fp8Tile {
 // b[at + 1]): two rows' bytes of two adjacent columns, each column's pair in one half.
 __device__ __forceinline__ constexpr uint32_t interleave_selector(int at) {
     return uint32_t(((5 + at) << 12) | ((at + 1) << 8) | ((4 + at) << 4) | at);
+}
+
+// 16 bytes of shared memory at a shared-window address.
+__device__ __forceinline__ void ld_shared_16(uint32_t (&w)[4], uint32_t addr) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr));
+}
+__device__ __forceinline__ void st_shared_16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// A packed float16 pair of fp8 values as a packed pair of T (exact: fp8's exponents and
+// mantissas fit both 16-bit formats).
+template <typename T>
+__device__ __forceinline__ uint32_t widened_pair(uint32_t h2) {
+    if constexpr (std::is_same_v<T, __half>) {
+        return h2;
+    } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+        return Elem<T>::pack2(f.x, f.y);
+    }
+}
+
+// The fp8 tile at src (Fp8Tile<D>, ROWS rows of format F) into the 16-bit tile at dst (Tile's
+// 16-byte chunks of 8 values of T), exactly. All THREADS threads of the block take part.
+template <typename T, class F, class Tile, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void widen_fp8_tile(uint32_t src, uint32_t dst) {
+    constexpr int kChunks = D / 16;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < ROWS * kChunks; i += THREADS) {
+        const int r = i / kChunks, c = i % kChunks;
+        uint32_t w[4];
+        ld_shared_16(w, src + Fp8Tile<D>::offset(r, c));
+        uint32_t x[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            x[2 * j] = widened_pair<T>(fp8x2_to_half2<F>(w[j]));
+            x[2 * j + 1] = widened_pair<T>(fp8x2_to_half2<F, true>(w[j]));
+        }
+        st_shared_16(dst + Tile::offset(r, 2 * c), x[0], x[1], x[2], x[3]);
+        st_shared_16(dst + Tile::offset(r, 2 * c + 1), x[4], x[5], x[6], x[7]);
+    }
 }
 
 }  // namespace astrai::attn

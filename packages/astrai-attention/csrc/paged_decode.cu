@@ -40,19 +40,6 @@
 namespace astrai::attn {
 namespace py = pybind11;
 
-// The optional kv_scales argument: None, or (k_scale, v_scale) for an fp8 cache (required there).
-std::optional<KvScales> kv_scales_arg(py::handle a, const TensorArg& k_cache, int64_t kv_heads) {
-    const bool fp8 = is_fp8(k_cache.dtype);
-    if (a.is_none()) {
-        ASTRAI_CHECK(!fp8, "kv_scales: a ", dtype_name(k_cache.dtype), " cache needs the layer's (k_scale, v_scale)");
-        return std::nullopt;
-    }
-    ASTRAI_CHECK(fp8, "kv_scales: only an fp8 cache takes scales, k_cache stores ", dtype_name(k_cache.dtype));
-    const auto t = py::reinterpret_borrow<py::tuple>(a);
-    ASTRAI_CHECK(t.size() == 2, "kv_scales: expected (k_scale, v_scale), got ", t.size(), " items");
-    return check_kv_scales(bind::tensor_arg("k_scale", t[0]), bind::tensor_arg("v_scale", t[1]), kv_heads);
-}
-
 void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle indptr_a,
                        py::handle indices_a, py::handle lens_a, int64_t num_splits, py::handle ws_o_a,
                        py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
@@ -85,11 +72,7 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
     set_variant(p, variant_a, Hq, D);  // checked before the append below writes anything
-    if (scales) {
-        p.k_scale = scales->k;
-        p.v_scale = scales->v;
-        p.kv_scale_stride = scales->stride;
-    }
+    set_kv_scales(p, scales);
     const KvScales* quant = scales ? &*scales : nullptr;
     if (append_last) {
         ASTRAI_CHECK(slots_a.is_none(), "slots: append_last derives each request's row from the page table; "

@@ -2,15 +2,19 @@
 // cache (split-Q, O(1) tile -> request lookup).
 //
 //   attn_paged_prefill(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_lens,
-//                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0, variant=None)
+//                      q_tile_to_batch, q_tile_to_index, is_causal=True, stream=0, variant=None,
+//                      kv_scales=None)
 //     q, out [total_q, Hq, D]; k_cache, v_cache [P, page, Hkv, D]; int32 metadata as
 //     built by BatchPlan (64-row Q tiles). Causal is bottom-right aligned per request.
 //   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
+//   kv_scales: with fp8 caches (KV_DTYPES), the layer's (k_scale, v_scale), float32 [1] or [Hkv]
+//     each (as attn_paged_decode's); the kernel reads stored * scale rounded to q's dtype
 //   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
@@ -21,7 +25,8 @@ namespace py = pybind11;
 
 void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle qo_a,
                         py::handle indptr_a, py::handle indices_a, py::handle lens_a, py::handle tb_a,
-                        py::handle ti_a, bool is_causal, py::handle stream_a, py::handle variant_a) {
+                        py::handle ti_a, bool is_causal, py::handle stream_a, py::handle variant_a,
+                        py::handle kv_scales_a) {
     const TensorArg q = bind::tensor_arg("q", q_a);
     const TensorArg k = bind::tensor_arg("k_cache", k_a);
     const TensorArg v = bind::tensor_arg("v_cache", v_a);
@@ -36,8 +41,9 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     check_operand(q, 3, q.dtype);
     check_head_dim(q);
     const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);
-    check_paged_cache(k, v, q, Hq);
+    check_paged_cache(k, v, q, Hq, kPrefillReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
+    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
     check_operand(out, 3, q.dtype);
     ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
     ASTRAI_CHECK(qo.ndim() == 1 && qo.size(0) >= 1, "qo_indptr: expected shape [batch + 1], got ", shape_str(qo.shape));
@@ -63,11 +69,12 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     p.batch = int(B);
     p.causal = is_causal;
     set_variant(p, variant_a, Hq, D);
+    set_kv_scales(p, scales);
     p.head_block = prefill_head_block(p.group);
     p.head_groups = prefill_head_groups(p.group);
     check_grid(tb.size(0) * p.head_block, Hkv * p.head_groups, 1);
     if (tb.size(0) == 0 || total_q == 0) return;
-    dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream);
+    dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream, k.dtype);
 }
 
 }  // namespace astrai::attn
@@ -78,9 +85,12 @@ PYBIND11_MODULE(_attn_paged_prefill, m) {
     m.def("attn_paged_prefill", &astrai::attn::attn_paged_prefill, py::arg("q"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("out"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
           py::arg("kv_lens"), py::arg("q_tile_to_batch"), py::arg("q_tile_to_index"), py::arg("is_causal") = true,
-          py::arg("stream") = 0, py::arg("variant") = py::none(), "Ragged prefill attention over a paged KV cache into out.");
+          py::arg("stream") = 0, py::arg("variant") = py::none(), py::arg("kv_scales") = py::none(),
+          "Ragged prefill attention over a paged KV cache into out (fp8 pages with kv_scales).");
     m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
           "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
+    // page dtypes read besides q's (with kv_scales)
+    m.attr("KV_DTYPES") = astrai::attn::kPrefillReadsFp8 ? py::make_tuple("float8_e4m3fn", "float8_e5m2") : py::tuple();
 }

@@ -45,13 +45,17 @@ __device__ __forceinline__ void load_q_rows(const AttentionParams& p, const QWor
 }
 
 // K/V tile copies: 8 neighbouring threads copy one 128-byte line of a row per instruction
-// (a warp: 4 rows x one line each) and a thread keeps its row for all D / 64 lines, so a
+// (a warp: 4 rows x one line each) and a thread keeps its row for all its lines, so a
 // tile costs kPasses page lookups per thread. Page-table reads run one tile ahead: fetch
 // tile t + 1 after issuing the copies of tile t. Tiles are numbered from the span's t_begin.
-template <typename T, class KV, class Tile, int D, int BN, int THREADS>
+// E: the pages' element type, T's by default, uint8_t for fp8 pages (a row of D bytes: at
+// D = 64 four threads share it).
+template <typename T, class KV, class Tile, int D, int BN, int THREADS, typename E = T>
 struct KvTileLoader {
-    static constexpr int kThreadsPerRow = 8;
-    static constexpr int kLines = D / 64;
+    static constexpr int kChunkElems = 16 / int(sizeof(E));
+    static constexpr int kRowChunks = D / kChunkElems;
+    static constexpr int kThreadsPerRow = kRowChunks < 8 ? kRowChunks : 8;
+    static constexpr int kLines = kRowChunks / kThreadsPerRow;
     static constexpr int kRowsPerPass = THREADS / kThreadsPerRow;
     static constexpr int kPasses = BN / kRowsPerPass;
     static_assert(BN % kRowsPerPass == 0, "tile rows must split evenly over the threads");
@@ -84,8 +88,8 @@ struct KvTileLoader {
   private:
     template <bool kK, bool kV>
     __device__ __forceinline__ void copy(int tile, uint32_t k_dst, uint32_t v_dst) const {
-        const T* kg = static_cast<const T*>(p.k);
-        const T* vg = static_cast<const T*>(p.v);
+        const E* kg = static_cast<const E*>(p.k);
+        const E* vg = static_cast<const E*>(p.v);
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int r = ld_r + pass * kRowsPerPass;
@@ -97,8 +101,8 @@ struct KvTileLoader {
             for (int line = 0; line < kLines; ++line) {
                 const int c = line * kThreadsPerRow + ld_c;
                 const uint32_t off = Tile::offset(r, c);
-                if constexpr (kK) cp_async_16(k_dst + off, kg + ko + c * 8, ok);
-                if constexpr (kV) cp_async_16(v_dst + off, vg + vo + c * 8, ok);
+                if constexpr (kK) cp_async_16(k_dst + off, kg + ko + c * kChunkElems, ok);
+                if constexpr (kV) cp_async_16(v_dst + off, vg + vo + c * kChunkElems, ok);
             }
         }
     }

@@ -13,13 +13,22 @@
 // slot; 2 for D = 256), swizzled for conflict-free ldmatrix; page-table reads run one tile
 // ahead of the copies. Causal launches walk the Q tiles last-first: the longest rows start
 // first and the short ones fill the tail.
+//
+// FP8 pages (KvFmt = KvE4M3 / KvE5M2, paged only): the ring stages hold the tiles' bytes, and
+// after each tile lands the block widens it into one 16-bit K and V tile (widen_fp8_tile,
+// exact), which the MMAs read as above; Q is staged in that tile. The layer's K scale joins
+// the scores' scale (or the soft-cap's input), its V scale the output.
 #pragma once
 
+#include <type_traits>
+
+#include "kv_fp8.cuh"
 #include "prefill_parts.cuh"
 
 namespace astrai::attn {
 
-template <int D, int WARPS>
+// KV_BYTES: bytes per stored K/V value (2, or 1 for fp8 pages, which add the widened tiles).
+template <int D, int WARPS, int KV_BYTES = 2>
 struct PrefillMmaConfig {
     static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
     static_assert(WARPS == 4 || (WARPS == 8 && D <= 128), "4 warps, or 8 warps at D <= 128");
@@ -29,26 +38,38 @@ struct PrefillMmaConfig {
     static constexpr int kBN = D <= 128 ? 64 : 32;  // K/V rows per tile
     static constexpr int kStages = D <= 128 ? 3 : 2;
     static constexpr bool kQInRegs = D <= 128;  // D = 256 re-reads Q from shared memory
-    static constexpr int kTileBytes = kBN * D * 2;
+    static constexpr bool kFp8 = KV_BYTES == 1;
+    static constexpr int kTileBytes = kBN * D * 2;  // a 16-bit tile, as the MMAs read it
     static constexpr int kQBytes = kRows * D * 2;
-    static constexpr int kStageBytes = 2 * kTileBytes;  // K tile then V tile
+    static constexpr int kStageBytes = 2 * kBN * D * KV_BYTES;  // K tile then V tile, as stored
     static constexpr int kRingBytes = kStages * kStageBytes;
-    // Q is staged in the last ring stage when it moves to registers, else after the ring.
-    static constexpr int kQSmemOffset = kQInRegs ? kRingBytes - kStageBytes : kRingBytes;
-    static constexpr int kSmemBytes = kQInRegs ? kRingBytes : kRingBytes + kQBytes;
-    static_assert(!kQInRegs || kQBytes <= kStageBytes, "Q must fit one ring stage");
+    // fp8: the widened K and V tiles after the ring
+    static constexpr int kWideOffset = kRingBytes;
+    static constexpr int kWideBytes = kFp8 ? 2 * kTileBytes : 0;
+    // Q is staged where nothing lands before it moves to registers (the last ring stage, or
+    // the widened tiles), else after everything.
+    static constexpr int kQStageBytes = kFp8 ? kWideBytes : kStageBytes;
+    static constexpr int kQSmemOffset =
+        kQInRegs ? (kFp8 ? kWideOffset : kRingBytes - kStageBytes) : kRingBytes + kWideBytes;
+    static constexpr int kSmemBytes = kRingBytes + kWideBytes + (kQInRegs ? 0 : kQBytes);
+    static_assert(!kQInRegs || kQBytes <= kQStageBytes, "Q must fit where it is staged");
     static_assert(kSmemBytes <= 99 * 1024, "must fit the sm_86/89 shared-memory limit");
 };
 
-template <typename T, int D, int WARPS, class QSched, class KV>
-__global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
+template <typename T, int D, int WARPS, class QSched, class KV, class KvFmt = Kv16>
+__global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kThreads, 1)
     prefill_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-    using C = PrefillMmaConfig<D, WARPS>;
+    using C = PrefillMmaConfig<D, WARPS, KvFmt::kBytes>;
     using Tile = SwizzledTile<D>;
+    // the ring's layout: the MMAs' tile, or fp8 bytes
+    using StageTile = std::conditional_t<C::kFp8, Fp8Tile<D>, Tile>;
+    using Stored = std::conditional_t<C::kFp8, uint8_t, T>;
+    static_assert(!C::kFp8 || KV::kPaged, "fp8 K/V come from pages");
     extern __shared__ __align__(128) uint8_t smem[];
-    const uint32_t sK = smem_u32(smem);  // stage s: K at sK + s * kStageBytes, V kTileBytes later
+    const uint32_t sK = smem_u32(smem);  // stage s: K at sK + s * kStageBytes, V kStageBytes / 2 later
     const uint32_t sQ = sK + C::kQSmemOffset;
+    const uint32_t sWide = sK + C::kWideOffset;  // fp8: the widened K tile, then V
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const QWork qw = QSched::get(p);
@@ -60,11 +81,19 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     load_q_rows<T, Tile, D, C::kRows, C::kThreads>(p, qw, sp, sQ);
     cp_async_commit();
 
-    KvTileLoader<T, KV, Tile, D, C::kBN, C::kThreads> kv(p, qw, sp);
+    KvTileLoader<T, KV, StageTile, D, C::kBN, C::kThreads, Stored> kv(p, qw, sp);
     auto load_stage = [&](int tile, int stage) {
         const uint32_t k_st = sK + stage * C::kStageBytes;
-        kv.load(tile, k_st, k_st + C::kTileBytes);
+        kv.load(tile, k_st, k_st + C::kStageBytes / 2);
     };
+    float k_scale = 1.f, v_scale = 1.f;
+    if constexpr (C::kFp8) {
+        k_scale = __ldg(p.k_scale + sp.kvh * p.kv_scale_stride);
+        v_scale = __ldg(p.v_scale + sp.kvh * p.kv_scale_stride);
+    }
+    // a soft-capped score is already in the log2 domain (scale_log2 = 1)
+    const float softmax_scale = has_soft_cap(p) ? p.scale_log2 : p.scale_log2 * k_scale;
+    const float cap_in = p.cap_in * k_scale;
     prime_kv_ring<C::kStages>(kv, sp.n_tiles, load_stage);
 
     cp_async_wait<C::kStages - 1>();  // Q has landed
@@ -91,9 +120,17 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
         cp_async_wait<C::kStages - 2>();
         __syncthreads();  // tile t visible; slot (t - 1) % kStages (and Q's) free for reuse
         refill_kv_ring<C::kStages>(kv, t, sp.n_tiles, load_stage);
+        uint32_t k_st = sK + (t % C::kStages) * C::kStageBytes;
+        uint32_t v_st = k_st + C::kStageBytes / 2;
+        if constexpr (C::kFp8) {
+            // every warp left the widened tiles of tile t - 1 (and Q) at the barrier above
+            widen_fp8_tile<T, KvFmt, Tile, D, C::kBN, C::kThreads>(k_st, sWide);
+            widen_fp8_tile<T, KvFmt, Tile, D, C::kBN, C::kThreads>(v_st, sWide + C::kTileBytes);
+            k_st = sWide;
+            v_st = sWide + C::kTileBytes;
+            __syncthreads();
+        }
         if (!warp_active) continue;
-        const uint32_t k_st = sK + (t % C::kStages) * C::kStageBytes;
-        const uint32_t v_st = k_st + C::kTileBytes;
 
         float s[C::kBN / 8][4];
 #pragma unroll
@@ -117,12 +154,12 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
             }
         }
 
-        if (has_soft_cap(p)) soft_cap_tile(s, p);
+        if (has_soft_cap(p)) soft_cap_tile(s, p, cap_in);
         const int col0 = (sp.t_begin + t) * C::kBN;
         if (tile_needs_mask<C::kBN, true>(p, qw, sp, col0, mask)) mask_scores<true>(s, p, qw, sp, col0, row0, mask);
 
         float alpha[2];
-        online_softmax<C::kBN / 8>(st, s, p.scale_log2, alpha);
+        online_softmax<C::kBN / 8>(st, s, softmax_scale, alpha);
         uint32_t pa[C::kBN / 16][4];
         pack_probs<T>(s, pa);
         rescale_rows(o, alpha);
@@ -140,6 +177,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS>::kThreads, 1)
     }
     cp_async_wait<0>();
 
+    if constexpr (C::kFp8) rescale_rows(o, {v_scale, v_scale});
     if (warp_active) store_rows<T, D, true>(o, st, p, qw, sp.head0 + slot, row0);
 #endif
 }

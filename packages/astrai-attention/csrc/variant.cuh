@@ -69,12 +69,17 @@ __device__ __forceinline__ float score_log2(const AttentionParams& p, float x) {
 
 // A tile of raw scores (mma C layout) soft-capped in place; online_softmax then multiplies by
 // scale_log2 = 1. Masking comes after (tanh(-inf) would be a finite -1).
+// cap_in: p.cap_in, or that times a factor the raw scores still carry (an fp8 K scale).
 template <int NT>
-__device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p) {
+__device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p, float cap_in) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = p.cap_log2 * fast_tanh(s[j][e] * p.cap_in);
+        for (int e = 0; e < 4; ++e) s[j][e] = p.cap_log2 * fast_tanh(s[j][e] * cap_in);
+}
+template <int NT>
+__device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p) {
+    soft_cap_tile(s, p, p.cap_in);
 }
 
 // The first key a query at absolute position pos sees (0 without a window).

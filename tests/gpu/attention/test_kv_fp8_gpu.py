@@ -1,4 +1,4 @@
-"""The paged decode over FP8 pages (float8_e4m3fn / float8_e5m2; scales per tensor and per kv
+"""The paged decode and prefill over FP8 pages (float8_e4m3fn / float8_e5m2; scales per tensor and per kv
 head) against the float64 reference over the dequantized pages (stored * scale), with splits,
 the variants and the quantizing append of a decode step; the quantizing append against the torch
 path's bytes; and ``attention()`` over ``PagedKVCache(kv_dtype=...)`` on the CUDA backend. Free
@@ -12,8 +12,8 @@ import torch
 pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
-    from attention_cases import (abi, assert_close, module, paged_inputs, poisoned_like, reference, seed_of,
-                                 take_new_tokens, variant_arg)
+    from attention_cases import (abi, assert_close, module, paged_inputs, poisoned_like, ragged_plan, reference,
+                                 seed_of, take_new_tokens, variant_arg)
 
     from astrai.extension.abi import stream_handle
     from astrai.extension.kv_quant import calibrated_scale, dequantize, quantize
@@ -98,6 +98,64 @@ def test_paged_decode_over_fp8_pages(lens, page, Hq, Hkv, D, dtype, fmt, per_hea
     _, scales = fp8_copy(cache, FORMATS[fmt], per_head, seed)
     out, splits = direct_fp8_decode(q, cache, scales)
     check_against_reference(out, q, cache, scales, dtype, f"fp8 {fmt} decode page={page} splits={splits}")
+
+
+def direct_fp8_prefill(q, cache, scales, q_lens, causal=True, variant=None):
+    mod = module("attn_paged_prefill")
+    out = poisoned_like(q)
+    qo, tb, ti = ragged_plan(q_lens, q.device)
+    mod.attn_paged_prefill(abi(q), abi(cache.k_cache), abi(cache.v_cache), abi(out), abi(qo), abi(cache.kv_indptr),
+                           abi(cache.kv_indices), abi(cache.kv_lens), abi(tb), abi(ti), causal,
+                           stream_handle(q.device), variant=variant, kv_scales=(abi(scales[0]), abi(scales[1])))
+    return out
+
+
+# (q_lens, prefix, page, Hq, Hkv, D, dtype, causal): chunked (a prefix already cached), ragged,
+# every head dim, multi-head and group 5, pages of 1 / 16 / 64 shuffled
+PREFILL_CASES = [
+    ([70, 10, 130], [0, 33, 64], 16, 32, 8, 128, BF16, True),
+    ([1, 1, 1000], [3000, 0, 7], 1, 32, 4, 128, FP16, True),
+    ([65, 200], [0, 300], 16, 16, 16, 256, BF16, False),
+    ([129, 300], [0, 17], 64, 40, 8, 64, FP16, False),
+    ([300, 513], [24, 0], 16, 8, 8, 64, BF16, True),
+]
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "head"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("q_lens,prefix,page,Hq,Hkv,D,dtype,causal", PREFILL_CASES)
+def test_paged_prefill_over_fp8_pages(q_lens, prefix, page, Hq, Hkv, D, dtype, causal, fmt, per_head):
+    kv_lens = [a + b for a, b in zip(q_lens, prefix)]
+    seed = seed_of("fp8 prefill", q_lens, prefix, page, Hq, Hkv, D, dtype, causal, fmt, per_head)
+    q, cache = paged_inputs(kv_lens, page, Hq, Hkv, D, dtype, q_lens=q_lens, seed=seed)
+    _, scales = fp8_copy(cache, FORMATS[fmt], per_head, seed)
+    out = direct_fp8_prefill(q, cache, scales, q_lens, causal)
+    start = 0
+    for b, n in enumerate(q_lens):
+        k, v = dequantized(cache, b, scales)
+        ref = reference(q[start:start + n][None], k[None], v[None], causal=causal)
+        assert_close(out[start:start + n][None], ref, dtype, f"fp8 {fmt} prefill b={b} q={n} kv={kv_lens[b]}")
+        start += n
+
+
+@pytest.mark.parametrize("variant", ["window37", "all"])
+def test_paged_prefill_over_fp8_pages_with_variants(variant):
+    q_lens, prefix, page, Hq, Hkv, D, dtype = [70, 300], [200, 0], 16, 32, 8, 128, BF16
+    seed = seed_of("fp8 prefill variant", variant)
+    kv_lens = [a + b for a, b in zip(q_lens, prefix)]
+    q, cache = paged_inputs(kv_lens, page, Hq, Hkv, D, dtype, q_lens=q_lens, seed=seed)
+    _, scales = fp8_copy(cache, torch.float8_e4m3fn, True, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sinks = torch.randn(Hq, generator=g, device="cuda") * 2 + 1
+    kw = {"window37": dict(window_left=37),
+          "all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1)}[variant]
+    out = direct_fp8_prefill(q, cache, scales, q_lens, True, variant_arg(**kw))
+    start = 0
+    for b, n in enumerate(q_lens):
+        k, v = dequantized(cache, b, scales)
+        ref = reference(q[start:start + n][None], k[None], v[None], causal=True, **kw)
+        assert_close(out[start:start + n][None], ref, dtype, f"fp8 prefill {variant} b={b}")
+        start += n
 
 
 @pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (32, 1, 64), (8, 2, 256)])
@@ -205,7 +263,7 @@ def test_bad_scales_are_refused_before_any_launch():
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_attention_decodes_fp8_caches_on_the_cuda_backend(kv_dtype, granularity):
-    """The public path: a prefill (the torch route: the CUDA prefill reads 16-bit pages) then two
+    """The public path: a prefill (the CUDA prefill over FP8 pages) then two
     decode steps on the CUDA backend (explain says so; the first appends through the kernel's
     quantizing append), equal to the torch path over the same pages."""
     from astrai.extension import ATTN_BACKEND, attention, attn_backend, explain

@@ -48,8 +48,9 @@ def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The op specs; with sm_90a code, dense prefill carries its measured table against torch
     SDPA (manifest key ``prefer``: the core runs it only where the table says it is faster)."""
     ops = {name: dict(spec) for name, spec in _OPS.items()}
-    if not info.get("no_mma"):  # the paged decode's mma kernel reads FP8 pages (its module's KV_DTYPES)
+    if not info.get("no_mma"):  # the paged mma kernels read FP8 pages (their modules' KV_DTYPES)
         ops["attn_paged_decode"]["kv_dtypes"] = list(FP8_KV_DTYPES)
+        ops["attn_paged_prefill"]["kv_dtypes"] = list(FP8_KV_DTYPES)
     table = prefill_table.load() if "sm_90a" in info["sass_archs"] else None
     if table is not None:
         ops["attn_prefill"]["prefer"] = {"90": table}

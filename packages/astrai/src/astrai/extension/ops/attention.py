@@ -7,7 +7,8 @@
 ``attn_paged_decode``  ``(q [B,1,Hq,D], k_cache [P,page,Hkv,D], v_cache, kv_indptr [B+1],
                        kv_indices [nnz_pages], kv_lens [B], k_scale=None, v_scale=None) -> [B,1,Hq,D]``
 ``attn_paged_prefill`` ``(q [total_q,Hq,D], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                       kv_lens, q_tile_to_batch, q_tile_to_index, is_causal=True) -> [total_q,Hq,D]``
+                       kv_lens, q_tile_to_batch, q_tile_to_index, is_causal=True, k_scale=None,
+                       v_scale=None) -> [total_q,Hq,D]``
 =====================  ===========================================================================
 
 bf16 or fp16, head_dim 64/128/256, ``Hq`` a multiple of ``Hkv``; index tensors int32 on the
@@ -16,8 +17,8 @@ variant keywords of ``attention()``: ``scale``, ``logits_soft_cap``, ``window_le
 ``sinks`` (float32 ``[Hq]``), validated by the compiled module. Any strides with a
 contiguous last dim are accepted (BHLD is a permuted view); rows that are not 16-byte
 aligned are copied first. Masks are bool, True = keep; causal is bottom-right aligned;
-scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros. ``attn_paged_decode`` also
-reads FP8 pages (``float8_e4m3fn`` / ``float8_e5m2``, the module's ``KV_DTYPES``) with the layer's
+scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros. The paged ops also
+read FP8 pages (``float8_e4m3fn`` / ``float8_e5m2``, the module's ``KV_DTYPES``) with the layer's
 float32 dequantization scales ``k_scale`` / ``v_scale`` (``[1]`` or ``[Hkv]``: docs/kv_cache_fp8.md).
 
 Each op is a ``torch.library.custom_op`` (``torch.ops.astrai.attn_*``) with a fake
@@ -217,7 +218,7 @@ def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[in
 
 
 def kv_scales_arg(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
-    """The paged decode module's ``kv_scales`` keyword: none for a 16-bit cache."""
+    """The paged modules' ``kv_scales`` keyword: none for a 16-bit cache."""
     if k_scale is None and v_scale is None:
         return {}
     if k_scale is None or v_scale is None:
@@ -280,19 +281,21 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                        q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                        is_causal: bool = True, *, scale: float | None = None, logits_soft_cap: float | None = None,
-                       window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring."""
+                       window_left: int = -1, sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring; ``k_scale`` /
+    ``v_scale`` as :func:`attn_paged_decode`'s."""
     total_q, page_size, num_pages = _cache_geometry(ATTN_PAGED_PREFILL, q, k_cache)
     check_prefill_table(ATTN_PAGED_PREFILL, total_q, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch,
                         q_tile_to_index, page_size=page_size, num_pages=num_pages)
     _check_tensors(ATTN_PAGED_PREFILL, q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
-                   q_tile_to_index=q_tile_to_index, sinks=sinks)
+                   q_tile_to_index=q_tile_to_index, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if debug_checks_enabled():
         check_q_tiles(ATTN_PAGED_PREFILL, qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                   q_tile_to_batch, q_tile_to_index, bool(is_causal), scale, logits_soft_cap,
-                                  window_left, sinks)
+                                  window_left, sinks, k_scale, v_scale)
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_PAGED_PREFILL}")
@@ -300,17 +303,18 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                            q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                            is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
-                           window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           window_left: int = -1, sinks: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require(ATTN_PAGED_PREFILL, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
          tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
-         is_causal, **variant_arg(scale, logits_soft_cap, window_left, sinks))
+         is_causal, **variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale))
     return out
 
 
 @_attn_paged_prefill_op.op.register_fake
 def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal,
-      scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
+      scale=None, logits_soft_cap=None, window_left=-1, sinks=None, k_scale=None, v_scale=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -177,17 +177,22 @@ class PagedPrefillLaunch:
     _table_args: tuple
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 is_causal: bool = True, *, variant=None) -> torch.Tensor:
-        """``variant``: an ``AttentionVariant`` of the backend layer, or None (plain)."""
+                 is_causal: bool = True, *, variant=None, kv_scales: tuple | None = None) -> torch.Tensor:
+        """``variant``: an ``AttentionVariant`` of the backend layer, or None (plain);
+        ``kv_scales``: an FP8 cache's ``(k_scale, v_scale)`` of the layer."""
         if type(q) is not torch.Tensor or torch.compiler.is_compiling():
+            k_scale, v_scale = kv_scales or (None, None)
             return attn_paged_prefill(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr, self.kv_indices,
                                       self.kv_lens, self.q_tile_to_batch, self.q_tile_to_index, is_causal,
-                                      **variant_kwargs(variant))
+                                      k_scale=k_scale, v_scale=v_scale, **variant_kwargs(variant))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q = _rows_aligned(q)
         head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args,
                 bool(is_causal))
-        _run(self._device_index, self._entry, head, (), _variant_binding_arg(variant))
+        kwargs = _variant_binding_arg(variant)
+        if kv_scales is not None:
+            kwargs.update(kv_scales_arg(*kv_scales))
+        _run(self._device_index, self._entry, head, (), kwargs)
         return out
 
 

@@ -178,16 +178,18 @@ class CudaBackend(AttentionBackend):
         plan = kv_cache.active_plan
         q_rows = plan.packed(q, "q")  # [total_q, Hq, D]
         k_pages, v_pages = kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)
+        scales = _fp8_scales(kv_cache, layer_id)  # the step's keys are appended by now
         if torch.compiler.is_compiling():  # the Q tiles come from the eager plan (plan() prepares them)
             launch = plan.launches.get(("cuda", "prefill", q_rows.shape[1]))
             tiles = (launch.q_tile_to_batch, launch.q_tile_to_index) if launch is not None else \
                 plan.q_tiles(attn_ops.q_tile_rows(q.device))
+            k_scale, v_scale = scales or (None, None)
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
                                               plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal),
-                                              **attn_ops.variant_kwargs(variant))
+                                              k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal),
-                                                                       variant=variant)
+                                                                       variant=variant, kv_scales=scales)
         return out.reshape(q.shape)
 
     @staticmethod
