@@ -28,6 +28,7 @@ from reference import attention_ref, rotary_ref, rotary_tables, tolerance  # noq
 from astrai.extension import ATTN_BACKEND, PagedKVCache, attention, attn_backend  # noqa: E402
 from astrai.extension.ops import attention as attn_ops  # noqa: E402
 from astrai.extension.ops import fp8 as fp8_ops  # noqa: E402
+from astrai.extension.ops import rope_paged as rope_paged_ops  # noqa: E402
 from astrai.extension.ops import rotary as rotary_ops  # noqa: E402
 
 DEV = "cuda"
@@ -48,6 +49,15 @@ def rotary() -> None:
     close("rotary_emb contiguous", rotary_ops.rotary_emb(x, cos, sin), rotary_ref(x, cos, sin), torch.bfloat16)
     xp = rand(2, 4, 37, 128).transpose(1, 2)
     close("rotary_emb permuted", rotary_ops.rotary_emb(xp, cos, sin), rotary_ref(xp, cos, sin), torch.bfloat16)
+    # the fused rope + append into 16-bit and FP8 pages (one row per token, tails of 7 and 9)
+    q, k, v = rand(37, 8, 128), rand(37, 4, 128), rand(37, 4, 128)
+    slots = torch.randperm(4 * 16, device=DEV)[:37]
+    positions = torch.arange(37, device=DEV)
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        pages = [torch.zeros(4, 16, 4, 128, device=DEV).to(kv_dtype) for _ in range(2)]
+        scales = (torch.full((4,), 0.02, device=DEV),) * 2 if kv_dtype != torch.bfloat16 else ()
+        out = rope_paged_ops.rope_paged_append_unchecked(q, k, v, *pages, cos, sin, positions, slots, True, *scales)
+        close(f"rope_paged_append {kv_dtype}", out, rotary_ref(q[None], cos, sin)[0], torch.bfloat16)
 
 
 def dense_attention() -> None:

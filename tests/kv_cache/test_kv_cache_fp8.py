@@ -372,8 +372,8 @@ def test_attention_over_fp8_cache(kv_dtype, granularity):
 
 
 def test_rope_with_an_fp8_cache_takes_the_torch_path(monkeypatch):
-    """With the fused kernel usable, an FP8 cache still rotates in torch and appends (quantizing):
-    the kernel, which writes unquantized pages, is never called."""
+    """With the fused kernel usable but stating no FP8 pages (no ``kv_dtypes``), an FP8 cache
+    rotates in torch and appends (quantizing): the kernel is never called."""
     calls = []
     monkeypatch.setattr(rope_paged.ops_rope_paged, "rope_paged_append_unchecked", lambda *a: calls.append(a))
     monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
@@ -395,3 +395,35 @@ def test_rope_with_an_fp8_cache_takes_the_torch_path(monkeypatch):
     for one, two in zip(with_kernel.gather_flat(0), torch_only.gather_flat(0)):
         assert torch.equal(one, two)
     assert torch.equal(with_kernel.kv_scales(0)[0], torch_only.kv_scales(0)[0])
+
+
+def test_rope_with_an_fp8_cache_takes_the_kernel_once_the_scales_are_known(monkeypatch):
+    """A plugin that states FP8 pages gets the step once the layer's scales exist: the layer's
+    first append rotates in torch and calibrates (on the rotated keys), the next steps call the
+    fused kernel with the layer's scales."""
+    calls = []
+
+    def stand_in(q, k, v, k_cache, v_cache, cos, sin, positions, slots, interleaved, k_scale=None, v_scale=None):
+        calls.append((k_scale, v_scale))
+        return q.clone()
+
+    monkeypatch.setattr(rope_paged.ops_rope_paged, "rope_paged_append_unchecked", stand_in)
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
+    ops = {"rope_paged_append": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["float32"],
+                                 "kv_dtypes": ["float8_e4m3fn"]}}
+    runtime = Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))), importer=fake_module))
+    freqs = rope_tables(64, 32)
+    gen = torch.Generator().manual_seed(4)
+    for kv_dtype, fused in ((E4M3, True), (E5M2, False)):  # the manifest states e4m3 pages only
+        calls.clear()
+        cache = cache_of(kv_dtype, "head", layers=1)
+        with use_runtime(runtime), torch.no_grad():
+            for q_lens in ([3, 2], [1, 1]):
+                cache.plan(["a", "b"], q_lens)
+                n = sum(q_lens)
+                q, k, v = (torch.randn(1, n, h, D, generator=gen) for h in (HQ, HKV, HKV))
+                attention(q, k, v, kv_cache=cache, layer_id=0, rope=freqs)
+        scales = cache.kv_scales(0)
+        assert len(calls) == (1 if fused else 0), kv_dtype
+        if fused:
+            assert calls[0][0] is scales[0] and calls[0][1] is scales[1]

@@ -157,6 +157,14 @@ def test_manifest_is_valid_for_the_core(plugin_manifest):
         assert op.module == "astrai_rotary._rotary_emb" and op.dtypes == ("float16", "bfloat16", "float32")
 
 
+def test_the_fused_append_writes_the_page_dtypes_the_manifest_states(compiled, plugin_manifest):
+    from astrai.extension.manifest import parse_manifest
+
+    ops = parse_manifest(plugin_manifest).ops
+    assert tuple(compiled.KV_DTYPES) == ops["rope_paged_append"].kv_dtypes == ("float8_e4m3fn", "float8_e5m2")
+    assert all(not spec.kv_dtypes for name, spec in ops.items() if name != "rope_paged_append")
+
+
 def test_build_info_of_the_compiled_module(compiled, plugin_manifest):
     info = compiled.build_info()
     assert info["cuda_version"] == CUDA

@@ -37,6 +37,8 @@ template <>
 struct Word<4> { using type = unsigned int; };
 template <>
 struct Word<2> { using type = unsigned short; };
+template <>
+struct Word<1> { using type = unsigned char; };
 
 // How a load meets the caches: Stream reads evict-first (data read once), ReadOnly through
 // the read-only cache (data every block reads, never written by the kernel), Plain as an

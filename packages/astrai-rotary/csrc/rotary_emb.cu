@@ -8,11 +8,14 @@
 //       (rows 0 .. L-1), int32/int64 [L], [B, L] or [1, L]. interleaved: pairs (2i, 2i+1), else NeoX
 //       pairs (i, i + rotary_dim/2); inverse rotates backwards (the gradient).
 //   rope_paged_append(q, k, v, k_cache, v_cache, cos, sin, positions, slots, q_out,
-//                     interleaved, stream)
+//                     interleaved, stream, kv_scales=None)
 //       one decode/prefill step of a paged KV cache in one launch: q [T, Hq, D] rotated into
 //       q_out, k [T, Hk, D] rotated and written, with v [T, Hk, D], to row slots[t] (int64) of
 //       the layer's pages k_cache / v_cache [num_pages, page_size, Hk, D] viewed as
-//       [num_pages * page_size, Hk, D]; positions [T] are the tokens' positions.
+//       [num_pages * page_size, Hk, D]; positions [T] are the tokens' positions. fp8 pages
+//       (float8_e4m3fn / float8_e5m2, for float16 / bfloat16 k and v) take kv_scales =
+//       (k_scale, v_scale), float32 [1] or [Hk] each: the written values are round_to_fp8(x /
+//       scale), saturated (rotary_kernel.cuh).
 //   rotary_emb(x, cos, sin, out, stream)
 //       the original call: interleaved, cos/sin [L, D/2], no positions.
 //
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "astrai/bind.h"
 #include "astrai/check.h"
@@ -181,29 +185,37 @@ void set_angles(Plan& plan, const TensorArg& cos, const TensorArg& sin, const Te
     }
 }
 
-template <typename T, bool kInterleaved, bool kVector>
+template <typename T, bool kInterleaved, bool kVector, Fp8Out kFp8>
 void launch_kernel(const RotaryParams& p, cudaStream_t stream) {
     constexpr uint32_t kPerBlock = RotaryParams::kThreads * RotaryParams::kItems;
     const uint32_t total = p.slot[p.num_slots - 1].end;
-    rotary_kernel<T, kInterleaved, kVector><<<(total + kPerBlock - 1) / kPerBlock, RotaryParams::kThreads, 0, stream>>>(p);
+    rotary_kernel<T, kInterleaved, kVector, kFp8>
+        <<<(total + kPerBlock - 1) / kPerBlock, RotaryParams::kThreads, 0, stream>>>(p);
     ASTRAI_CHECK_LAUNCH();
 }
 
-template <typename T>
+template <typename T, Fp8Out kFp8 = Fp8Out::None>
 void launch_layout(const RotaryParams& p, bool interleaved, bool vector, cudaStream_t stream) {
     if (interleaved) {
-        vector ? launch_kernel<T, true, true>(p, stream) : launch_kernel<T, true, false>(p, stream);
+        vector ? launch_kernel<T, true, true, kFp8>(p, stream) : launch_kernel<T, true, false, kFp8>(p, stream);
     } else {
-        vector ? launch_kernel<T, false, true>(p, stream) : launch_kernel<T, false, false>(p, stream);
+        vector ? launch_kernel<T, false, true, kFp8>(p, stream) : launch_kernel<T, false, false, kFp8>(p, stream);
     }
 }
 
-void launch(const RotaryParams& p, DType dtype, bool interleaved, bool vector, cudaStream_t stream) {
+void launch(const RotaryParams& p, DType dtype, bool interleaved, bool vector, cudaStream_t stream,
+            Fp8Out fp8 = Fp8Out::None) {
     if (p.slot[p.num_slots - 1].end == 0) return;
     switch (dtype) {
         case DType::Float32: return launch_layout<float>(p, interleaved, vector, stream);
-        case DType::Float16: return launch_layout<__half>(p, interleaved, vector, stream);
-        default: return launch_layout<__nv_bfloat16>(p, interleaved, vector, stream);
+        case DType::Float16:
+            if (fp8 == Fp8Out::E4M3) return launch_layout<__half, Fp8Out::E4M3>(p, interleaved, vector, stream);
+            if (fp8 == Fp8Out::E5M2) return launch_layout<__half, Fp8Out::E5M2>(p, interleaved, vector, stream);
+            return launch_layout<__half>(p, interleaved, vector, stream);
+        default:
+            if (fp8 == Fp8Out::E4M3) return launch_layout<__nv_bfloat16, Fp8Out::E4M3>(p, interleaved, vector, stream);
+            if (fp8 == Fp8Out::E5M2) return launch_layout<__nv_bfloat16, Fp8Out::E5M2>(p, interleaved, vector, stream);
+            return launch_layout<__nv_bfloat16>(p, interleaved, vector, stream);
     }
 }
 
@@ -269,9 +281,38 @@ void rotary(py::handle q_arg, py::handle k_arg, py::handle cos_arg, py::handle s
                    interleaved, inverse, stream);
 }
 
+bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
+
+// kv_scales of an fp8 cache: (k_scale, v_scale), float32 [1] or [kv_heads] each, alike;
+// None for 16-bit pages. Returns the two tensors (none for 16-bit pages).
+std::optional<std::pair<TensorArg, TensorArg>> kv_scales_arg(py::handle a, DType cache_dtype, int64_t kv_heads) {
+    if (a.is_none()) {
+        ASTRAI_CHECK(!is_fp8(cache_dtype), "kv_scales: a ", dtype_name(cache_dtype),
+                     " cache needs the layer's (k_scale, v_scale)");
+        return std::nullopt;
+    }
+    ASTRAI_CHECK(is_fp8(cache_dtype), "kv_scales: only an fp8 cache takes scales, k_cache stores ",
+                 dtype_name(cache_dtype));
+    const auto t = py::reinterpret_borrow<py::tuple>(a);
+    ASTRAI_CHECK(t.size() == 2, "kv_scales: expected (k_scale, v_scale), got ", t.size(), " items");
+    const TensorArg k = bind::tensor_arg("k_scale", t[0]);
+    const TensorArg v = bind::tensor_arg("v_scale", t[1]);
+    for (const TensorArg* s : {&k, &v}) {
+        expect_dtype(*s, DType::Float32);
+        ASTRAI_CHECK(s->ndim() == 1 && (s->size(0) == 1 || s->size(0) == kv_heads), s->name,
+                     ": expected float32 [1] or [kv_heads] = [", kv_heads, "], got ", shape_str(s->shape));
+        expect_data(*s, 4);
+    }
+    ASTRAI_CHECK(k.shape == v.shape, "v_scale: shape ", shape_str(v.shape), " differs from k_scale's ",
+                 shape_str(k.shape));
+    ASTRAI_CHECK(k.size(0) == 1 || (k.stride(0) == 1 && v.stride(0) == 1), "k_scale: per-head scales must be contiguous");
+    return std::make_pair(k, v);
+}
+
 void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py::handle k_cache_arg,
                        py::handle v_cache_arg, py::handle cos_arg, py::handle sin_arg, py::handle positions_arg,
-                       py::handle slots_arg, py::handle q_out_arg, bool interleaved, py::handle stream_arg) {
+                       py::handle slots_arg, py::handle q_out_arg, bool interleaved, py::handle stream_arg,
+                       py::handle kv_scales_arg_) {
     const TensorArg q = bind::tensor_arg("q", q_arg);
     const TensorArg k = bind::tensor_arg("k", k_arg);
     const TensorArg v = bind::tensor_arg("v", v_arg);
@@ -291,10 +332,13 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
     ASTRAI_CHECK(k.dtype == q.dtype && k.size(0) == T && k.size(2) == D, "k: expected ", dtype_name(q.dtype), " [", T,
                  ", kv_heads, ", D, "] like q, got ", dtype_name(k.dtype), " ", shape_str(k.shape));
     expect_like(v, k);
+    const DType page_dtype = is_fp8(k_cache.dtype) ? k_cache.dtype : k.dtype;
+    ASTRAI_CHECK(!is_fp8(page_dtype) || k.dtype == DType::Float16 || k.dtype == DType::BFloat16,
+                 "k_cache: an fp8 cache quantizes float16 or bfloat16 keys/values, got ", dtype_name(k.dtype));
     for (const TensorArg* c : {&k_cache, &v_cache}) {
         expect_ndim(*c, 4);
-        ASTRAI_CHECK(c->dtype == k.dtype && c->size(2) == k.size(1) && c->size(3) == D, c->name, ": expected ",
-                     dtype_name(k.dtype), " [num_pages, page_size, ", k.size(1), ", ", D, "], got ",
+        ASTRAI_CHECK(c->dtype == page_dtype && c->size(2) == k.size(1) && c->size(3) == D, c->name, ": expected ",
+                     dtype_name(page_dtype), " [num_pages, page_size, ", k.size(1), ", ", D, "], got ",
                      dtype_name(c->dtype), " ", shape_str(c->shape));
         ASTRAI_CHECK(c->size(0) <= 1 || c->stride(0) == c->size(1) * c->stride(1), c->name,
                      ": pages must follow each other (stride(0) = page_size * stride(1)), got strides ",
@@ -305,6 +349,8 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
     expect_positions(positions, 0, T);
     expect_positions(slots, 0, T);
     expect_dtype(slots, DType::Int64);
+    const auto scales = kv_scales_arg(kv_scales_arg_, page_dtype, k.size(1));
+    const Fp8Out fp8 = !scales ? Fp8Out::None : page_dtype == DType::Float8E4M3 ? Fp8Out::E4M3 : Fp8Out::E5M2;
 
     Plan plan;
     plan.dtype = q.dtype;
@@ -327,7 +373,14 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
         uint32_t end = set_slot(plan, 0, q, q_out, true, 0, elems);
         end = set_slot(plan, 1, k, k_rows, true, end, elems, rows);
         set_slot(plan, 2, v, v_rows, false, end, elems, rows);
-        if (!vector || fits_vector(plan)) return launch(plan.p, plan.dtype, interleaved, vector, stream);
+        if (scales) {
+            for (int i = 1; i < 3; ++i) {
+                const TensorArg& s = i == 1 ? scales->first : scales->second;
+                plan.p.slot[i].scale = s.data<const float>();
+                plan.p.slot[i].scale_stride_h = s.size(0) == 1 ? 0 : 1;
+            }
+        }
+        if (!vector || fits_vector(plan)) return launch(plan.p, plan.dtype, interleaved, vector, stream, fp8);
     }
 }
 
@@ -364,9 +417,12 @@ PYBIND11_MODULE(_rotary_emb, m) {
     m.def("rope_paged_append", &astrai::rotary::rope_paged_append, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("k_cache"), py::arg("v_cache"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
           py::arg("slots"), py::arg("q_out"), py::arg("interleaved"), py::arg("stream"),
+          py::arg("kv_scales") = py::none(),
           "One launch: q [T, Hq, D] rotated into q_out; k [T, Hk, D] rotated and v [T, Hk, D] written to row\n"
           "slots[t] (int64) of k_cache / v_cache [num_pages, page_size, Hk, D]; positions [T] select the\n"
-          "rows of cos/sin.");
+          "rows of cos/sin. fp8 pages take kv_scales = (k_scale, v_scale) and store x / scale as fp8.");
+    // page dtypes written besides the keys' (with kv_scales)
+    m.attr("KV_DTYPES") = py::make_tuple("float8_e4m3fn", "float8_e5m2");
     m.def("rotary_emb", &astrai::rotary::rotary_emb, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
           py::arg("stream"), "The original call: interleaved pairs of x [B, L, H, D], cos/sin [L, D/2], into out.");
     astrai::norm::bind(m);

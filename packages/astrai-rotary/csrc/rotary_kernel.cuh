@@ -10,7 +10,10 @@
 // A slot is one tensor [B, L, H, D] read through any strides (contiguous last dim) and
 // written to an output of its shape, or, with `out_rows`, to row out_rows[l] of a
 // [rows, H, D] table (a paged KV cache viewed flat). A slot whose rot_items is 0 only copies
-// (the values written beside rotated keys).
+// (the values written beside rotated keys). A slot with a `scale` writes fp8 (the kernel's
+// kFp8 format) into such a table: each value rounded to T as the 16-bit write would store it,
+// then round_to_fp8(x / scale) with saturation to the largest finite value, NaN kept (the
+// bytes of the attention plugin's quantizing append and of PagedKVCache.append).
 //
 // Work items: kElems consecutive channels of one (token, head), i.e. one 16-byte access on
 // the vector path (8 bf16/fp16, 4 fp32; NeoX items read kElems channels from each half),
@@ -20,6 +23,8 @@
 // before using any, so enough bytes are in flight to reach HBM bandwidth. cos/sin are read
 // through the read-only cache (every head of a token reuses them); x is streamed (__ldcs).
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -41,7 +46,12 @@ struct Slot {
     uint32_t rot_items = 0;             // items per head that rotate; the rest copy
     FastDivmod per_token;               // items per token: H * items per head
     FastDivmod per_head;                // items per head
+    const float* scale = nullptr;       // fp8 output: dequantization scale of head h at h * scale_stride_h
+    int64_t scale_stride_h = 0;
 };
+
+// The fp8 output format of a launch: none, e4m3 or e5m2.
+enum class Fp8Out { None, E4M3, E5M2 };
 
 struct RotaryParams {
     static constexpr int kThreads = 256;
@@ -75,13 +85,14 @@ struct Item {
     alignas(16) T b[kInterleaved ? 1 : kElems];  // NeoX: the partner channels
     alignas(16) float c[kAngles];
     alignas(16) float s[kAngles];
-    T* out_a;
-    T* out_b;
+    void* out_a;  // T, or one byte per value where `scale` > 0
+    void* out_b;
+    float scale;  // fp8 output: the head's dequantization scale; 0: writes T
     bool live;    // inside the launch's items
     bool rotate;  // else copy `a` (pass-through channels, values)
 };
 
-template <bool kVector, typename T, bool kInterleaved, int kElems>
+template <bool kVector, Fp8Out kFp8, typename T, bool kInterleaved, int kElems>
 __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uint32_t total,
                                           Item<T, kInterleaved, kElems>& it) {
     using ItemT = Item<T, kInterleaved, kElems>;
@@ -105,12 +116,21 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
         it.live = it.live && row >= 0 && row < s.out_row_count;
         out_row = (it.live ? row : 0) * s.out_stride_l;
     }
-    T* out = static_cast<T*>(s.out) + (out_row + h * s.out_stride_h);
+    // element offsets of the output, in T or (fp8) in bytes
+    const int64_t out_at = out_row + h * s.out_stride_h;
+    it.scale = 0.f;
+    if constexpr (kFp8 != Fp8Out::None) {
+        if (s.scale != nullptr) it.scale = __ldg(s.scale + h * s.scale_stride_h);
+    }
+    auto out_ptr = [&](int64_t at) -> void* {
+        if (kFp8 != Fp8Out::None && it.scale > 0.f) return static_cast<uint8_t*>(s.out) + (out_at + at);
+        return static_cast<T*>(s.out) + (out_at + at);
+    };
     it.rotate = i < s.rot_items;
     if (!it.rotate) {
         const int64_t first = (s.rot_items > 0 ? 2 * int64_t{p.half} : 0) + int64_t{i - s.rot_items} * kElems;
         load<kData, Cache::Stream>(in + first, it.a);
-        it.out_a = out + first;
+        it.out_a = out_ptr(first);
         return;
     }
     int64_t pos = l;
@@ -122,10 +142,10 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
     const int64_t first = int64_t{i} * kElems;
     const int64_t angle = kInterleaved ? int64_t{i} * (kElems / 2) : first;
     load<kData, Cache::Stream>(in + first, it.a);
-    it.out_a = out + first;
+    it.out_a = out_ptr(first);
     if constexpr (!kInterleaved) {
         load<kData, Cache::Stream>(in + p.half + first, it.b);
-        it.out_b = out + p.half + first;
+        it.out_b = out_ptr(p.half + first);
     }
     if (pos >= 0 && pos < p.max_pos) {
         load<kAngle, Cache::ReadOnly>(p.cos + pos * p.cos_stride + angle, it.c);
@@ -136,12 +156,30 @@ __device__ __forceinline__ void load_item(const RotaryParams& p, uint32_t g, uin
     }
 }
 
-template <bool kVector, typename T, bool kInterleaved, int kElems>
+// kElems values of T to dst: as T (kData-byte accesses), or quantized to fp8 with `scale`
+// (kElems bytes, one access: 8 for a vector of 8 16-bit values).
+template <int kData, Fp8Out kFp8, typename T, int kElems>
+__device__ __forceinline__ void write_values(void* dst, const T (&x)[kElems], float scale) {
+    if constexpr (kFp8 != Fp8Out::None) {
+        if (scale > 0.f) {
+            constexpr __nv_fp8_interpretation_t kFmt = kFp8 == Fp8Out::E4M3 ? __NV_E4M3 : __NV_E5M2;
+            alignas(8) uint8_t q[kElems];
+#pragma unroll
+            for (int j = 0; j < kElems; ++j)
+                q[j] = __nv_cvt_float_to_fp8(__fdiv_rn(to_float(x[j]), scale), __NV_SATFINITE, kFmt);
+            store<kElems>(static_cast<uint8_t*>(dst), q);
+            return;
+        }
+    }
+    store<kData>(static_cast<T*>(dst), x);
+}
+
+template <bool kVector, Fp8Out kFp8, typename T, bool kInterleaved, int kElems>
 __device__ __forceinline__ void store_item(const RotaryParams& p, Item<T, kInterleaved, kElems>& it) {
     constexpr int kData = kVector ? 16 : int(sizeof(T));
     if (!it.live) return;
     if (!it.rotate) {
-        store<kData>(it.out_a, it.a);
+        write_values<kData, kFp8>(it.out_a, it.a, it.scale);
         return;
     }
     alignas(16) T ra[kElems];
@@ -153,7 +191,7 @@ __device__ __forceinline__ void store_item(const RotaryParams& p, Item<T, kInter
             ra[2 * j] = from_float<T>(x0 * c - x1 * s);
             ra[2 * j + 1] = from_float<T>(x0 * s + x1 * c);
         }
-        store<kData>(it.out_a, ra);
+        write_values<kData, kFp8>(it.out_a, ra, it.scale);
     } else {
         alignas(16) T rb[kElems];
 #pragma unroll
@@ -163,8 +201,8 @@ __device__ __forceinline__ void store_item(const RotaryParams& p, Item<T, kInter
             ra[j] = from_float<T>(x0 * c - x1 * s);
             rb[j] = from_float<T>(x0 * s + x1 * c);
         }
-        store<kData>(it.out_a, ra);
-        store<kData>(it.out_b, rb);
+        write_values<kData, kFp8>(it.out_a, ra, it.scale);
+        write_values<kData, kFp8>(it.out_b, rb, it.scale);
     }
 }
 
@@ -174,7 +212,7 @@ struct Layout {
     static constexpr int kElems = kVector ? int(16 / sizeof(T)) : (kInterleaved ? 2 : 1);
 };
 
-template <typename T, bool kInterleaved, bool kVector>
+template <typename T, bool kInterleaved, bool kVector, Fp8Out kFp8 = Fp8Out::None>
 __global__ void __launch_bounds__(RotaryParams::kThreads)
 rotary_kernel(const RotaryParams p) {
     constexpr int kElems = Layout<T, kInterleaved, kVector>::kElems;
@@ -184,9 +222,9 @@ rotary_kernel(const RotaryParams p) {
     const uint32_t base = blockIdx.x * (kThreads * kItems) + threadIdx.x;
     Item<T, kInterleaved, kElems> items[kItems];
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) load_item<kVector>(p, base + k * kThreads, total, items[k]);
+    for (int k = 0; k < kItems; ++k) load_item<kVector, kFp8>(p, base + k * kThreads, total, items[k]);
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) store_item<kVector>(p, items[k]);
+    for (int k = 0; k < kItems; ++k) store_item<kVector, kFp8>(p, items[k]);
 }
 
 }  // namespace astrai::rotary

@@ -216,6 +216,69 @@ def test_rope_paged_append_writes_exactly_its_slots(tokens, rotary_dim, dtype, i
     assert torch.isnan(k_rows[others].float()).all() and torch.isnan(v_rows[others].float()).all()
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "head"])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype,interleaved,rotary_dim,d", [(BF16, True, 128, 128), (F16, False, 64, 128),
+                                                             (BF16, False, 128, 256), (BF16, True, 32, 66)])
+def test_rope_paged_append_quantizes_into_fp8_pages(dtype, interleaved, rotary_dim, d, kv_dtype, per_head):
+    """The fp8 write stores the bytes the 16-bit write's values quantize to (x / scale rounded to
+    nearest, saturated, NaN kept; kv_quant.quantize), on the vector path and (d = 66) the scalar one;
+    q is rotated as with 16-bit pages, rows outside the slots keep their bytes."""
+    from astrai.extension.kv_quant import quantize
+
+    g = gen(d + rotary_dim + int(per_head))
+    pages, page_size, hq, hk, tokens = 48, 16, 8, 4, 77
+    q = make_x((1, tokens, hq, d), dtype, "blhd", g)[0]
+    k, v = (make_x((1, tokens, hk, d), dtype, "blhd", g)[0] * 40 for _ in range(2))  # some saturate
+    k[3, 1, 5] = float("nan")
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens].to(DEV)
+    pos = torch.randint(0, MAX_POS, (tokens,), generator=g).to(DEV)
+    cos, sin = tables(rotary_dim)
+    shape = (hk,) if per_head else (1,)
+    k_scale, v_scale = (torch.rand(shape, generator=g).to(DEV) * 0.05 + 0.01 for _ in range(2))
+    wide = [torch.zeros(pages, page_size, hk, d, device=DEV, dtype=dtype) for _ in range(2)]
+    q16 = torch.empty_like(q)
+    module().rope_paged_append(abi(q), abi(k), abi(v), abi(wide[0]), abi(wide[1]), abi(cos), abi(sin), abi(pos),
+                               abi(slots), abi(q16), interleaved, stream())
+    poison = 0x7B  # what the rows outside the slots hold before and after
+    fp8 = [torch.full((pages, page_size, hk, d), poison, device=DEV, dtype=torch.uint8).view(kv_dtype)
+           for _ in range(2)]
+    q8 = torch.full_like(q, float("nan"))
+    module().rope_paged_append(abi(q), abi(k), abi(v), abi(fp8[0]), abi(fp8[1]), abi(cos), abi(sin), abi(pos),
+                               abi(slots), abi(q8), interleaved, stream(), kv_scales=(abi(k_scale), abi(v_scale)))
+    torch.cuda.synchronize()
+    assert torch.equal(q8, q16)
+    others = torch.ones(pages * page_size, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    for got, ref, scale in ((fp8[0], wide[0], k_scale), (fp8[1], wide[1], v_scale)):
+        rows, want = got.view(-1, hk, d)[slots], quantize(ref.view(-1, hk, d)[slots], scale, kv_dtype)
+        nan = torch.isnan(want.float())
+        assert torch.equal(rows.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+        assert torch.isnan(rows.float()[nan]).all()
+        assert (got.view(-1, hk, d)[others].view(torch.uint8) == poison).all()
+
+
+def test_rope_paged_append_refuses_bad_fp8_arguments():
+    g = gen(12)
+    q, k, v = (make_x((1, 3, 2, 64), BF16, "blhd", g)[0] for _ in range(3))
+    cache = torch.zeros(4, 4, 2, 64, device=DEV, dtype=torch.float8_e4m3fn)
+    cos, sin = tables(64)
+    args = (abi(q), abi(k), abi(v), abi(cache), abi(cache.clone()), abi(cos), abi(sin),
+            abi(torch.arange(3, device=DEV)), abi(torch.arange(3, device=DEV)), abi(torch.empty_like(q)), True,
+            stream())
+    one = torch.ones(1, device=DEV)
+    with pytest.raises(ValueError, match="kv_scales"):
+        module().rope_paged_append(*args)
+    with pytest.raises(ValueError, match="k_scale"):
+        module().rope_paged_append(*args, kv_scales=(abi(one.half()), abi(one)))
+    with pytest.raises(ValueError, match="v_scale"):
+        module().rope_paged_append(*args, kv_scales=(abi(one), abi(torch.ones(3, device=DEV))))
+    bf16_cache = torch.zeros(4, 4, 2, 64, device=DEV, dtype=BF16)
+    with pytest.raises(ValueError, match="kv_scales"):
+        module().rope_paged_append(*args[:3], abi(bf16_cache), abi(bf16_cache.clone()), *args[5:],
+                                   kv_scales=(abi(one), abi(one)))
+
+
 def test_rope_paged_append_skips_a_slot_outside_the_cache():
     g = gen(10)
     q, k, v = (make_x((1, 3, 2, 64), BF16, "blhd", g)[0] for _ in range(3))

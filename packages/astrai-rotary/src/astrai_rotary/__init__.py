@@ -33,6 +33,7 @@ _OPS: dict[str, dict[str, Any]] = {
         "module": "astrai_rotary._rotary_emb",
         "abi": 1,
         "dtypes": _DTYPES,
+        "kv_dtypes": ["float8_e4m3fn", "float8_e5m2"],  # fp8 pages, quantized (the module's KV_DTYPES)
         "min_sm": 80,
     },
     "rms_norm": {  # transformers' LlamaRMSNorm, one block per row

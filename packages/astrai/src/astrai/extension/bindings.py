@@ -51,7 +51,7 @@ BINDINGS: dict[str, Binding] = {
     # astrai-rotary: _rotary_emb (csrc/rotary_emb.cu)
     "rotary": Binding(("q", "k", "cos", "sin", "positions", "q_out", "k_out", "interleaved", "inverse", "stream")),
     "rope_paged_append": Binding(("q", "k", "v", "k_cache", "v_cache", "cos", "sin", "positions", "slots", "q_out",
-                                  "interleaved", "stream")),
+                                  "interleaved", "stream"), ("kv_scales",)),
     "rotary_emb": Binding(("x", "cos", "sin", "out", "stream")),
     # _rotary_emb (csrc/norm.cu)
     "rms_norm": Binding(("x", "weight", "out", "eps", "stream")),

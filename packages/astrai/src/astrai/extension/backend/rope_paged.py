@@ -5,8 +5,10 @@ step's new keys ``k`` at their cache positions, writes the rotated keys and ``v`
 layer's pages at the plan's slots, and returns the rotated ``q`` (``q``'s shape). On CUDA,
 with the astrai-rotary plugin's ``rope_paged_append`` usable for the dtype, that is one
 kernel; otherwise ``apply_rotary_emb_qk`` then ``PagedKVCache.append``. An FP8 cache
-(``kv_dtype`` != ``dtype``) always takes the second route: the kernel writes unquantized
-pages only.
+(``kv_dtype`` != ``dtype``) takes the kernel where the plugin's manifest states its page dtype
+(``kv_dtypes``) and the layer's scales are known (set, or calibrated by an earlier append): the
+kernel quantizes with them, the bytes ``append`` writes. A layer's first append over an FP8
+cache takes the second route, which calibrates the scales on the rotated keys.
 
 What it needs from the batch plan, per new token in packed query order: the cache slot
 (``plan.write_index``, int64 ``[total_q]``) and the token's position in its sequence
@@ -24,7 +26,7 @@ from ..kv_cache import BatchPlan, PagedKVCache
 from ..op_names import ROPE_PAGED_APPEND
 from ..ops import rope_paged as ops_rope_paged
 from ..ops.rotary_args import check_freqs, check_positions
-from .rotary import apply_rotary_emb_qk, choose, with_fallback
+from .rotary import apply_rotary_emb_qk, choose, states_pages, with_fallback
 
 __all__ = ["rope_and_append", "token_positions"]
 
@@ -44,6 +46,17 @@ def token_positions(plan: BatchPlan) -> torch.Tensor:
         row = torch.arange(plan.total_q, device=device) - starts[seq]
         positions = _POSITIONS[plan] = plan.kv_lens.long()[seq] - q_lens[seq] + row
     return positions
+
+
+def _kernel_scales(kv_cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor):
+    """What the kernel needs to write the layer's pages: ``()`` for 16-bit pages, the layer's
+    ``(k_scale, v_scale)`` for FP8 pages the plugin writes once the scales are known; None: the
+    torch route (FP8 pages the plugin does not state, or scales still to calibrate)."""
+    if kv_cache.kv_dtype == kv_cache.dtype:
+        return ()
+    if kv_cache.kv_scales(layer) is None or not states_pages(ROPE_PAGED_APPEND, kv_cache.kv_dtype, k.device):
+        return None
+    return kv_cache.scales_for_append(layer, k, v)
 
 
 def _check(name: str, t: object, cache: PagedKVCache, plan: BatchPlan, heads: int | None) -> torch.Tensor:
@@ -83,11 +96,13 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return q_rot
 
     needs_grad = torch.is_grad_enabled() and q.requires_grad
-    quantized = kv_cache.kv_dtype != kv_cache.dtype  # the kernel does not quantize: append() does
-    if choose(q3, needs_grad, ROPE_PAGED_APPEND) == "cuda" and not needs_grad and not quantized:
+    scales = None
+    if choose(q3, needs_grad, ROPE_PAGED_APPEND) == "cuda" and not needs_grad:
+        scales = _kernel_scales(kv_cache, layer, k3, v3)
+    if scales is not None:
         kernel = lambda: ops_rope_paged.rope_paged_append_unchecked(  # noqa: E731
             q3, k3.detach(), v3.detach(), kv_cache.k_cache(layer), kv_cache.v_cache(layer), cos, sin, positions, slots,
-            interleaved)
+            interleaved, *scales)
         q_rot = with_fallback(q.device, kernel, torch_path, ROPE_PAGED_APPEND)
     else:
         q_rot = torch_path()

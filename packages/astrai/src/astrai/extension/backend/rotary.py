@@ -104,6 +104,19 @@ def choose(x: torch.Tensor, needs_grad: bool, op: str = ROTARY_EMB) -> str:
     return chosen
 
 
+def states_pages(op: str, kv_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the plugin serving ``op`` on ``device`` states ``kv_dtype`` pages (its manifest's
+    ``kv_dtypes``); decided once per resolver state, as ``choose`` is."""
+    runtime = current_runtime()
+    key = (op, "kv_dtypes", kv_dtype, str(device))
+    found = runtime.resolver.derived.get(key)
+    if found is None:
+        spec = runtime.registry.op_status(op, probe_device(device)).spec
+        found = runtime.resolver.derived[key] = spec is not None and \
+            str(kv_dtype).removeprefix("torch.") in spec.kv_dtypes
+    return found
+
+
 def with_fallback(device: torch.device, kernel, torch_path, op: str = ROTARY_EMB):
     """Run ``kernel()``; if the plugin's module turns out unusable (the registry marks it so
     when it fails to load), forget the cached decisions and run ``torch_path()``."""
