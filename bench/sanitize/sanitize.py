@@ -96,7 +96,8 @@ def paged_steps(kv_dtype) -> None:
     for s in seqs:
         cache.add_sequence(s)
     history = {s: ([], []) for s in seqs}
-    tol = tolerance(dtype) if kv_dtype is None else dict(rtol=0.1, atol=0.1)
+    # FP8: e4m3 keeps 3 mantissa bits; unit-normal inputs move an output by up to ~0.15
+    tol = tolerance(dtype) if kv_dtype is None else dict(rtol=0.1, atol=0.25)
     # the prefill kernels do not read FP8 pages yet: the resolver picks per step there
     forced = attn_backend(ATTN_BACKEND.CUDA) if kv_dtype is None else contextlib.nullcontext()
     with torch.no_grad(), forced:
