@@ -25,5 +25,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_layout_of_the_design():
-    for path in ("README.md", "pixi.toml", "packages/astrai", "recipe", "ci", "docs", "tests", ".ci/run"):
+    for path in ("README.md", "pixi.toml", "packages/astrai", "recipe", "ci", "docs", "tests", ".ci/run", "bench",
+                 "tests/helpers", "tests/gpu"):
         assert (ROOT / path).exists(), path
+    # tests by op family: no test module left at the top of tests/ or tests/gpu/
+    assert not list((ROOT / "tests").glob("test_*.py")) and not list((ROOT / "tests" / "gpu").glob("test_*.py"))
+    # benchmarks, profilers and sanitizer drivers live in bench/, not among the tests
+    assert not [p for p in (ROOT / "tests").rglob("*.py") if p.name.startswith(("bench_", "profile_", "sanitize"))]
