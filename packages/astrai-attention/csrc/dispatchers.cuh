@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "astrai/check.h"
+#include "astrai/device.cuh"
 #include "astrai/dtype.h"
 #include "common.h"
 #include "heuristics.h"
@@ -23,8 +24,7 @@ namespace astrai::attn {
 // Raises a kernel's dynamic shared-memory limit once per device.
 template <typename Kernel>
 void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
-    int dev = 0;
-    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    const int dev = current_device();
     const uint64_t bit = uint64_t(1) << (dev & 63);
     if (done.load(std::memory_order_acquire) & bit) return;
     ASTRAI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -34,24 +34,22 @@ void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
 // An attribute of the current device, asked of the driver once per device (launchers ask
 // on every call).
 template <cudaDeviceAttr kAttr>
-int device_attribute() {
+int cached_device_attribute() {
     constexpr int kMaxDevices = 64;
     static std::atomic<int> cache[kMaxDevices];  // value + 1; 0: not asked yet (static: zero-initialized)
-    int dev = 0;
-    ASTRAI_CUDA_CHECK(cudaGetDevice(&dev));
+    const int dev = current_device();
     std::atomic<int>& slot = cache[dev % kMaxDevices];
     const int cached = slot.load(std::memory_order_relaxed);
     if (cached != 0) return cached - 1;
-    int value = 0;
-    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&value, kAttr, dev));
+    const int value = device_attribute(kAttr, dev);
     slot.store(value + 1, std::memory_order_relaxed);
     return value;
 }
 
 // The current device's compute capability as 10 * major + minor.
 inline int device_arch() {
-    return 10 * device_attribute<cudaDevAttrComputeCapabilityMajor>() +
-           device_attribute<cudaDevAttrComputeCapabilityMinor>();
+    return 10 * cached_device_attribute<cudaDevAttrComputeCapabilityMajor>() +
+           cached_device_attribute<cudaDevAttrComputeCapabilityMinor>();
 }
 
 // Programmatic dependent launch needs sm_90+.
@@ -171,7 +169,7 @@ void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, 
         p.work_grid_x = int(grid.x);
         p.work_grid_y = int(grid.y);
         p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
-        grid = dim3(unsigned(std::min(p.num_work, device_attribute<cudaDevAttrMultiProcessorCount>())));
+        grid = dim3(unsigned(std::min(p.num_work, cached_device_attribute<cudaDevAttrMultiProcessorCount>())));
         if (p.work_counter == nullptr) {
             // build-knob experiments only: one zeroed counter pair per process, one stream
             static int* counter = [] {

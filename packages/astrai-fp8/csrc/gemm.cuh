@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "astrai/check.h"
+#include "astrai/device.cuh"
 #include "common.h"
 #include "gemm/epilogue.cuh"
 #include "gemm/load.cuh"
@@ -288,11 +289,9 @@ inline void launch_plan(const CanonicalGemm& g, const GemmPlan& plan, cudaStream
 
 inline DeviceLimits device_limits(int device) {
   DeviceLimits d{};
-  ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
-  ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_per_sm,
-                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_per_block,
-                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  d.sms = multiprocessor_count(device);
+  d.smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  d.smem_per_block = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   return d;
 }
 

@@ -2,12 +2,18 @@
 //
 //   sm_at_least(sm)    device code: the arch being compiled is at least `sm` (major*10+minor)
 //   device_sm(dev)     host: the compute capability of a device, as major*10+minor
+//   device_attribute(attr, dev), current_device(), multiprocessor_count(dev)
+//                      host queries that throw CudaError without a device
+//   query_current_device({{attr, &value}, ...})
+//                      the same queries without throwing, for paths that fall back instead
 //   kMinSmFor*         the lowest arch each feature needs
 //   kMmaEnabled        false when the build passed ASTRAI_NO_MMA (scalar fallbacks only)
 //   built_for_sm90()   the translation unit holds sm_90a kernels (wgmma, TMA)
 #pragma once
 
 #include <cuda_runtime_api.h>
+
+#include <initializer_list>
 
 #include "astrai/check.h"
 
@@ -48,11 +54,17 @@ inline constexpr bool built_for_sm90() {
     return false;
 }
 
+// An attribute of `device` (cudaDevAttr*); throws CudaError without a device.
+inline int device_attribute(cudaDeviceAttr attr, int device) {
+    int value = 0;
+    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+    return value;
+}
+
 // Compute capability of `device` (major*10+minor); throws CudaError without a device.
 inline int device_sm(int device) {
-    int major = 0, minor = 0;
-    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+    const int minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device);
     return major * 10 + minor;
 }
 
@@ -62,10 +74,21 @@ inline int current_device() {
     return device;
 }
 
-inline int multiprocessor_count(int device) {
-    int sms = 0;
-    ASTRAI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
+inline int multiprocessor_count(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+struct AttributeQuery {
+    cudaDeviceAttr attr;
+    int* value;
+};
+
+// Reads each query's attribute of the current device into its value, in order, stopping at
+// the first failure; returns that error, or cudaSuccess.
+inline cudaError_t query_current_device(std::initializer_list<AttributeQuery> queries) {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    for (const AttributeQuery& q : queries)
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(q.value, q.attr, device);
+    return e;
 }
 
 }  // namespace astrai

@@ -43,13 +43,10 @@ struct Result {
 inline constexpr const char* kNoSm90Code = "this build holds no sm_90a code for the wgmma kernel";
 
 inline std::string device_limits(DeviceLimits& d) {
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.num_sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    const cudaError_t e = query_current_device({{cudaDevAttrComputeCapabilityMajor, &d.cc_major},
+                                                {cudaDevAttrComputeCapabilityMinor, &d.cc_minor},
+                                                {cudaDevAttrMultiProcessorCount, &d.num_sms},
+                                                {cudaDevAttrMaxSharedMemoryPerBlockOptin, &d.smem_optin}});
     return e == cudaSuccess ? "" : std::string("device query failed: ") + cudaGetErrorString(e);
 }
 

@@ -12,10 +12,9 @@ EntryResult gemm_entry(const void* a, int64_t lda, bool trans_a, int fmt_a, cons
                        int64_t ldb, bool trans_b, int fmt_b, void* out, int64_t ldc,
                        const void* bias, const float* scale, int64_t m, int64_t n, int64_t k,
                        bool promote, cudaStream_t stream) {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    int major = 0, minor = 0;
+    if (query_current_device({{cudaDevAttrComputeCapabilityMajor, &major},
+                              {cudaDevAttrComputeCapabilityMinor, &minor}}) != cudaSuccess)
         return {EntryStatus::NotApplicable, "device query failed"};
     if (major != 9 || minor != 0) return {EntryStatus::NotApplicable, "not an sm_90 device"};
     if (trans_a || !trans_b)
