@@ -23,32 +23,18 @@ namespace py = pybind11;
 void attn_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
                  int64_t num_splits, py::handle ws_o_a, py::handle ws_lse_a, py::handle stream_a,
                  py::handle ws_count_a, bool pdl, py::handle variant_a) {
-    const TensorArg q = bind::tensor_arg("q", q_a);
-    const TensorArg k = bind::tensor_arg("k", k_a);
-    const TensorArg v = bind::tensor_arg("v", v_a);
-    const TensorArg out = bind::tensor_arg("out", out_a);
+    const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/false);
     const cudaStream_t stream = bind::stream_arg(stream_a);
-    check_operand(q, 4, q.dtype);
-    check_head_dim(q);
+    check_decode_query(q);
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
-    ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
-                 shape_str(q.shape));
-    check_operand(k, 4, q.dtype);
-    check_operand(v, 4, q.dtype);
+    check_contiguous_kv(k, v, q, "[B, S, Hkv, D] matching q");
     const int64_t S = k.size(1), Hkv = k.size(2);
-    expect_shape(k, {B, -1, -1, D}, "[B, S, Hkv, D] matching q");
-    ASTRAI_CHECK(v.shape == k.shape, "v: shape ", shape_str(v.shape), " differs from k's ", shape_str(k.shape));
-    ASTRAI_CHECK(S >= 1, "k: kv length must be >= 1, got ", S);
     check_heads(Hq, Hkv);
-    check_operand(out, 4, q.dtype);
-    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    check_output(out, q);
     ASTRAI_CHECK(S < (int64_t(1) << 31), "k: kv length ", S, " exceeds int32");
 
     AttentionParams p;
-    set_common(p, q, out, Hq, Hkv);
-    set_kv(p, k, v);
-    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
-    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    set_operands(p, q, out, k, v, Hq, Hkv);
     if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, 1, S);
     p.kv_len = int(S);
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);

@@ -57,6 +57,47 @@ inline void check_head_dim(const TensorArg& q) {
     ASTRAI_CHECK(is_head_dim(q.size(-1)), q.name, ": head_dim must be 64, 128 or 256, got ", q.size(-1));
 }
 
+// The q, k, v and out arguments, first in every module; errors name k and v "k_cache" and
+// "v_cache" where `paged`.
+struct Operands {
+    TensorArg q, k, v, out;
+};
+
+inline Operands operand_args(pybind11::handle q, pybind11::handle k, pybind11::handle v, pybind11::handle out,
+                             bool paged) {
+    return {bind::tensor_arg("q", q), bind::tensor_arg(paged ? "k_cache" : "k", k),
+            bind::tensor_arg(paged ? "v_cache" : "v", v), bind::tensor_arg("out", out)};
+}
+
+// q [B, L, Hq, D] (ndim 4) or packed [total_q, Hq, D] (ndim 3): an operand with a kernel's head_dim.
+inline void check_query(const TensorArg& q, int ndim) {
+    check_operand(q, ndim, q.dtype);
+    check_head_dim(q);
+}
+
+// A decode's q [B, 1, Hq, D]: one query per request.
+inline void check_decode_query(const TensorArg& q) {
+    check_query(q, 4);
+    ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
+                 shape_str(q.shape));
+}
+
+// Contiguous k, v [B, Lkv, Hkv, D] with q's dtype, batch and head_dim and Lkv >= 1;
+// `layout` describes k's expected shape in errors.
+inline void check_contiguous_kv(const TensorArg& k, const TensorArg& v, const TensorArg& q, const char* layout) {
+    check_operand(k, 4, q.dtype);
+    check_operand(v, 4, q.dtype);
+    expect_shape(k, {q.size(0), -1, -1, q.size(-1)}, layout);
+    ASTRAI_CHECK(v.shape == k.shape, "v: shape ", shape_str(v.shape), " differs from k's ", shape_str(k.shape));
+    ASTRAI_CHECK(k.size(1) >= 1, "k: kv length must be >= 1, got ", k.size(1));
+}
+
+// out: q's dtype and shape.
+inline void check_output(const TensorArg& out, const TensorArg& q) {
+    check_operand(out, q.ndim(), q.dtype);
+    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+}
+
 inline void check_grid(int64_t x, int64_t y, int64_t z) {
     ASTRAI_CHECK(x < (int64_t(1) << 31), "q: too many query tiles for one launch (", x, ")");
     ASTRAI_CHECK(y <= 65535, "k: kv_heads x head groups (", y, ") exceeds the grid limit 65535");
@@ -86,6 +127,25 @@ inline void set_kv(AttentionParams& p, const TensorArg& k, const TensorArg& v) {
     p.v = reinterpret_cast<const void*>(v.ptr);
     p.k_stride_b = k.stride(0); p.k_stride_l = k.stride(1); p.k_stride_h = k.stride(2);
     p.v_stride_b = v.stride(0); p.v_stride_l = v.stride(1); p.v_stride_h = v.stride(2);
+}
+
+// q/out strides: (b, l, h) of [B, L, H, D], or (l, h) of packed [total_q, H, D] (no batch stride).
+inline void set_qo_strides(AttentionParams& p, const TensorArg& q, const TensorArg& o) {
+    const int l = q.ndim() - 3;  // the row dim: 1, or 0 when packed
+    if (l == 1) {
+        p.q_stride_b = q.stride(0);
+        p.o_stride_b = o.stride(0);
+    }
+    p.q_stride_l = q.stride(l); p.q_stride_h = q.stride(l + 1);
+    p.o_stride_l = o.stride(l); p.o_stride_h = o.stride(l + 1);
+}
+
+// Everything every module sets of its q, out, k and v (heads, scale, pointers, strides).
+inline void set_operands(AttentionParams& p, const TensorArg& q, const TensorArg& o, const TensorArg& k,
+                         const TensorArg& v, int64_t q_heads, int64_t kv_heads) {
+    set_common(p, q, o, q_heads, kv_heads);
+    set_kv(p, k, v);
+    set_qo_strides(p, q, o);
 }
 
 // Optional bool mask over [B, kv] (2D) or [B, q_len, kv] (3D).
@@ -262,6 +322,14 @@ inline pybind11::tuple variant_features() {
     pybind11::tuple names(std::size(kVariantFeatures));
     for (size_t i = 0; i < std::size(kVariantFeatures); ++i) names[i] = kVariantFeatures[i];
     return names;
+}
+
+// A prefill's query-head packing (from p.group) and the grid check of its launch over
+// `q_tiles` query tiles of `batch` requests.
+inline void set_prefill_heads(AttentionParams& p, int64_t q_tiles, int64_t kv_heads, int64_t batch) {
+    p.head_block = prefill_head_block(p.group);
+    p.head_groups = prefill_head_groups(p.group);
+    check_grid(q_tiles * p.head_block, kv_heads * p.head_groups, batch);
 }
 
 // (head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch (the wgmma

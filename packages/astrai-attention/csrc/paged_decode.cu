@@ -45,30 +45,20 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
                        py::handle ws_lse_a, py::handle stream_a, py::handle ws_count_a, bool pdl,
                        py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last,
                        py::handle variant_a, py::handle kv_scales_a) {
-    const TensorArg q = bind::tensor_arg("q", q_a);
-    const TensorArg k = bind::tensor_arg("k_cache", k_a);
-    const TensorArg v = bind::tensor_arg("v_cache", v_a);
-    const TensorArg out = bind::tensor_arg("out", out_a);
+    const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/true);
     const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
     const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
     const TensorArg lens = bind::tensor_arg("kv_lens", lens_a);
     const cudaStream_t stream = bind::stream_arg(stream_a);
-    check_operand(q, 4, q.dtype);
-    check_head_dim(q);
+    check_decode_query(q);
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
-    ASTRAI_CHECK(q.size(1) == 1, "q: decode takes one query per request, shape [B, 1, Hq, D]; got ",
-                 shape_str(q.shape));
     check_paged_cache(k, v, q, Hq, kDecodeReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
     const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
-    check_operand(out, 4, q.dtype);
-    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    check_output(out, q);
 
     AttentionParams p;
-    set_common(p, q, out, Hq, Hkv);
-    set_kv(p, k, v);
-    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
-    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    set_operands(p, q, out, k, v, Hq, Hkv);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1]");
     set_decode_splits(p, num_splits, ws_o_a, ws_lse_a, ws_count_a, B, Hq, Hkv, D);
     set_variant(p, variant_a, Hq, D);  // checked before the append below writes anything

@@ -27,10 +27,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
                         py::handle indptr_a, py::handle indices_a, py::handle lens_a, py::handle tb_a,
                         py::handle ti_a, bool is_causal, py::handle stream_a, py::handle variant_a,
                         py::handle kv_scales_a) {
-    const TensorArg q = bind::tensor_arg("q", q_a);
-    const TensorArg k = bind::tensor_arg("k_cache", k_a);
-    const TensorArg v = bind::tensor_arg("v_cache", v_a);
-    const TensorArg out = bind::tensor_arg("out", out_a);
+    const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/true);
     const TensorArg qo = bind::tensor_arg("qo_indptr", qo_a);
     const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
     const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
@@ -38,14 +35,12 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     const TensorArg tb = bind::tensor_arg("q_tile_to_batch", tb_a);
     const TensorArg ti = bind::tensor_arg("q_tile_to_index", ti_a);
     const cudaStream_t stream = bind::stream_arg(stream_a);
-    check_operand(q, 3, q.dtype);
-    check_head_dim(q);
+    check_query(q, 3);
     const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);
     check_paged_cache(k, v, q, Hq, kPrefillReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
     const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
-    check_operand(out, 3, q.dtype);
-    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    check_output(out, q);
     ASTRAI_CHECK(qo.ndim() == 1 && qo.size(0) >= 1, "qo_indptr: expected shape [batch + 1], got ", shape_str(qo.shape));
     const int64_t B = qo.size(0) - 1;
     check_index(qo, B + 1, "[batch + 1]");
@@ -55,10 +50,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
                  " tiles cannot cover ", total_q, " query rows in ", B, " requests");
 
     AttentionParams p;
-    set_common(p, q, out, Hq, Hkv);
-    set_kv(p, k, v);
-    p.q_stride_l = q.stride(0); p.q_stride_h = q.stride(1);
-    p.o_stride_l = out.stride(0); p.o_stride_h = out.stride(1);
+    set_operands(p, q, out, k, v, Hq, Hkv);
     set_page_table(p, indptr, indices, lens, B, page, "[batch + 1] (as qo_indptr)");
     p.num_pages = int(std::min<int64_t>(k.size(0), INT32_MAX));
     p.qo_indptr = qo.data<const int32_t>();
@@ -70,9 +62,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     p.causal = is_causal;
     set_variant(p, variant_a, Hq, D);
     set_kv_scales(p, scales);
-    p.head_block = prefill_head_block(p.group);
-    p.head_groups = prefill_head_groups(p.group);
-    check_grid(tb.size(0) * p.head_block, Hkv * p.head_groups, 1);
+    set_prefill_heads(p, tb.size(0), Hkv, 1);
     if (tb.size(0) == 0 || total_q == 0) return;
     dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream, k.dtype);
 }

@@ -16,38 +16,24 @@ namespace py = pybind11;
 
 void attn_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::handle out_a, py::handle mask_a,
                   bool is_causal, py::handle stream_a, py::handle variant_a) {
-    const TensorArg q = bind::tensor_arg("q", q_a);
-    const TensorArg k = bind::tensor_arg("k", k_a);
-    const TensorArg v = bind::tensor_arg("v", v_a);
-    const TensorArg out = bind::tensor_arg("out", out_a);
+    const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/false);
     const cudaStream_t stream = bind::stream_arg(stream_a);
-    check_operand(q, 4, q.dtype);
-    check_head_dim(q);
+    check_query(q, 4);
     const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2), D = q.size(3);
-    check_operand(k, 4, q.dtype);
-    check_operand(v, 4, q.dtype);
-    expect_shape(k, {B, -1, -1, D}, "[B, Lkv, Hkv, D] matching q");
-    ASTRAI_CHECK(v.shape == k.shape, "v: shape ", shape_str(v.shape), " differs from k's ", shape_str(k.shape));
+    check_contiguous_kv(k, v, q, "[B, Lkv, Hkv, D] matching q");
     const int64_t Lkv = k.size(1), Hkv = k.size(2);
-    ASTRAI_CHECK(Lkv >= 1, "k: kv length must be >= 1, got ", Lkv);
     ASTRAI_CHECK(Lq < (int64_t(1) << 31) && Lkv < (int64_t(1) << 31), "q: sequence lengths must fit int32");
     check_heads(Hq, Hkv);
-    check_operand(out, 4, q.dtype);
-    ASTRAI_CHECK(out.shape == q.shape, "out: shape ", shape_str(out.shape), " differs from q's ", shape_str(q.shape));
+    check_output(out, q);
 
     AttentionParams p;
-    set_common(p, q, out, Hq, Hkv);
-    set_kv(p, k, v);
-    p.q_stride_b = q.stride(0); p.q_stride_l = q.stride(1); p.q_stride_h = q.stride(2);
-    p.o_stride_b = out.stride(0); p.o_stride_l = out.stride(1); p.o_stride_h = out.stride(2);
+    set_operands(p, q, out, k, v, Hq, Hkv);
     if (!mask_a.is_none()) set_mask(p, bind::tensor_arg("mask", mask_a), B, Lq, Lkv);
     p.batch = int(B); p.q_len = int(Lq); p.kv_len = int(Lkv);
     p.causal = is_causal;
     set_variant(p, variant_a, Hq, D);
-    p.head_block = prefill_head_block(p.group);
-    p.head_groups = prefill_head_groups(p.group);
     const int64_t tiles = num_q_tiles(Lq);
-    check_grid(tiles * p.head_block, Hkv * p.head_groups, B);
+    set_prefill_heads(p, tiles, Hkv, B);
     if (B == 0 || Lq == 0) return;
     dispatch_prefill<DenseQSchedule, ContigKV>(p, q.dtype, int(D), unsigned(tiles), unsigned(B), stream);
 }
