@@ -8,7 +8,11 @@ wrappers are generated rather than typed. Re-run after changing a width list:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cuda-common" / "python"))
+from astrai_wgmma import accumulators, mnemonic, operands, scale_d_predicate, write_beside  # noqa: E402
 
 SS_WIDTHS = (64, 80, 128, 176)  # S = Q K^T: N = K/V rows per tile (80, 176: the wide tiles)
 RS_WIDTHS = (64, 128, 256)  # O += P V: N = head_dim
@@ -40,12 +44,9 @@ struct WgmmaRS;
 """
 
 
-def regs(n: int) -> list[str]:
-    return [f'"+f"(d[{i // 4}][{i % 4}])' for i in range(n // 2)]
-
-
-def operands(first: int, count: int) -> str:
-    return ", ".join(f"%{i}" for i in range(first, first + count))
+def tile_register(i: int) -> str:
+    """Accumulator register i in d[N / 8][4]: four per 8-column tile."""
+    return f"d[{i // 4}][{i % 4}]"
 
 
 def ss(n: int, ctype: str, ptx: str) -> str:
@@ -56,11 +57,11 @@ struct WgmmaSS<{ctype}, {n}> {{
     __device__ __forceinline__ static void mma(float (&d)[{n // 8}][4], uint64_t desc_a, uint64_t desc_b,
                                                int scale_d) {{
         asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
+            "{scale_d_predicate(r + 2)}"
+            "{mnemonic(n, 16)}{ptx}.{ptx} "
             "{{{operands(0, r)}}}, "
             "%{r}, %{r + 1}, p, 1, 1, 0, 0;\\n}}\\n"
-            : {", ".join(regs(n))}
+            : {accumulators(r, tile_register)}
             : "l"(desc_a), "l"(desc_b), "r"(scale_d));
     }}
 }};
@@ -74,11 +75,11 @@ template <>
 struct WgmmaRS<{ctype}, {n}> {{
     __device__ __forceinline__ static void mma(float (&d)[{n // 8}][4], const uint32_t (&a)[4], uint64_t desc_b) {{
         asm volatile(
-            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
+            "{scale_d_predicate(r + 5)}"
+            "{mnemonic(n, 16)}{ptx}.{ptx} "
             "{{{operands(0, r)}}}, "
             "{{{operands(r, 4)}}}, %{r + 4}, p, 1, 1, 1;\\n}}\\n"
-            : {", ".join(regs(n))}
+            : {accumulators(r, tile_register)}
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
     }}
 }};
@@ -95,7 +96,7 @@ def render() -> str:
 
 
 def main() -> None:
-    Path(__file__).with_name("wgmma_ops.cuh").write_text(render())
+    write_beside(__file__, "wgmma_ops.cuh", render())
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ the wrappers are generated rather than typed. Re-run after changing the N list:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "cuda-common" / "python"))
+from astrai_wgmma import accumulators, mnemonic, operands, scale_d_predicate, write_beside  # noqa: E402
 
 WIDTHS = (16, 32, 64, 128, 192, 256)
 FORMATS = (("E4M3", "e4m3"), ("E5M2", "e5m2"))
@@ -34,12 +38,9 @@ struct Wgmma;
 """
 
 
-def operand_list(n_regs: int) -> str:
-    return ", ".join(f"%{i}" for i in range(n_regs))
-
-
-def constraints(n_regs: int) -> str:
-    return ", ".join(f'"+f"(d[{i}])' for i in range(n_regs))
+def flat_register(i: int) -> str:
+    """Accumulator register i in d[N / 2]."""
+    return f"d[{i}]"
 
 
 def macro(n: int) -> str:
@@ -47,11 +48,11 @@ def macro(n: int) -> str:
     return (
         f"#define ASTRAI_SM90_WGMMA_N{n}(TA, TB)                                          \\\n"
         f'    asm volatile(                                                                \\\n'
-        f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"                        \\\n'
-        f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32." TA "." TB " "              \\\n'
-        f'        "{{{operand_list(r)}}}, "  \\\n'
+        f'        "{scale_d_predicate(r + 2)}"                        \\\n'
+        f'        "{mnemonic(n, 32)}" TA "." TB " "              \\\n'
+        f'        "{{{operands(0, r)}}}, "  \\\n'
         f'        "%{r}, %{r + 1}, p, 1, 1;\\n}}\\n"                                             \\\n'
-        f"        : {constraints(r)}  \\\n"
+        f"        : {accumulators(r, flat_register)}  \\\n"
         f'        : "l"(desc_a), "l"(desc_b), "r"(scale_d))\n'
     )
 
@@ -80,7 +81,7 @@ def render() -> str:
 
 
 def main() -> None:
-    Path(__file__).with_name("wgmma_fp8.cuh").write_text(render())
+    write_beside(__file__, "wgmma_fp8.cuh", render())
 
 
 if __name__ == "__main__":
