@@ -10,6 +10,7 @@ heuristics live in one place, ``csrc/heuristics.h``; the compiled modules expose
 
 from __future__ import annotations
 
+import copy
 import json
 from importlib.resources import files
 from typing import Any
@@ -20,6 +21,8 @@ __all__ = ["build_info", "manifest"]
 
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
+# the manifest keys copied from the build's record (build_info.json)
+FROM_BUILD = ("version", "cuda", "sass_archs", "ptx_archs")
 
 _COMMON: dict[str, Any] = {
     "abi": 1,
@@ -59,13 +62,5 @@ def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def manifest() -> dict[str, Any]:
     info = build_info()
-    return {
-        "api_version": API_VERSION,
-        "name": "astrai-attention",
-        "version": info["version"],
-        "core_requires": CORE_REQUIRES,
-        "cuda": info["cuda"],
-        "sass_archs": list(info["sass_archs"]),
-        "ptx_archs": list(info["ptx_archs"]),
-        "ops": _ops(info),
-    }
+    return {"api_version": API_VERSION, "name": "astrai-attention", "core_requires": CORE_REQUIRES,
+            **{key: copy.copy(info[key]) for key in FROM_BUILD}, "ops": _ops(info)}

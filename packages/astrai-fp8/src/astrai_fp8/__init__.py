@@ -15,6 +15,7 @@ runs the plugin's GEMM on sm_90 only for the shape classes where it beats cuBLAS
 
 from __future__ import annotations
 
+import copy
 import json
 from importlib.resources import files
 from typing import Any
@@ -26,6 +27,16 @@ __all__ = ["build_info", "manifest"]
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 MODULE = "astrai_fp8._fp8_ops"
+MIN_SM = 89
+# the manifest keys copied from the build's record (build_info.json)
+FROM_BUILD = ("version", "cuda", "sass_archs", "ptx_archs")
+
+# The ops of MODULE (all ABI 1, sm_89+) and the dtypes each takes.
+OP_DTYPES = {
+    "fp8_quantize": ["float32", "float16", "bfloat16"],
+    "fp8_gemm": ["float8_e4m3fn", "float8_e5m2"],
+    "fp8_scale_update": ["float32"],  # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
+}
 
 # Archs whose mma.sync e4m3/e5m2 is a native QMMA (checked in the SASS by the tests).
 MMA_SYNC_NATIVE_SM = (89, 120)
@@ -54,37 +65,14 @@ def _gemm_prefer(info: dict[str, Any]) -> dict[str, Any] | None:
     return {"90": sm90_table.load()} if _has_wgmma(info) else None
 
 
+def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    ops = {op: {"module": MODULE, "abi": 1, "dtypes": list(dtypes), "min_sm": MIN_SM}
+           for op, dtypes in OP_DTYPES.items()}
+    ops["fp8_gemm"].update(native_sm=_gemm_native_sm(info), prefer=_gemm_prefer(info))
+    return ops
+
+
 def manifest() -> dict[str, Any]:
     info = build_info()
-    return {
-        "api_version": API_VERSION,
-        "name": "astrai-fp8",
-        "version": info["version"],
-        "core_requires": CORE_REQUIRES,
-        "cuda": info["cuda"],
-        "sass_archs": list(info["sass_archs"]),
-        "ptx_archs": list(info["ptx_archs"]),
-        "ops": {
-            "fp8_quantize": {
-                "module": MODULE,
-                "abi": 1,
-                "dtypes": ["float32", "float16", "bfloat16"],
-                "min_sm": 89,
-            },
-            "fp8_gemm": {
-                "module": MODULE,
-                "abi": 1,
-                "dtypes": ["float8_e4m3fn", "float8_e5m2"],
-                "min_sm": 89,
-                "native_sm": _gemm_native_sm(info),
-                "prefer": _gemm_prefer(info),
-            },
-            # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
-            "fp8_scale_update": {
-                "module": MODULE,
-                "abi": 1,
-                "dtypes": ["float32"],
-                "min_sm": 89,
-            },
-        },
-    }
+    return {"api_version": API_VERSION, "name": "astrai-fp8", "core_requires": CORE_REQUIRES,
+            **{key: copy.copy(info[key]) for key in FROM_BUILD}, "ops": _ops(info)}
