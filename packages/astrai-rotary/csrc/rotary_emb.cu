@@ -187,7 +187,7 @@ void set_angles(Plan& plan, const TensorArg& cos, const TensorArg& sin, const Te
 
 template <typename T, bool kInterleaved, bool kVector, Fp8Out kFp8>
 void launch_kernel(const RotaryParams& p, cudaStream_t stream) {
-    constexpr uint32_t kPerBlock = RotaryParams::kThreads * RotaryParams::kItems;
+    constexpr uint32_t kPerBlock = RotaryParams::kThreads * kItemsPerThread<kFp8>;
     const uint32_t total = p.slot[p.num_slots - 1].end;
     rotary_kernel<T, kInterleaved, kVector, kFp8>
         <<<(total + kPerBlock - 1) / kPerBlock, RotaryParams::kThreads, 0, stream>>>(p);

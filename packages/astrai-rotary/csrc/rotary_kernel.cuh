@@ -206,6 +206,11 @@ __device__ __forceinline__ void store_item(const RotaryParams& p, Item<T, kInter
     }
 }
 
+// Items per thread: kItems, or one where the stores quantize to fp8 (each IEEE division's slow
+// path is a call; a second item's loads held across them spilled the NeoX vector kernel on sm_80).
+template <Fp8Out kFp8>
+inline constexpr int kItemsPerThread = kFp8 == Fp8Out::None ? RotaryParams::kItems : 1;
+
 template <typename T, bool kInterleaved, bool kVector>
 struct Layout {
     // channels per item: one 16-byte access, or one element (one pair when interleaved)
@@ -217,7 +222,7 @@ __global__ void __launch_bounds__(RotaryParams::kThreads)
 rotary_kernel(const RotaryParams p) {
     constexpr int kElems = Layout<T, kInterleaved, kVector>::kElems;
     constexpr uint32_t kThreads = RotaryParams::kThreads;
-    constexpr int kItems = RotaryParams::kItems;
+    constexpr int kItems = kItemsPerThread<kFp8>;
     const uint32_t total = p.slot[p.num_slots - 1].end;
     const uint32_t base = blockIdx.x * (kThreads * kItems) + threadIdx.x;
     Item<T, kInterleaved, kElems> items[kItems];
