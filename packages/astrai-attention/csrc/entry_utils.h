@@ -254,19 +254,6 @@ inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const Tens
     check_heads(q_heads, k.size(2));
 }
 
-// The optional kv_scales argument: None, or (k_scale, v_scale) for an fp8 cache (required there).
-inline std::optional<KvScales> kv_scales_arg(pybind11::handle a, const TensorArg& k_cache, int64_t kv_heads) {
-    const bool fp8 = is_fp8(k_cache.dtype);
-    if (a.is_none()) {
-        ASTRAI_CHECK(!fp8, "kv_scales: a ", dtype_name(k_cache.dtype), " cache needs the layer's (k_scale, v_scale)");
-        return std::nullopt;
-    }
-    ASTRAI_CHECK(fp8, "kv_scales: only an fp8 cache takes scales, k_cache stores ", dtype_name(k_cache.dtype));
-    const auto t = pybind11::reinterpret_borrow<pybind11::tuple>(a);
-    ASTRAI_CHECK(t.size() == 2, "kv_scales: expected (k_scale, v_scale), got ", t.size(), " items");
-    return check_kv_scales(bind::tensor_arg("k_scale", t[0]), bind::tensor_arg("v_scale", t[1]), kv_heads);
-}
-
 // An fp8 cache's dequantization scales into p (nothing for 16-bit pages).
 inline void set_kv_scales(AttentionParams& p, const std::optional<KvScales>& scales) {
     if (!scales) return;

@@ -32,6 +32,7 @@
 
 #include "astrai/check.h"
 #include "astrai/dtype.h"
+#include "astrai/kv_scales.h"
 #include "astrai/tensor_arg.h"
 #include "mma_utils.cuh"  // Elem<T>
 
@@ -58,34 +59,6 @@ struct KvAppendParams {
     int scale_stride = 0;
     int quant_vec = 1;  // values per fp8 write unit: 8 or 1
 };
-
-// The K and V dequantization scales of one layer of an fp8 cache: float32 [1] (per tensor) or
-// [kv_heads] (per kv head) each, on the cache's device.
-struct KvScales {
-    const float* k = nullptr;
-    const float* v = nullptr;
-    int stride = 0;  // 0: per tensor, 1: per kv head
-};
-
-inline bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
-
-inline KvScales check_kv_scales(const TensorArg& k_scale, const TensorArg& v_scale, int64_t kv_heads) {
-    KvScales s;
-    for (const TensorArg* t : {&k_scale, &v_scale}) {
-        expect_dtype(*t, DType::Float32);
-        ASTRAI_CHECK(t->ndim() == 1 && (t->size(0) == 1 || t->size(0) == kv_heads), t->name,
-                     ": expected float32 [1] (per tensor) or [kv_heads] = [", kv_heads, "], got shape ",
-                     shape_str(t->shape));
-        ASTRAI_CHECK(t->size(0) <= 1 || t->stride(0) == 1, t->name, ": must be contiguous");
-        expect_data(*t, 4);
-    }
-    ASTRAI_CHECK(k_scale.shape == v_scale.shape, v_scale.name, ": shape ", shape_str(v_scale.shape), " differs from ",
-                 k_scale.name, "'s ", shape_str(k_scale.shape));
-    s.k = k_scale.data<const float>();
-    s.v = v_scale.data<const float>();
-    s.stride = k_scale.size(0) > 1 ? 1 : 0;
-    return s;
-}
 
 // The cache row of token t: slots[t], or the last position of request t (-1: none).
 __device__ __forceinline__ int64_t kv_append_row(const KvAppendParams& p, int64_t t) {

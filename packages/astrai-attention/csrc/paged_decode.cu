@@ -54,7 +54,7 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);
     check_paged_cache(k, v, q, Hq, kDecodeReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
-    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
+    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k.dtype, Hkv);
     check_output(out, q);
 
     AttentionParams p;
@@ -102,7 +102,7 @@ void kv_append(py::handle k_new_a, py::handle v_new_a, py::handle k_cache_a, py:
     int unit = 0;
     const TensorArg k_cache = bind::tensor_arg("k_cache", k_cache_a);
     const std::optional<KvScales> scales =
-        kv_scales_arg(kv_scales_a, k_cache, k_cache.ndim() == 4 ? k_cache.size(2) : 0);
+        kv_scales_arg(kv_scales_a, k_cache.dtype, k_cache.ndim() == 4 ? k_cache.size(2) : 0);
     const KvAppendParams p = check_kv_append(bind::tensor_arg("k_new", k_new_a), bind::tensor_arg("v_new", v_new_a),
                                              k_cache, bind::tensor_arg("v_cache", v_cache_a),
                                              bind::tensor_arg("slots", slots_a), &unit, scales ? &*scales : nullptr);

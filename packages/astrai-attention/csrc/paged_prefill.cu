@@ -39,7 +39,7 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);
     check_paged_cache(k, v, q, Hq, kPrefillReadsFp8);
     const int64_t page = k.size(1), Hkv = k.size(2);
-    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k, Hkv);
+    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k.dtype, Hkv);
     check_output(out, q);
     ASTRAI_CHECK(qo.ndim() == 1 && qo.size(0) >= 1, "qo_indptr: expected shape [batch + 1], got ", shape_str(qo.shape));
     const int64_t B = qo.size(0) - 1;

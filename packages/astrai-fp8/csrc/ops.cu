@@ -37,7 +37,6 @@ namespace {
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
-bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
 FP8Format format_of(DType t) { return t == DType::Float8E4M3 ? FP8Format::E4M3 : FP8Format::E5M2; }
 
 void expect_scalar_f32(const TensorArg& t) {

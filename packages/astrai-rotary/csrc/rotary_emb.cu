@@ -31,10 +31,10 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <utility>
 
 #include "astrai/bind.h"
 #include "astrai/check.h"
+#include "astrai/kv_scales.h"
 #include "astrai/tensor_arg.h"
 #include "norm.h"
 #include "rotary_kernel.cuh"
@@ -281,34 +281,6 @@ void rotary(py::handle q_arg, py::handle k_arg, py::handle cos_arg, py::handle s
                    interleaved, inverse, stream);
 }
 
-bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
-
-// kv_scales of an fp8 cache: (k_scale, v_scale), float32 [1] or [kv_heads] each, alike;
-// None for 16-bit pages. Returns the two tensors (none for 16-bit pages).
-std::optional<std::pair<TensorArg, TensorArg>> kv_scales_arg(py::handle a, DType cache_dtype, int64_t kv_heads) {
-    if (a.is_none()) {
-        ASTRAI_CHECK(!is_fp8(cache_dtype), "kv_scales: a ", dtype_name(cache_dtype),
-                     " cache needs the layer's (k_scale, v_scale)");
-        return std::nullopt;
-    }
-    ASTRAI_CHECK(is_fp8(cache_dtype), "kv_scales: only an fp8 cache takes scales, k_cache stores ",
-                 dtype_name(cache_dtype));
-    const auto t = py::reinterpret_borrow<py::tuple>(a);
-    ASTRAI_CHECK(t.size() == 2, "kv_scales: expected (k_scale, v_scale), got ", t.size(), " items");
-    const TensorArg k = bind::tensor_arg("k_scale", t[0]);
-    const TensorArg v = bind::tensor_arg("v_scale", t[1]);
-    for (const TensorArg* s : {&k, &v}) {
-        expect_dtype(*s, DType::Float32);
-        ASTRAI_CHECK(s->ndim() == 1 && (s->size(0) == 1 || s->size(0) == kv_heads), s->name,
-                     ": expected float32 [1] or [kv_heads] = [", kv_heads, "], got ", shape_str(s->shape));
-        expect_data(*s, 4);
-    }
-    ASTRAI_CHECK(k.shape == v.shape, "v_scale: shape ", shape_str(v.shape), " differs from k_scale's ",
-                 shape_str(k.shape));
-    ASTRAI_CHECK(k.size(0) == 1 || (k.stride(0) == 1 && v.stride(0) == 1), "k_scale: per-head scales must be contiguous");
-    return std::make_pair(k, v);
-}
-
 void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py::handle k_cache_arg,
                        py::handle v_cache_arg, py::handle cos_arg, py::handle sin_arg, py::handle positions_arg,
                        py::handle slots_arg, py::handle q_out_arg, bool interleaved, py::handle stream_arg,
@@ -374,11 +346,9 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
         end = set_slot(plan, 1, k, k_rows, true, end, elems, rows);
         set_slot(plan, 2, v, v_rows, false, end, elems, rows);
         if (scales) {
-            for (int i = 1; i < 3; ++i) {
-                const TensorArg& s = i == 1 ? scales->first : scales->second;
-                plan.p.slot[i].scale = s.data<const float>();
-                plan.p.slot[i].scale_stride_h = s.size(0) == 1 ? 0 : 1;
-            }
+            plan.p.slot[1].scale = scales->k;
+            plan.p.slot[2].scale = scales->v;
+            plan.p.slot[1].scale_stride_h = plan.p.slot[2].scale_stride_h = scales->stride;
         }
         if (!vector || fits_vector(plan)) return launch(plan.p, plan.dtype, interleaved, vector, stream, fp8);
     }

@@ -50,6 +50,8 @@ constexpr int dtype_size(DType t) {
     return 0;
 }
 
+inline bool is_fp8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
+
 // A dtype code from Python, checked: `arg` names the argument in the error.
 inline DType dtype_from_code(int64_t code, const char* arg) {
     ASTRAI_CHECK(code >= 0 && code < kNumDTypes, arg, ": unknown dtype code ", code,
