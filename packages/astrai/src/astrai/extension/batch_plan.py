@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BatchPlan", "q_tile_schedule"]
+__all__ = ["BatchPlan", "q_tile_schedule", "staged_plan"]
 
 
 def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int) -> tuple[list[int], list[int]]:
@@ -227,3 +227,37 @@ class BatchPlan:
                 else ""
             )
         )
+
+
+def staged_plan(table, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...], page_size: int,
+                slots: list[int] | None) -> BatchPlan:
+    """The batch's plan with its metadata in one host->device copy through the cache's device
+    page table (:class:`~.device_page_table.DevicePageTable`); ``slots``: a decode step's write
+    slots when the cache knows them on the host (they become ``write_index``), else None."""
+    batch = len(seq_ids)
+    qo_indptr = [0] * (batch + 1)
+    total = 0
+    for b, n in enumerate(q_lens):
+        total += n
+        qo_indptr[b + 1] = total
+    width = table.width
+    kv_indptr = list(range(0, (batch + 1) * width, width))
+    head = [*qo_indptr, *kv_indptr, *kv_lens]
+    if slots is not None:
+        head += slots
+    flat, parts = table.stage(seq_ids, head)  # one host->device copy
+    kv_indices = table.apply(seq_ids, flat, parts)
+    views = flat.split_with_sizes([batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2, flat.shape[0] - parts[0]])
+    plan = BatchPlan(
+        seq_ids=seq_ids,
+        page_size=page_size,
+        qo_indptr=views[0],
+        kv_indptr=views[1],
+        kv_indices=kv_indices,
+        kv_lens=views[2],
+        q_lens_host=q_lens,
+        kv_lens_host=kv_lens,
+    )
+    if slots is not None:  # BatchPlan.write_index, already known: one conversion instead of a dozen ops
+        plan.__dict__["write_index"] = views[3].long()
+    return plan

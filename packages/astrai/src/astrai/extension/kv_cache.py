@@ -61,7 +61,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .batch_plan import BatchPlan
+from .batch_plan import BatchPlan, staged_plan
 from .device_page_table import DevicePageTable
 from .kv_pages import PageStore, locked as _locked
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype
@@ -358,34 +358,8 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
                 self._require_seq(s)
 
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
-        batch = len(seq_ids)
-        qo_indptr = [0] * (batch + 1)
-        total = 0
-        for b, n in enumerate(q_lens):
-            total += n
-            qo_indptr[b + 1] = total
-        width = self._table.width
-        kv_indptr = list(range(0, (batch + 1) * width, width))
-        head = [*qo_indptr, *kv_indptr, *kv_lens]
         slots = self._decode_slots(seq_ids, q_lens, kv_lens)
-        if slots is not None:
-            head += slots
-        flat, parts = self._table.stage(seq_ids, head)  # one host->device copy
-        kv_indices = self._table.apply(seq_ids, flat, parts)
-        views = flat.split_with_sizes([batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2, flat.shape[0] - parts[0]])
-        plan = BatchPlan(
-            seq_ids=seq_ids,
-            page_size=self.page_size,
-            qo_indptr=views[0],
-            kv_indptr=views[1],
-            kv_indices=kv_indices,
-            kv_lens=views[2],
-            q_lens_host=q_lens,
-            kv_lens_host=kv_lens,
-        )
-        if slots is not None:  # BatchPlan.write_index, already known: one conversion instead of a dozen ops
-            plan.__dict__["write_index"] = views[3].long()
-        return plan
+        return staged_plan(self._table, seq_ids, q_lens, kv_lens, self.page_size, slots)
 
     def _decode_slots(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> list[int] | None:
         """A decode step's write slots (``BatchPlan.write_index``) from the host page lists:
