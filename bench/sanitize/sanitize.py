@@ -13,7 +13,6 @@ both transposes. Exits non-zero on a wrong result; prints one line per kernel.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from pathlib import Path
@@ -98,9 +97,7 @@ def paged_steps(kv_dtype) -> None:
     history = {s: ([], []) for s in seqs}
     # FP8: e4m3 keeps 3 mantissa bits; unit-normal inputs move an output by up to ~0.15
     tol = tolerance(dtype) if kv_dtype is None else dict(rtol=0.1, atol=0.25)
-    # the prefill kernels do not read FP8 pages yet: the resolver picks per step there
-    forced = attn_backend(ATTN_BACKEND.CUDA) if kv_dtype is None else contextlib.nullcontext()
-    with torch.no_grad(), forced:
+    with torch.no_grad(), attn_backend(ATTN_BACKEND.CUDA):
         for q_lens in ([70, 5, 17], [1, 1, 1], [1, 1, 1]):
             cache.plan(seqs, q_lens)
             total = sum(q_lens)
