@@ -7,7 +7,9 @@ prefill instead (causal, q = kv per request: the Hopper kernel over bf16 pages, 
 kernel over FP8 pages), with TFLOP/s counting the causal half, and the eager per-call time of the
 public op beside the graph time.
 
-    python bench/bench_kv_fp8.py [--quick] [--prefill] [--json out.json]
+    python bench/bench_kv_fp8.py [--quick] [--prefill] [--splits 1,2,3] [--json out.json]
+
+With --splits, the e4m3 rows are repeated at each forced split count (marked *).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384)]
 PAGES = {"bf16": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def rows_for(batch: int, kv_len: int) -> list[dict]:
+def rows_for(batch: int, kv_len: int, extra_splits: tuple[int, ...] = ()) -> list[dict]:
     cache16 = Paged([kv_len] * batch, 16, HKV, D, torch.bfloat16, order="shuffled", seed=1)
     q = torch.randn(batch, 1, HQ, D, device="cuda").to(torch.bfloat16)
     mod = module("attn_paged_decode")
@@ -43,9 +45,11 @@ def rows_for(batch: int, kv_len: int) -> list[dict]:
     peer = cudnn_us(q, k, v, False)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for name, kv_dtype in PAGES.items():
+    runs = [(name, kv_dtype, None) for name, kv_dtype in PAGES.items()]
+    runs += [("e4m3", torch.float8_e4m3fn, s) for s in extra_splits]
+    for name, kv_dtype, forced in runs:
         kv_bytes = 2 if kv_dtype is None else 1
-        splits = mod.decode_plan(batch, HKV, HQ // HKV, D, kv_len, sms, kv_bytes=kv_bytes)
+        splits = forced or mod.decode_plan(batch, HKV, HQ // HKV, D, kv_len, sms, kv_bytes=kv_bytes)
         ws_o = torch.empty(splits * batch * HQ * D, dtype=torch.float32, device="cuda")
         ws_lse = torch.empty(splits * batch * HQ, dtype=torch.float32, device="cuda")
         pages, kw, scales = fp8_pages((cache16.k_cache, cache16.v_cache), kv_dtype)
@@ -61,7 +65,8 @@ def rows_for(batch: int, kv_len: int) -> list[dict]:
                                          cache16.kv_lens, num_splits=splits, **scales)
         graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
         nbytes = 2 * batch * kv_len * HKV * D * pages[0].element_size()
-        rows.append(dict(shape=f"B={batch} kv={kv_len}", pages=name, splits=splits, graph_us=graph,
+        rows.append(dict(shape=f"B={batch} kv={kv_len}", pages=name, splits=splits, planned=forced is None,
+                         graph_us=graph,
                          eager_us=eager_time_ms(public) * 1e3, gbps=nbytes / graph / 1e3, cudnn_us=peer,
                          vs_cudnn=peer / graph))
     return rows
@@ -120,15 +125,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the issue's two shapes only")
     ap.add_argument("--json")
     ap.add_argument("--prefill", action="store_true", help="the paged prefill instead of the decode")
+    ap.add_argument("--splits", default="", help="comma list of split counts to time over e4m3 pages beside "
+                    "the plan's choice (a sweep of the decode plan)")
     args = ap.parse_args()
     if args.prefill:
         return prefill_main(args)
     shapes = [(1, 32768), (16, 4096)] if args.quick else SHAPES
-    rows = [r for shape in shapes for r in rows_for(*shape)]
+    extra = tuple(int(x) for x in args.splits.split(",") if x)
+    rows = [r for shape in shapes for r in rows_for(*shape, extra_splits=extra)]
     print(f"{'shape':16} {'pages':6} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'cuDNN us':>9} "
           f"{'cuDNN/ours':>10}")
     for r in rows:
-        print(f"{r['shape']:16} {r['pages']:6} {r['splits']:6d} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
+        print(f"{r['shape']:16} {r['pages']:6} {r['splits']:5d}{' ' if r['planned'] else '*'} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
               f"{r['gbps']:7.0f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
