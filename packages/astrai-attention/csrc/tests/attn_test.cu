@@ -98,6 +98,7 @@ bool g_ws_only = false;  // --ws-only: time the Hopper prefill alone
 bool g_check = true;     // --bench-only: skip the correctness cases
 int g_dim = 0;           // --dim D: time head dim D alone (0: all)
 int g_prefill_kv_heads = 8;  // --mha: prefill timings with 32 kv heads (multi-head attention), else 8
+double g_softcap = 0;        // --softcap C: prefill timings with a logit soft-cap of C (the variant kernel)
 std::mt19937 g_rng(1234);
 
 // One prefill (Lq > 1 or causal) or decode (Lq == 1) case; returns pass/fail.
@@ -280,6 +281,7 @@ void bench() {
             p.batch = B; p.q_len = L; p.kv_len = L; p.q_heads = Hq; p.kv_heads = Hkv_p; p.group = Hq / Hkv_p;
             p.head_block = prefill_head_block(p.group); p.head_groups = prefill_head_groups(p.group);
             p.scale_log2 = float(1.0 / std::sqrt(double(D)) * 1.4426950408889634);
+            if (g_softcap > 0) set_variant_params(p, D, 0.0, g_softcap, -1, nullptr);
             for (bool causal : {true, false}) {
                 p.causal = causal;
                 for (int layout : {prefill_warps(p.group, D), kPrefillWgmma}) {
@@ -294,8 +296,9 @@ void bench() {
                         if (D == 256) run(std::integral_constant<int, 256>{});
                     }, 20);
                     const double flops = 4.0 * B * Hq * double(L) * L * D * (causal ? 0.5 : 1.0);
-                    std::printf("prefill bf16 GQA %d/%d d%-3d %2dx%-5d %-9s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", Hq,
-                                Hkv_p, D, B, L, causal ? "causal" : "noncausal", layout, us, flops / us * 1e-6);
+                    std::printf("prefill bf16 GQA %d/%d d%-3d %2dx%-5d %-9s%s layout=%-2d %9.1f us  %6.1f TFLOP/s\n", Hq,
+                                Hkv_p, D, B, L, causal ? "causal" : "noncausal", g_softcap > 0 ? " softcap" : "", layout,
+                                us, flops / us * 1e-6);
 #ifdef ASTRAI_PREFILL_TRACE
                     if (layout == kPrefillWgmma) {
                         char label[64];
@@ -321,6 +324,7 @@ int main(int argc, char** argv) {
         if (std::string(argv[i]) == "--ws-only") g_ws_only = true;
         if (std::string(argv[i]) == "--bench-only") g_check = false;
         if (std::string(argv[i]) == "--mha") g_prefill_kv_heads = 32;
+        if (std::string(argv[i]) == "--softcap" && i + 1 < argc) g_softcap = std::atof(argv[++i]);
         if (std::string(argv[i]) == "--dim" && i + 1 < argc) g_dim = std::atoi(argv[++i]);
     }
     CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
