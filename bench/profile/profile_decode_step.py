@@ -1,0 +1,92 @@
+"""Where one decode step of the engine spends its GPU time: kernel time per step by kind
+(GEMMs, attention, rope + KV append, norms, element-wise and the rest), kernels per step,
+and the step's wall time, for a Llama-3-8B-shaped model with random weights and CUDA graphs.
+
+Each batch size runs ``generate`` twice under the torch profiler, with 1 and with 1 + STEPS
+new tokens over the same prompts; the difference of the two is STEPS decode steps, so the
+prefill drops out.
+
+    PYTHONPATH=packages/astrai/src python3 bench/profile/profile_decode_step.py [--layers 8]
+        [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from astrai.cli.generate import KV_CACHE_DTYPES
+from astrai.serve import LLM
+
+STEPS = 32
+# kind of a kernel by its name, first match wins
+KINDS = [
+    ("attention", re.compile(r"decode_mma|decode_combine|decode_scalar|prefill|flash|fmha|attn", re.I)),
+    ("rope + append", re.compile(r"rope|rotary|kv_append", re.I)),
+    ("GEMM", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|scaled_mm", re.I)),
+    ("norm", re.compile(r"rms|norm", re.I)),
+    ("element-wise", re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|index|fill", re.I)),
+]
+
+
+def kind_of(name: str) -> str:
+    return next((k for k, pattern in KINDS if pattern.search(name)), "other")
+
+
+def kernel_times(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[Counter, Counter, Counter, float]:
+    """Of one generate call: microseconds and kernel count per kind, microseconds per kernel
+    name, and the decode step's wall ms."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, max_new_tokens=new_tokens)
+        torch.cuda.synchronize()
+    us, count, by_name = Counter(), Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kind_of(e.name)
+            us[k] += e.device_time
+            count[k] += 1
+            by_name[e.name[:90]] += e.device_time
+    return us, count, by_name, llm.last_stats.decode_step_ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto")
+    ap.add_argument("--fp8", action="store_true", help="FP8 linears")
+    ap.add_argument("--top", type=int, default=12, help="the longest kernels per step to list")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
+                          max_batch_size=64, fp8=a.fp8, kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
+    sizes = [int(b) for b in a.batch_sizes.split(",")]
+    llm.reserve([[0] * a.context] * max(sizes), STEPS + 2)
+    print(f"decode step, {a.layers} layers of Llama-3-8B shape, context {a.context}, "
+          f"KV {a.kv_cache_dtype}, linears {'fp8' if a.fp8 else 'bf16'}: GPU us per step by kind (kernels per step)")
+    for b in sizes:
+        prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(a.context)] for _ in range(b)]
+        llm.generate(prompts, max_new_tokens=STEPS + 1)  # graphs captured, kernels loaded
+        us0, n0, names0, _ = kernel_times(llm, prompts, 1)
+        us1, n1, names1, step_ms = kernel_times(llm, prompts, STEPS + 1)
+        kinds = [k for k, _ in KINDS] + ["other"]
+        per = {k: (us1[k] - us0[k]) / STEPS for k in kinds}
+        counts = {k: (n1[k] - n0[k]) / STEPS for k in kinds}
+        total = sum(per.values())
+        cells = "  ".join(f"{k} {per[k]:7.1f} ({counts[k]:.0f})" for k in kinds)
+        print(f"B={b:<3d} step {step_ms * 1e3:8.1f} us, kernels {total:8.1f} us "
+              f"({sum(counts.values()):.0f}), gaps {step_ms * 1e3 - total:7.1f} us | {cells}")
+        names1.subtract(names0)
+        for name, t in names1.most_common(a.top):
+            print(f"    {t / STEPS:8.1f} us/step  {kind_of(name):13s} {name}")
+
+
+if __name__ == "__main__":
+    main()
