@@ -77,7 +77,7 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != device_of.device:
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {device_of.device}")
-    if device_of.device.type != "cuda":
+    if not device_of.is_cuda:
         raise ValueError(f"{op}: q must be a CUDA tensor, got one on {device_of.device}")
     if torch.compiler.is_compiling():  # the registry's context is not traceable; the binding checks dtypes too
         return
