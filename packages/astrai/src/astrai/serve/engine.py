@@ -25,6 +25,7 @@ from ..extension import PagedKVCache
 from ..extension.kv_window import shared_window
 from .config import ModelConfig, preset
 from .graphs import DecodeGraphs, held_while_growing
+from .greedy import greedy_tokens
 from .kv_cache_dtype import calibrate_kv_scales, check_kv_cache_dtype
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
 from .scheduler import Request, Scheduler, Step
@@ -354,7 +355,7 @@ class LLM:
         if self.graphs is not None and self.graphs.bucket(plan.batch_size) is not None:
             return self.graphs.run(plan, tokens, positions)
         logits = self._forward(tokens, positions, None, self.kv_cache)
-        return logits.argmax(-1), logits
+        return greedy_tokens(logits), logits
 
     def _requests(self, prompts, max_new_tokens: int) -> list[Request]:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -397,4 +398,4 @@ class LLM:
             ends = torch.tensor(step.q_lens).cumsum(0) - 1
             rows = ends[list(step.logits_for)].to(device, non_blocking=True)
             logits = self._forward(tokens_t, positions_t, rows, cache)
-            return logits.argmax(-1), logits
+            return greedy_tokens(logits), logits

@@ -34,6 +34,7 @@ import torch
 
 from ..extension import BatchPlan, PagedKVCache, explain
 from ..extension.backend.attention import current_attn_backend
+from .greedy import greedy_tokens
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan", "grow", "held_while_growing",
            "require_kv_scales"]
@@ -200,14 +201,14 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 cache.plan(ids, [1] * size)  # warm-up step (lazy initialisations happen outside the capture)
-                forward(tokens, positions).argmax(-1)
+                greedy_tokens(forward(tokens, positions))
             torch.cuda.current_stream(device).wait_stream(stream)
             _require_graph_safe_attention(cache)
             plan = cache.plan(ids, [1] * size)  # a fresh plan: its derived indices are computed inside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward(tokens, positions)
-                next_tokens = logits.argmax(-1)
+                next_tokens = greedy_tokens(logits)
         finally:
             for s in ids:
                 cache.release(s)
