@@ -52,6 +52,7 @@ def kernel_times(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[C
             us[k] += e.device_time
             count[k] += 1
             by_name[e.name[:90]] += e.device_time
+            by_name["#" + e.name[:90]] += 1
     return us, count, by_name, llm.last_stats.decode_step_ms
 
 
@@ -84,8 +85,13 @@ def main() -> None:
         print(f"B={b:<3d} step {step_ms * 1e3:8.1f} us, kernels {total:8.1f} us "
               f"({sum(counts.values()):.0f}), gaps {step_ms * 1e3 - total:7.1f} us | {cells}")
         names1.subtract(names0)
-        for name, t in names1.most_common(a.top):
+        times = Counter({n: t for n, t in names1.items() if not n.startswith("#")})
+        for name, t in times.most_common(a.top):
             print(f"    {t / STEPS:8.1f} us/step  {kind_of(name):13s} {name}")
+        print("    the small kernels (element-wise and other), per step: us (launches)")
+        for name, t in times.most_common():
+            if kind_of(name) in ("element-wise", "other") and names1["#" + name] > 0:
+                print(f"    {t / STEPS:8.1f} us ({names1['#' + name] / STEPS:4.1f})  {name}")
 
 
 if __name__ == "__main__":
