@@ -30,7 +30,7 @@ class DeviceInfo:
             return None
         return self.capability[0] * 10 + self.capability[1]
 
-    @property
+    @functools.cached_property  # read by every registry lookup
     def key(self) -> str:
         return self.type if self.index is None else f"{self.type}:{self.index}"
 

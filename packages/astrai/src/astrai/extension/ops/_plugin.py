@@ -15,7 +15,7 @@ from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
 from ..manifest import OpSpec
 from ..op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL, FP8_GEMM, FP8_QUANTIZE,
                         FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
-from ..registry import Registry, failure
+from ..registry import OpStatus, Registry, failure
 from ..runtime import current_runtime
 
 # Which of the project's plugins provides each op (for the error message only:
@@ -164,10 +164,15 @@ def plugin_op(name: str, mutates_args: tuple[str, ...] = ()):
     return wrap
 
 
+def op_status(op: str, device: torch.device | str | None = None) -> OpStatus:
+    """The current runtime's registry status of ``op`` on ``device`` (a new object once it changes)."""
+    return current_runtime().registry.op_status(op, probe_device(device))
+
+
 def op_spec(op: str, device: torch.device | str | None = None) -> OpSpec | None:
     """The manifest's statement of ``op`` (dtypes, head dims) from the plugin serving it on
     ``device``; None when no plugin can."""
-    return current_runtime().registry.op_status(op, probe_device(device)).spec
+    return op_status(op, device).spec
 
 
 def require(op: str, device: torch.device | str | None = None) -> GuardedModule:

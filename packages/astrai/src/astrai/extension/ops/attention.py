@@ -42,7 +42,8 @@ import functools
 
 import torch
 
-from ..abi import launch, tensor_arg
+from ..abi import (DTYPE_CODES, contiguous_strides, current_device, current_stream, dtype_code, empty_allocator,
+                   launch, tensor_arg)
 from ..compiling import assume_constant_result
 from ..op_names import ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from . import _plugin
@@ -102,12 +103,17 @@ def fp8_plan_arg(kv_bytes: int) -> dict:
     return {"kv_bytes": 1} if kv_bytes == 1 else {}
 
 
-def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2):
+def _planned_splits(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2) -> int:
+    """The module's split-KV count for ``q [B, 1, Hq, D]`` over ``kv_len_hint`` tokens a request."""
     batch, _, q_heads, head_dim = q.shape
     group = q_heads // kv_heads if kv_heads and q_heads % kv_heads == 0 else 1
-    splits = module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device),
-                                **fp8_plan_arg(kv_bytes))
-    return (splits, *_split_workspaces(splits, batch, q_heads, head_dim, q.device))
+    return module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device),
+                              **fp8_plan_arg(kv_bytes))
+
+
+def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2):
+    splits = _planned_splits(module, q, kv_heads, kv_len_hint, kv_bytes)
+    return (splits, *_split_workspaces(splits, q.shape[0], q.shape[2], q.shape[3], q.device))
 
 
 def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, device: torch.device):
@@ -236,14 +242,44 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     ``num_splits``: the split-KV count (a :func:`~.attention_plan.plan_paged_decode` plan's);
     0 plans it here from shapes (the mean tokens per request). ``k_scale`` / ``v_scale``: an
     FP8 cache's dequantization scales of this layer (``PagedKVCache.kv_scales``).
+
+    An eager call is checked once per kind of call (:func:`_eager_decode_key`); a repeated one
+    only launches.
     """
+    key = _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale,
+                            logits_soft_cap, window_left, sinks, k_scale, v_scale)
+    if key is not None:
+        found = _EAGER_DECODES.get(key)
+        if found is not None and found[0] is _plugin.op_status(ATTN_PAGED_DECODE, q.device):
+            return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)
     batch, page_size, num_pages = _cache_geometry(ATTN_PAGED_DECODE, q, k_cache)
     check_decode_table(ATTN_PAGED_DECODE, batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                        num_pages=num_pages)
     _check_tensors(ATTN_PAGED_DECODE, q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
                    kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if key is not None:  # checked: remember the kind of call with its launch
+        if len(_EAGER_DECODES) >= 512:  # many shapes: start over rather than grow
+            _EAGER_DECODES.clear()
+        found = _EAGER_DECODES[key] = (_plugin.op_status(ATTN_PAGED_DECODE, q.device),
+                                       _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens,
+                                                     num_splits, scale, logits_soft_cap, window_left, sinks,
+                                                     k_scale, v_scale))
+        return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)
     return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits), scale,
                                  logits_soft_cap, window_left, sinks, k_scale, v_scale)
+
+
+def _split_count(module, q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, num_splits: int) -> int:
+    """A paged decode's split-KV count: ``num_splits`` (> 1), planned from shapes (0), else 1."""
+    if q.dim() != 4:
+        return 1
+    if num_splits > 1:
+        return num_splits
+    if num_splits == 0 and k_cache.dim() == 4 and q.shape[0] > 0:
+        # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
+        hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
+        return _planned_splits(module, q, k_cache.shape[2], hint, k_cache.element_size())
+    return 1
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_PAGED_DECODE}")
@@ -255,18 +291,115 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     module = _plugin.require(ATTN_PAGED_DECODE, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
-    splits, ws_o, ws_lse = 1, None, None
-    if num_splits > 1 and q.dim() == 4:
-        splits = num_splits
-        ws_o, ws_lse = _split_workspaces(splits, q.shape[0], q.shape[2], q.shape[3], q.device)
-    elif num_splits == 0 and q.dim() == 4 and k_cache.dim() == 4 and q.shape[0] > 0:
-        # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
-        hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
-        splits, ws_o, ws_lse = _decode_workspace(module, q, k_cache.shape[2], hint, k_cache.element_size())
+    splits = _split_count(module, q, k_cache, kv_indices, num_splits)
+    ws_o, ws_lse = _split_workspaces(splits, q.shape[0], q.shape[2], q.shape[3], q.device) if splits > 1 else \
+        (None, None)
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
          tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse),
            **variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale))
     return out
+
+
+# The eager attn_paged_decode calls checked so far: key (``_eager_decode_key``) -> (the op's
+# registry status they were checked under, their launch). A status that changed (the op
+# marked unusable, another runtime) checks the call again.
+_EAGER_DECODES: dict[tuple, tuple] = {}
+_SCALARS = (type(None), int, float)
+
+
+def _tensor_facts(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale, logits_soft_cap,
+                      window_left, sinks, k_scale, v_scale) -> tuple | None:
+    """Every fact of an ``attn_paged_decode`` call that its checks read: each tensor's shape,
+    strides, dtype and device (``kv_indices``' length aside: it grows with the requests, it is
+    checked by nothing and read by the launch), the split count and the variant's values. None
+    for a call that is checked every time: traced, with ``ASTRAI_DEBUG`` (the page tables'
+    values are checked), an argument of another type than the plain ones (tensor subclasses,
+    numbers that are no int or float)."""
+    if not (type(q) is type(k_cache) is type(v_cache) is type(kv_indptr) is type(kv_indices) is type(kv_lens)
+            is torch.Tensor and type(num_splits) is int and type(window_left) is int
+            and type(scale) in _SCALARS and type(logits_soft_cap) in _SCALARS):
+        return None
+    for t in (sinks, k_scale, v_scale):
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    if torch.compiler.is_compiling() or debug_checks_enabled():
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, kv_indptr.shape, kv_indptr.stride(),
+            kv_indptr.dtype, kv_indptr.device, kv_indices.stride(), kv_indices.dtype, kv_indices.device,
+            kv_lens.shape, kv_lens.stride(), kv_lens.dtype, kv_lens.device, num_splits, scale, logits_soft_cap,
+            window_left, _tensor_facts(sinks), _tensor_facts(k_scale), _tensor_facts(v_scale))
+
+
+def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale, logits_soft_cap,
+                  window_left, sinks, k_scale, v_scale):
+    """``_attn_paged_decode_op`` reduced to its launch for the checked calls of one key: ``run(q,
+    k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)`` reads the data
+    pointers and ``kv_indices``' length only (rows to copy, or another device current: the op
+    itself runs)."""
+    module = _plugin.require(ATTN_PAGED_DECODE, q.device)
+    entry, failed = _plugin.unguarded(module, ATTN_PAGED_DECODE)
+    rows_ok, index = _rows_layout_ok(q), q.device.index
+    shape, dtype = tuple(q.shape), q.dtype
+    out_strides = contiguous_strides(shape)
+    q_m, k_m, v_m, indptr_m, lens_m = (_arg_meta(t) for t in (q, k_cache, v_cache, kv_indptr, kv_lens))
+    out_m, indices_m = (shape, out_strides, q_m[2]), (tuple(kv_indices.stride()), dtype_code(kv_indices))
+    empty = empty_allocator(q.device)
+    by_length: dict[torch.Size, tuple] = {}  # kv_indices' shape -> (split count, workspace shapes)
+    # the variant / FP8-scale keywords: fixed without tensors among them, else built per call
+    fixed_extra = variant_arg(scale, logits_soft_cap, window_left) \
+        if sinks is None and k_scale is None and v_scale is None else None
+
+    def run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale) -> torch.Tensor:
+        ptr = q.data_ptr()
+        current = current_device()
+        if ptr % 16 or not rows_ok or (index is not None and current != index):
+            return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale,
+                                         logits_soft_cap, window_left, sinks, k_scale, v_scale)
+        indices_shape = kv_indices.shape
+        split = by_length.get(indices_shape)
+        if split is None:
+            if len(by_length) >= 1024:
+                by_length.clear()
+            splits = _split_count(module, q, k_cache, kv_indices, num_splits)
+            split = by_length[indices_shape] = (splits, _split_workspace_shapes(splits, shape))
+        splits, ws = split
+        extra = fixed_extra if fixed_extra is not None else \
+            {**variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale)}
+        out = empty(shape, out_strides, dtype)
+        ws_o = ws_lse = None
+        if ws is not None:
+            (o_shape, lse_shape), strides, code = ws
+            ws_o = (empty(o_shape, strides, torch.float32).data_ptr(), o_shape, strides, code)
+            ws_lse = (empty(lse_shape, strides, torch.float32).data_ptr(), lse_shape, strides, code)
+        try:
+            entry((ptr, *q_m), (k_cache.data_ptr(), *k_m), (v_cache.data_ptr(), *v_m), (out.data_ptr(), *out_m),
+                  (kv_indptr.data_ptr(), *indptr_m), (kv_indices.data_ptr(), tuple(indices_shape), *indices_m),
+                  (kv_lens.data_ptr(), *lens_m), splits, ws_o, ws_lse, current_stream(current), **extra)
+        except BaseException as exc:
+            failed(exc)
+        return out
+
+    return run
+
+
+def _arg_meta(t: torch.Tensor) -> tuple:
+    """``tensor_arg(t)`` without its data pointer: ``(shape, strides, dtype code)``."""
+    return tuple(t.shape), tuple(t.stride()), dtype_code(t)
+
+
+def _split_workspace_shapes(splits: int, q_shape: tuple) -> tuple | None:
+    """The shapes of what ``_split_workspaces`` allocates for ``q [B, 1, Hq, D]``, with their
+    strides and dtype code: ``((ws_o shape, ws_lse shape), (1,), float32's code)``; None
+    without a split."""
+    if splits <= 1:
+        return None
+    batch, _, q_heads, head_dim = q_shape
+    return ((splits * batch * q_heads * head_dim,), (splits * batch * q_heads,)), (1,), DTYPE_CODES[torch.float32]
 
 
 @_attn_paged_decode_op.op.register_fake
