@@ -40,6 +40,23 @@ def pytest_xdist_auto_num_workers(config):
     return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
 
 
+def pytest_configure(config):
+    _share_the_cpus()
+
+
+def _share_the_cpus():
+    """In a pytest-xdist worker, torch's intra-op threads (and, through OMP_NUM_THREADS, those
+    of the processes the tests start) get the worker's share of the CPUs: with one thread per
+    CPU in every worker, the workers' threads spin against each other and the torch-heavy
+    tests take twice the CPU time. A thread count set in the environment is left alone."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     _slow_modules_first(items)
     if torch.cuda.is_available():
