@@ -11,20 +11,25 @@ there is no Python copy of the rules to drift. The kernel modules' plans must eq
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
-from build_helpers import find_tool, host_module, load_module
+from build_helpers import find_tool, host_module, load_module, local_cuda
+from wheel_cache import ATTENTION_ARCHS, plugin_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "packages" / "astrai-attention"
 
 MODULES = ("_attn_decode", "_attn_prefill", "_attn_paged_decode", "_attn_paged_prefill")
+
+pytestmark = pytest.mark.slow  # the plugin build (tests/conftest.py starts the slow modules first)
 
 
 # -- heuristics: csrc/heuristics.h through a host-only binding ---------------------------
@@ -103,22 +108,18 @@ def _tool(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """(build dir, full build log) of the plugin for sm_90a."""
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
+    """(the compiled modules' folder, full build log) of the plugin wheel for sm_90a without
+    PTX, from the toolkit on PATH: the ci/build-wheels build tests/packaging/test_pip_install.py
+    installs, made once per source tree (tests/helpers/wheel_cache.py)."""
+    cuda = local_cuda()
+    if cuda is None:
         pytest.skip("nvcc is not on PATH")
-    import pybind11
-
+    wheel = plugin_wheel("attention", cuda, ATTENTION_ARCHS, ptx=False)
+    log = (wheel.parents[1] / f"logs-{wheel.parent.name}" / "astrai-attention.log").read_text()
     out = tmp_path_factory.mktemp("attn_build")
-    env = dict(os.environ, ASTRAI_CUDA_ARCHS="90a", ASTRAI_CUDA_PTX="OFF")
-    cfg = subprocess.run(["cmake", "-S", str(PLUGIN), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
-                          f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"],
-                         env=env, capture_output=True, text=True)
-    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
-    res = subprocess.run(["cmake", "--build", str(out), "-j2", "-v"], env=env, capture_output=True, text=True)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-5000:]
-    return out, log
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out, [n for n in zf.namelist() if n.startswith("astrai_attention/")])
+    return out / "astrai_attention", log
 
 
 def _load(build_dir: Path, name: str):
@@ -177,6 +178,7 @@ def test_wgmma_header_matches_its_generator():
     assert (PLUGIN / "csrc" / "wgmma_ops.cuh").read_text() == gen.render(), "re-run gen_wgmma.py"
 
 
+@functools.cache  # two tests read it: one disassembly
 def _sass_bodies(build_dir) -> dict[str, str]:
     cuobjdump = _tool("cuobjdump")
     env = dict(os.environ, PATH=str(Path(_tool("nvdisasm")).parent) + os.pathsep + os.environ.get("PATH", ""))

@@ -67,12 +67,8 @@ def declared_ops() -> dict[str, str]:
     return ops
 
 
-def require_toolkit(cuda: str = "13.0") -> None:
-    """Skip the calling test (or fixture) unless ci/build-wheels can build CUDA ``cuda``
-    plugins here: a local nvcc of that version (CUDACXX or PATH) or a provisioned toolkit.
-    The reason is the one ci/build-wheels itself gives."""
-    import pytest
-
+def _build_wheels() -> ModuleType:
+    """ci/build-wheels as a module (loaded once)."""
     script = Path(__file__).resolve().parents[2] / "ci" / "build-wheels"
     loader = importlib.machinery.SourceFileLoader("_build_wheels_under_test", str(script))
     spec = importlib.util.spec_from_loader(loader.name, loader)
@@ -81,8 +77,24 @@ def require_toolkit(cuda: str = "13.0") -> None:
         build_wheels = importlib.util.module_from_spec(spec)
         sys.modules[loader.name] = build_wheels  # its dataclasses look their module up there
         loader.exec_module(build_wheels)
+    return build_wheels
+
+
+def local_cuda() -> str | None:
+    """The CUDA version (MAJOR.MINOR) of the nvcc in CUDACXX or on PATH, as ci/build-wheels
+    reads it; None where there is none."""
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    return _build_wheels().nvcc_version(Path(nvcc)) if nvcc else None
+
+
+def require_toolkit(cuda: str = "13.0") -> None:
+    """Skip the calling test (or fixture) unless ci/build-wheels can build CUDA ``cuda``
+    plugins here: a local nvcc of that version (CUDACXX or PATH) or a provisioned toolkit.
+    The reason is the one ci/build-wheels itself gives."""
+    import pytest
+
     try:
-        build_wheels.select_toolkit(cuda, provision=False)
+        _build_wheels().select_toolkit(cuda, provision=False)
     except SystemExit as exc:
         pytest.skip(f"needs a CUDA {cuda} toolkit: {str(exc).removeprefix('build-wheels: ')}")
 

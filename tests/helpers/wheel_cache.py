@@ -12,7 +12,8 @@ The rotary wheel every rotary test shares (tests/conftest.py's `rotary_build` se
 fixture and `rotary_wheel_dir`) is CUDA 13.0 with sm_80 + sm_90a + PTX: two SASS archs
 for the multi-arch checks of tests/packaging/test_plugin_build.py, still CI-sized. The FP8 build of
 tests/fp8/test_fp8_plugin.py (FP8_ARCHS) is the one tests/packaging/test_pip_install.py installs, and the
-attention wheel there is sm_90a without PTX (ATTENTION_ARCHS): one build of each per tree.
+attention wheel there is sm_90a without PTX (ATTENTION_ARCHS), the build whose binaries and
+ptxas report tests/attention/test_attention_plugin.py inspects: one build of each per tree.
 """
 
 from __future__ import annotations
