@@ -112,15 +112,6 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_EXP2_EMULATE
 #define ASTRAI_PREFILL_EXP2_EMULATE 0
 #endif
-// The same for the soft-capped scores of the variant instantiation, whose tanh runs on the
-// special-function unit too: at d64 it then needs twice the tensor cores' cycles per tile, at
-// d256 half of them (predicted with k = 3: the soft-cap's cost at d64 -10 %, at d256 none).
-// Not at d128: its consumers spill with the emulation's registers (160 bytes even at 208).
-#ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
-#define ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE 3
-#endif
-template <int D>
-constexpr int kSoftCapExp2Emulate = D == 128 ? 0 : ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE;
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -514,28 +505,18 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         if (wg == 1) your_turn();  // warpgroup 0 issues first
         float s[NT][4];
         // Whether O needs the rescale by alpha (always, unless ASTRAI_PREFILL_LAZY_RESCALE).
-        // emu: std::integral_constant of the exponents' FMA share (tile_exp2).
-        auto softmax_rows = [&](auto emu, float scale_log2, float (&alpha)[2]) {
-            constexpr int kEmu = decltype(emu)::value;
-            if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
-                return online_softmax_lazy<NT, kEmu>(st, s, scale_log2, alpha);
-            online_softmax<NT, kEmu>(st, s, scale_log2, alpha);
-            return true;
-        };
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            const int col0 = (sp.t_begin + t) * C::kBN;
-            const bool masked = tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask);
             if constexpr (C::kVariant) {
-                if (has_soft_cap(p)) {
-                    // tanh(s * cap_in) here, its factor cap_log2 in the softmax's one FFMA
-                    tanh_tile(s, p.cap_in);
-                    if (masked) mask_scores<true>(s, p, qw, sp, col0, row0, mask);
-                    return softmax_rows(std::integral_constant<int, kSoftCapExp2Emulate<C::D>>{},
-                                        p.cap_log2, alpha);
-                }
+                if (has_soft_cap(p)) soft_cap_tile(s, p);
             }
-            if (masked) mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
-            return softmax_rows(std::integral_constant<int, ASTRAI_PREFILL_EXP2_EMULATE>{}, p.scale_log2, alpha);
+            const int col0 = (sp.t_begin + t) * C::kBN;
+            if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
+                mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
+            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
+            if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
+                return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
+            online_softmax<NT, kEmu>(st, s, p.scale_log2, alpha);
+            return true;
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
         auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };

@@ -81,15 +81,6 @@ template <int NT>
 __device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p) {
     soft_cap_tile(s, p, p.cap_in);
 }
-// tanh(s * cap_in) in place: a soft-cap whose factor cap_log2 the softmax applies as its scale
-// (max and exp2 then see cap_log2 * tanh, as with soft_cap_tile, for one FMUL less a score).
-template <int NT>
-__device__ __forceinline__ void tanh_tile(float (&s)[NT][4], float cap_in) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = fast_tanh(s[j][e] * cap_in);
-}
 
 // The first key a query at absolute position pos sees (0 without a window).
 __device__ __forceinline__ int window_first_key(const AttentionParams& p, int pos) {
