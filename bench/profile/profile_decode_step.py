@@ -7,7 +7,10 @@ new tokens over the same prompts; the difference of the two is STEPS decode step
 prefill drops out.
 
     PYTHONPATH=packages/astrai/src python3 bench/profile/profile_decode_step.py [--layers 8]
-        [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8]
+        [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8] [--sites]
+
+``--sites``: one more eager decode (CUDA graphs off) profiled with Python stacks, listing for
+each small kernel (element-wise and other) the source line of the engine that launched it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto")
     ap.add_argument("--fp8", action="store_true", help="FP8 linears")
     ap.add_argument("--top", type=int, default=12, help="the longest kernels per step to list")
+    ap.add_argument("--sites", action="store_true", help="where each small kernel is launched from (an eager run)")
     a = ap.parse_args()
     rng = random.Random(0)
     llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
@@ -92,6 +96,31 @@ def main() -> None:
         for name, t in times.most_common():
             if kind_of(name) in ("element-wise", "other") and names1["#" + name] > 0:
                 print(f"    {t / STEPS:8.1f} us ({names1['#' + name] / STEPS:4.1f})  {name}")
+
+    if a.sites:
+        launch_sites(llm, a.context)
+
+
+def launch_sites(graphed: LLM, context: int) -> None:
+    """The astrai source lines whose torch calls launch the small kernels of eager decode steps."""
+    llm = LLM(graphed.model, cuda_graphs=False, max_batch_size=1, fused_rope=graphed.fused_rope,
+              kv_cache_dtype=graphed.kv_cache_dtype)
+    prompts = [[1] * context]
+    llm.generate(prompts, max_new_tokens=3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        llm.generate(prompts, max_new_tokens=1 + STEPS)
+        torch.cuda.synchronize()
+    sites = Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        line = next((f for f in e.stack if "astrai" in f and "profile_decode_step" not in f), "?")
+        for k in e.kernels:
+            if kind_of(k.name) in ("element-wise", "other"):
+                sites[(line.split("astrai/")[-1], e.name, k.name[:60])] += 1
+    print("small kernels of eager decode steps by launch site (launches per step, prefill included):")
+    for (line, op, kernel), n in sites.most_common(40):
+        print(f"    {n / STEPS:5.1f}  {line:48s} {op:28s} {kernel}")
 
 
 if __name__ == "__main__":
