@@ -118,6 +118,9 @@ def launch_sites(graphed: LLM, context: int) -> None:
         for k in e.kernels:
             if kind_of(k.name) in ("element-wise", "other"):
                 sites[(line.split("astrai/")[-1], e.name, k.name[:60])] += 1
+    if not sites:
+        print("no kernel was linked to a launching op (this torch's profiler keeps them apart)")
+        return
     print("small kernels of eager decode steps by launch site (launches per step, prefill included):")
     for (line, op, kernel), n in sites.most_common(40):
         print(f"    {n / STEPS:5.1f}  {line:48s} {op:28s} {kernel}")
