@@ -2,9 +2,9 @@
 (GEMMs, attention, rope + KV append, norms, element-wise and the rest), kernels per step,
 and the step's wall time, for a Llama-3-8B-shaped model with random weights and CUDA graphs.
 
-Each batch size runs ``generate`` twice under the torch profiler, with 1 and with 1 + STEPS
-new tokens over the same prompts; the difference of the two is STEPS decode steps, so the
-prefill drops out.
+Each batch size runs ``generate`` twice under the torch profiler, with 1 + STEPS and with
+1 + 2 * STEPS new tokens over the same prompts; the difference of the two is STEPS decode
+steps, so the prefill drops out (a one-token run schedules its prefill differently).
 
     PYTHONPATH=packages/astrai/src python3 bench/profile/profile_decode_step.py [--layers 8]
         [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8] [--sites]
@@ -73,14 +73,14 @@ def main() -> None:
     llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
                           max_batch_size=64, fp8=a.fp8, kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
     sizes = [int(b) for b in a.batch_sizes.split(",")]
-    llm.reserve([[0] * a.context] * max(sizes), STEPS + 2)
+    llm.reserve([[0] * a.context] * max(sizes), 2 * STEPS + 2)
     print(f"decode step, {a.layers} layers of Llama-3-8B shape, context {a.context}, "
           f"KV {a.kv_cache_dtype}, linears {'fp8' if a.fp8 else 'bf16'}: GPU us per step by kind (kernels per step)")
     for b in sizes:
         prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(a.context)] for _ in range(b)]
         llm.generate(prompts, max_new_tokens=STEPS + 1)  # graphs captured, kernels loaded
-        us0, n0, names0, _ = kernel_times(llm, prompts, 1)
-        us1, n1, names1, step_ms = kernel_times(llm, prompts, STEPS + 1)
+        us0, n0, names0, _ = kernel_times(llm, prompts, 1 + STEPS)
+        us1, n1, names1, step_ms = kernel_times(llm, prompts, 1 + 2 * STEPS)
         kinds = [k for k, _ in KINDS] + ["other"]
         per = {k: (us1[k] - us0[k]) / STEPS for k in kinds}
         counts = {k: (n1[k] - n0[k]) / STEPS for k in kinds}
@@ -121,7 +121,7 @@ def launch_sites(graphed: LLM, context: int) -> None:
     if not sites:
         print("no kernel was linked to a launching op (this torch's profiler keeps them apart)")
         return
-    print("small kernels of eager decode steps by launch site (launches per step, prefill included):")
+    print("small kernels of eager decode steps by launch site (launches per step, the prefill's included):")
     for (line, op, kernel), n in sites.most_common(40):
         print(f"    {n / STEPS:5.1f}  {line:48s} {op:28s} {kernel}")
 
