@@ -5,6 +5,8 @@ with a fake compiled module on an H200."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
@@ -174,3 +176,31 @@ def test_debug_mode_checks_the_page_table_values_on_every_call(module, monkeypat
     with pytest.raises(PageTableError, match="request 1: kv_indices holds page id 1000"):
         attn_ops.attn_paged_decode(*bad.values())
     assert len(module.launches) == 1
+
+
+def test_every_buffer_of_a_repeated_call_is_alive_at_its_launch(module, monkeypatch):
+    """out and both split workspaces are still referenced when the entry point runs: memory freed
+    before the launch goes to the next allocation (the other workspace, or a captured graph's next
+    op), and the kernel would write partials the combine reads as something else."""
+    made = []
+
+    def tracking_allocator(device):
+        def alloc(shape, strides, dtype):
+            t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            made.append(weakref.ref(t))
+            return t
+        return alloc
+
+    alive_at_launch = []
+    record = module.attn_paged_decode
+
+    def checking(*args, **kwargs):
+        alive_at_launch.append([r() is not None for r in made])
+        record(*args, **kwargs)
+
+    monkeypatch.setattr(attn_ops, "empty_allocator", tracking_allocator)
+    monkeypatch.setattr(module, "attn_paged_decode", checking)
+    for seed in (0, 1):
+        attn_ops.attn_paged_decode(*decode_args(seed).values(), num_splits=4)
+    assert len(alive_at_launch) == 2 and alive_at_launch[-1][-3:] == [True, True, True]
+    assert module.launches[-1][0][7] == 4 and module.launches[-1][0][8] is not None

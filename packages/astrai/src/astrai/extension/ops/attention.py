@@ -374,8 +374,11 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_split
         ws_o = ws_lse = None
         if ws is not None:
             (o_shape, lse_shape), strides, code = ws
-            ws_o = (empty(o_shape, strides, torch.float32).data_ptr(), o_shape, strides, code)
-            ws_lse = (empty(lse_shape, strides, torch.float32).data_ptr(), lse_shape, strides, code)
+            # the tensors stay referenced until the launch is issued: freed earlier, the
+            # allocator hands their memory to the next allocation (ws_lse, or the graph's next op)
+            o_ws, lse_ws = empty(o_shape, strides, torch.float32), empty(lse_shape, strides, torch.float32)
+            ws_o = (o_ws.data_ptr(), o_shape, strides, code)
+            ws_lse = (lse_ws.data_ptr(), lse_shape, strides, code)
         try:
             entry((ptr, *q_m), (k_cache.data_ptr(), *k_m), (v_cache.data_ptr(), *v_m), (out.data_ptr(), *out_m),
                   (kv_indptr.data_ptr(), *indptr_m), (kv_indices.data_ptr(), tuple(indices_shape), *indices_m),
