@@ -156,30 +156,29 @@ class AttentionPolicy:
         every call after the first, and forgotten with the plan): ``layer_id``, the one fact
         that varies between the layers, is checked on every call. For cache calls the strides
         are part of the key, for the backends' eager runners (which convert the layouts once)."""
-        args = (q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant.features)
-        if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return _Described(*describe_call(*args), False)
-        if kv_cache is None:
-            if layer_id is not None:
-                return _Described(*describe_call(*args), False)
-            memo = self._dense_calls
-            if len(memo) >= 512:  # many shapes (varying lengths): start over
-                memo.clear()
-        elif type(kv_cache) is PagedKVCache and type(layer_id) is int:
-            try:
-                memo = kv_cache.active_plan.launches
-            except RuntimeError:  # no plan: describe_call says so
-                return _Described(*describe_call(*args), False)
-        else:
-            return _Described(*describe_call(*args), False)
+        memo = None
+        if mask is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+            if kv_cache is None:
+                memo = self._dense_calls if layer_id is None else None
+                if memo is not None and len(memo) >= 512:  # many shapes (varying lengths): start over
+                    memo.clear()
+            elif type(kv_cache) is PagedKVCache and type(layer_id) is int:
+                try:
+                    memo = kv_cache.active_plan.launches
+                except RuntimeError:  # no plan: describe_call says so
+                    pass
+        if memo is None:  # described every time (describe_call names what is wrong)
+            return _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant.features),
+                              False)
         key = ("described", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                fwd, type(is_causal), is_causal, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                              or v.requires_grad),
                None if kv_cache is None else (q.stride(), k.stride(), v.stride()),
-               variant.memo_key() if variant.features else None)
+               None if variant is PLAIN else variant.memo_key())
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _Described(*describe_call(*args), True)
+            found = memo[key] = _Described(*describe_call(q, k, v, kv_cache, layer_id, fwd, mask, is_causal,
+                                                          variant.features), True)
         elif kv_cache is not None and not 0 <= layer_id < kv_cache.num_layers:
             kv_cache.check_layer(layer_id)  # raises naming layer_id
         return found
@@ -216,10 +215,16 @@ class AttentionPolicy:
             selected = state = run = None
         else:
             described = self._describe(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, variant)
-            call, causal = described.call, described.causal
             resolver = current_runtime().resolver
             state = (_explicit.get(), resolver, resolver.generation, _env_raw.raw())  # what select() reads
             selected, backend, run = described.selection
+            if selected == state and run is not None:  # the kind of call's runner, still selected
+                try:
+                    return run(q, k, v, kv_cache, layer_id, appended)
+                except RuntimeError:
+                    return self._failed(described.call, backend, q, k, v, kv_cache, layer_id, mask,
+                                        described.causal, appended, variant)
+            call, causal = described.call, described.causal
             if selected != state:
                 backend, run = self.select(call), None
             else:
@@ -234,16 +239,20 @@ class AttentionPolicy:
             return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
                                    appended=appended, variant=variant)
         except RuntimeError:
-            # A plugin whose compiled module fails to load is marked unusable by the registry
-            # (with a warning) on its first call: its check now says why. Decide again without
-            # it, unless it was requested explicitly; any other error propagates. Repeating
-            # forward rewrites the same cache slots with the same values.
-            if _explicit.get() is not None or backend.check(call) is None:
-                raise
-            current_runtime().resolver.clear()
-            backend = self.select(call)
-            return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
-                                   appended=appended, variant=variant)
+            return self._failed(call, backend, q, k, v, kv_cache, layer_id, mask, causal, appended, variant)
+
+    def _failed(self, call, backend, q, k, v, kv_cache, layer_id, mask, causal, appended, variant) -> torch.Tensor:
+        """What a call does once ``backend`` raised ``RuntimeError`` (call it only while handling
+        it). A plugin whose compiled module fails to load is marked unusable by the registry (with
+        a warning) on its first call: its check now says why. Decide again without it, unless it
+        was requested explicitly; any other error propagates. Repeating forward rewrites the same
+        cache slots with the same values."""
+        if _explicit.get() is not None or backend.check(call) is None:
+            raise  # noqa: PLE0704 - the backend's error, being handled by the caller
+        current_runtime().resolver.clear()
+        backend = self.select(call)
+        return backend.forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=causal,
+                               appended=appended, variant=variant)
 
 
 # Policies by id, for the trace-time decision below (dynamo passes only constants to it).
@@ -337,7 +346,11 @@ def attention(
     if layout != "blhd":
         raise ValueError(f"layout must be 'blhd' ([batch, seq, heads, head_dim]) or 'bhld' (SDPA's "
                          f"[batch, heads, seq, head_dim]), got {layout!r}")
-    variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) else PLAIN
+    if type(window_left) is int and window_left == -1 and logits_soft_cap is None and sinks is None and scale is None:
+        variant = PLAIN  # what check_variant returns for them, without its call
+    else:
+        variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) \
+            else PLAIN
     if isinstance(kv_cache, PagedKVCache) and kv_cache.window is not None:  # it releases keys left of its window
         kv_cache.check_window_left(variant.window_left)
     if rope is not None:
