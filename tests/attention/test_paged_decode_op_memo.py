@@ -14,6 +14,7 @@ from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
 from astrai.extension.abi import tensor_arg
 from astrai.extension.ops import _plugin
 from astrai.extension.ops import attention as attn_ops
+from astrai.extension.ops import decode_splits
 from astrai.extension.ops.page_table import PageTableError
 from astrai.extension.registry import PluginRejectedWarning, Registry
 from astrai.extension.runtime import Runtime, use_runtime
@@ -46,7 +47,7 @@ def module(monkeypatch):
     monkeypatch.setattr(attn_ops, "current_device", lambda: 0)
     monkeypatch.setattr(attn_ops, "current_stream", lambda index: 0)
     monkeypatch.setattr(attn_ops, "launch", lambda device, fn, *args, **kwargs: fn(*args, 0, **kwargs))
-    monkeypatch.setattr(attn_ops, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_splits, "_num_sms", lambda device: 132)
     monkeypatch.setattr(attn_ops, "_EAGER_DECODES", {})
     registry = Registry(entry_points(FakeEntryPoint("attention", manifest("astrai-attention", ops=OPS))),
                         importer=lambda name: fake_module(name, attn_paged_decode=recorder.attn_paged_decode,

@@ -38,15 +38,16 @@ the stream as an int; the module writes into a preallocated ``out``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..abi import (DTYPE_CODES, contiguous_strides, current_device, current_stream, dtype_code, empty_allocator,
+from ..abi import (contiguous_strides, current_device, current_stream, dtype_code, empty_allocator,
                    launch, tensor_arg)
 from ..compiling import assume_constant_result
 from ..op_names import ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from . import _plugin
+# _num_sms, fp8_plan_arg and _split_workspaces are attention_plan's too, through this module
+from .decode_splits import (_decode_workspace, _num_sms, _split_count, _split_workspace_shapes,  # noqa: F401
+                            _split_workspaces, fp8_plan_arg)
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill", "q_tile_rows"]
@@ -86,43 +87,6 @@ def _check_tensors(op: str, device_of: torch.Tensor, **tensors: torch.Tensor | N
     reason = None if spec is None else spec.unsupported(str(device_of.dtype).removeprefix("torch."))
     if reason is not None:
         raise TypeError(f"{op}: q: {reason}")
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    """SMs of ``device``, asked of the driver once per device."""
-    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def fp8_plan_arg(kv_bytes: int) -> dict:
-    """``decode_plan``'s keyword for FP8 pages (none for 16-bit ones: older modules lack it)."""
-    return {"kv_bytes": 1} if kv_bytes == 1 else {}
-
-
-def _planned_splits(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2) -> int:
-    """The module's split-KV count for ``q [B, 1, Hq, D]`` over ``kv_len_hint`` tokens a request."""
-    batch, _, q_heads, head_dim = q.shape
-    group = q_heads // kv_heads if kv_heads and q_heads % kv_heads == 0 else 1
-    return module.decode_plan(batch, kv_heads, group, head_dim, kv_len_hint, _num_sms(q.device),
-                              **fp8_plan_arg(kv_bytes))
-
-
-def _decode_workspace(module, q: torch.Tensor, kv_heads: int, kv_len_hint: int, kv_bytes: int = 2):
-    splits = _planned_splits(module, q, kv_heads, kv_len_hint, kv_bytes)
-    return (splits, *_split_workspaces(splits, q.shape[0], q.shape[2], q.shape[3], q.device))
-
-
-def _split_workspaces(splits: int, batch: int, q_heads: int, head_dim: int, device: torch.device):
-    """(ws_o, ws_lse) float32 partials of a split-KV launch; (None, None) without a split."""
-    if splits <= 1:
-        return None, None
-    ws_o = torch.empty(splits * batch * q_heads * head_dim, dtype=torch.float32, device=device)
-    ws_lse = torch.empty(splits * batch * q_heads, dtype=torch.float32, device=device)
-    return ws_o, ws_lse
 
 
 @assume_constant_result  # a constant of the binary: traced graphs read it once, not the registry
@@ -269,19 +233,6 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                  logits_soft_cap, window_left, sinks, k_scale, v_scale)
 
 
-def _split_count(module, q: torch.Tensor, k_cache: torch.Tensor, kv_indices: torch.Tensor, num_splits: int) -> int:
-    """A paged decode's split-KV count: ``num_splits`` (> 1), planned from shapes (0), else 1."""
-    if q.dim() != 4:
-        return 1
-    if num_splits > 1:
-        return num_splits
-    if num_splits == 0 and k_cache.dim() == 4 and q.shape[0] > 0:
-        # Mean tokens per request from shapes only (graph-capturable): pages * page / batch.
-        hint = -(-kv_indices.numel() * k_cache.shape[1] // q.shape[0])
-        return _planned_splits(module, q, k_cache.shape[2], hint, k_cache.element_size())
-    return 1
-
-
 @_plugin.plugin_op(f"astrai::{ATTN_PAGED_DECODE}")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0,
@@ -393,16 +344,6 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_split
 def _arg_meta(t: torch.Tensor) -> tuple:
     """``tensor_arg(t)`` without its data pointer: ``(shape, strides, dtype code)``."""
     return tuple(t.shape), tuple(t.stride()), dtype_code(t)
-
-
-def _split_workspace_shapes(splits: int, q_shape: tuple) -> tuple | None:
-    """The shapes of what ``_split_workspaces`` allocates for ``q [B, 1, Hq, D]``, with their
-    strides and dtype code: ``((ws_o shape, ws_lse shape), (1,), float32's code)``; None
-    without a split."""
-    if splits <= 1:
-        return None
-    batch, _, q_heads, head_dim = q_shape
-    return ((splits * batch * q_heads * head_dim,), (splits * batch * q_heads,)), (1,), DTYPE_CODES[torch.float32]
 
 
 @_attn_paged_decode_op.op.register_fake
