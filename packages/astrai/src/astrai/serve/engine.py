@@ -28,7 +28,7 @@ from .graphs import DecodeGraphs, held_while_growing
 from .greedy import greedy_tokens
 from .kv_cache_dtype import calibrate_kv_scales, check_kv_cache_dtype
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
-from .scheduler import Request, Scheduler, Step
+from .scheduler import Request, Scheduler, Step, requests_of
 from .stats import GenerationStats, progress
 
 __all__ = ["LLM"]
@@ -186,7 +186,7 @@ class LLM:
     def reserve(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Size the KV cache (and capture the decode graphs) for this workload now, so a later
         ``generate`` of it (or of a smaller one) starts at once; ``generate`` does it when needed."""
-        self._ensure_cache(self._requests(prompts, max_new_tokens))
+        self._ensure_cache(requests_of(prompts, max_new_tokens, self.config))
 
     @property
     def cache_window(self) -> int | None:
@@ -253,7 +253,7 @@ class LLM:
         ``[new_tokens, vocab]`` on the CPU (slow: for checking only). Timings of the call are
         in :attr:`last_stats`.
         """
-        requests = self._requests(prompts, max_new_tokens)
+        requests = requests_of(prompts, max_new_tokens, self.config)
         self._ensure_cache(requests)
         cache = self.kv_cache
         sched = Scheduler(requests, page_size=self.page_size, num_pages=cache.free_pages,
@@ -356,26 +356,6 @@ class LLM:
             return self.graphs.run(plan, tokens, positions)
         logits = self._forward(tokens, positions, None, self.kv_cache)
         return greedy_tokens(logits), logits
-
-    def _requests(self, prompts, max_new_tokens: int) -> list[Request]:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
-        c = self.config
-        limit = c.max_position_embeddings  # sliding layers attend through window_left, past their window too
-        requests = []
-        for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):
-                raise ValueError(f"prompts[{i}] must be a non-empty list of ints")
-            bad = [t for t in p if not 0 <= t < c.vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{i}] holds token ids outside [0, {c.vocab_size}): {bad[:5]}")
-            if len(p) + max_new_tokens > limit:
-                raise ValueError(f"prompts[{i}] has {len(p)} tokens: with max_new_tokens={max_new_tokens} it "
-                                 f"passes the model's {limit} positions")
-            requests.append(Request(rid=i, prompt=list(p), max_new_tokens=max_new_tokens))
-        return requests
 
     def _run_step(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         cache, device = self.kv_cache, self.model.device

@@ -16,7 +16,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["Request", "Scheduler", "Step"]
+__all__ = ["Request", "Scheduler", "Step", "requests_of"]
 
 
 @dataclass(eq=False)
@@ -122,3 +122,25 @@ class Scheduler:
         request.finished = True
         self.running.remove(request)
         self.free_pages += self.pages_of(request)
+
+
+def requests_of(prompts, max_new_tokens: int, config) -> list[Request]:
+    """The requests of a ``generate`` call, after checking its arguments against the model's
+    ``config`` (a :class:`~astrai.serve.config.ModelConfig`): each error names the argument."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    limit = config.max_position_embeddings  # sliding layers attend through window_left, past their window too
+    requests = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):
+            raise ValueError(f"prompts[{i}] must be a non-empty list of ints")
+        bad = [t for t in p if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds token ids outside [0, {config.vocab_size}): {bad[:5]}")
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens: with max_new_tokens={max_new_tokens} it "
+                             f"passes the model's {limit} positions")
+        requests.append(Request(rid=i, prompt=list(p), max_new_tokens=max_new_tokens))
+    return requests
