@@ -20,11 +20,10 @@ blocks differ (one head per block, or head slots left empty). Pure Python, no to
 
 from __future__ import annotations
 
-import argparse
-import json
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
+
+from . import _measured_table
 
 TABLE_FILE = "prefill_table.json"
 FORMAT = 2  # 2: q_heads / kv_heads (format 1 tables were all measured at 32 / 8)
@@ -53,21 +52,10 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
                         "ratio": round(peer["us"] / ours["us"], 3)})
     if not classes:
         raise ValueError(f"benchmark JSON has no shape with both {OURS!r} and {THEIRS!r} timed")
-    device = str(bench.get("device", "unknown GPU"))
-    return {
-        "format": FORMAT,
-        "device": device,
-        "sm": 90,
-        "torch": str(bench.get("torch", "")),
-        "commit": commit,
-        "date": date,
-        "source": f"bench/bench_prefill.py (medians of CUDA-graph replays, heads {q_heads}/{kv_heads} bf16)",
-        "q_heads": q_heads,
-        "kv_heads": kv_heads,
-        "peer": PEER,
-        "measured": f"{device}, commit {commit}, {date}",
-        "classes": classes,
-    }
+    return _measured_table.table(
+        bench, format=FORMAT, commit=commit, date=date,
+        source=f"bench/bench_prefill.py (medians of CUDA-graph replays, heads {q_heads}/{kv_heads} bf16)",
+        q_heads=q_heads, kv_heads=kv_heads, peer=PEER, classes=classes)
 
 
 def _heads(value: Any) -> tuple[int, int]:
@@ -92,22 +80,12 @@ def load() -> Any:
     path = files(__package__).joinpath(TABLE_FILE)
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return f"{TABLE_FILE} unreadable: {type(exc).__name__}: {exc}"
+    return _measured_table.read(path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bench_json", type=Path)
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--date", required=True)
-    ap.add_argument("-o", "--output", type=Path, required=True)
-    args = ap.parse_args(argv)
-    table = from_bench(json.loads(args.bench_json.read_text()), commit=args.commit, date=args.date)
-    args.output.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"{args.output}: {len(table['classes'])} classes")
+    output, table = _measured_table.write_from_bench(argv, __doc__.splitlines()[0], from_bench)
+    print(f"{output}: {len(table['classes'])} classes")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ says it beats ``torch._scaled_mm`` in the same accumulation mode. Pure Python, n
 
 from __future__ import annotations
 
-import argparse
-import json
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
+
+from . import _measured_table
 
 TABLE_FILE = "sm90_table.json"
 FORMAT = 1
@@ -45,42 +44,23 @@ def from_bench(bench: dict[str, Any], *, commit: str, date: str) -> dict[str, An
                 classes[key] = row  # a shape timed twice keeps its less favourable run
     if not classes:
         raise ValueError("benchmark JSON has no row with both our time and cuBLASLt's")
-    device = str(bench.get("device", "unknown GPU"))
-    return {
-        "format": FORMAT,
-        "device": device,
-        "sm": 90,
-        "torch": str(bench.get("torch", "")),
-        "commit": commit,
-        "date": date,
-        "source": "bench/bench_fp8_sm90.py (medians of CUDA-graph replays, e4m3 x e4m3 -> bf16)",
-        "peer": PEER,
-        "measured": f"{device}, commit {commit}, {date}",
-        "classes": list(classes.values()),
-    }
+    return _measured_table.table(
+        bench, format=FORMAT, commit=commit, date=date,
+        source="bench/bench_fp8_sm90.py (medians of CUDA-graph replays, e4m3 x e4m3 -> bf16)",
+        peer=PEER, classes=list(classes.values()))
 
 
 def load() -> Any:
     """The shipped table as the manifest's value; if the file is missing or not JSON, a
     string saying so (the core treats a non-table as malformed and keeps cuBLASLt, with
     that string as the reason). Never raises: discovery must not fail over a table."""
-    try:
-        return json.loads(files(__package__).joinpath(TABLE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return f"{TABLE_FILE} unreadable: {type(exc).__name__}: {exc}"
+    return _measured_table.read(files(__package__).joinpath(TABLE_FILE))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("bench_json", type=Path)
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--date", required=True)
-    ap.add_argument("-o", "--output", type=Path, required=True)
-    args = ap.parse_args(argv)
-    table = from_bench(json.loads(args.bench_json.read_text()), commit=args.commit, date=args.date)
-    args.output.write_text(json.dumps(table, indent=1) + "\n")
+    output, table = _measured_table.write_from_bench(argv, __doc__.split("\n\n")[0], from_bench)
     wins = [c for c in table["classes"] if c["ratio"] > 1.0]
-    print(f"{args.output}: {len(table['classes'])} classes, plugin faster in {len(wins)}")
+    print(f"{output}: {len(table['classes'])} classes, plugin faster in {len(wins)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+../../cuda-common/python/astrai_measured_table.py
