@@ -46,9 +46,8 @@ void attn_paged_decode(py::handle q_a, py::handle k_a, py::handle v_a, py::handl
                        py::handle k_new_a, py::handle v_new_a, py::handle slots_a, bool append_last,
                        py::handle variant_a, py::handle kv_scales_a) {
     const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/true);
-    const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
-    const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
-    const TensorArg lens = bind::tensor_arg("kv_lens", lens_a);
+    const auto [indptr, indices, lens] =
+        bind::tensor_args({"kv_indptr", "kv_indices", "kv_lens"}, {indptr_a, indices_a, lens_a});
     const cudaStream_t stream = bind::stream_arg(stream_a);
     check_decode_query(q);
     const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3);

@@ -28,12 +28,9 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
                         py::handle ti_a, bool is_causal, py::handle stream_a, py::handle variant_a,
                         py::handle kv_scales_a) {
     const auto [q, k, v, out] = operand_args(q_a, k_a, v_a, out_a, /*paged=*/true);
-    const TensorArg qo = bind::tensor_arg("qo_indptr", qo_a);
-    const TensorArg indptr = bind::tensor_arg("kv_indptr", indptr_a);
-    const TensorArg indices = bind::tensor_arg("kv_indices", indices_a);
-    const TensorArg lens = bind::tensor_arg("kv_lens", lens_a);
-    const TensorArg tb = bind::tensor_arg("q_tile_to_batch", tb_a);
-    const TensorArg ti = bind::tensor_arg("q_tile_to_index", ti_a);
+    const auto [qo, indptr, indices, lens, tb, ti] =
+        bind::tensor_args({"qo_indptr", "kv_indptr", "kv_indices", "kv_lens", "q_tile_to_batch", "q_tile_to_index"},
+                          {qo_a, indptr_a, indices_a, lens_a, tb_a, ti_a});
     const cudaStream_t stream = bind::stream_arg(stream_a);
     check_query(q, 3);
     const int64_t total_q = q.size(0), Hq = q.size(1), D = q.size(2);

@@ -100,11 +100,8 @@ DeviceFacts checked_device() {
 // --------------------------------------------------------------------- quantize
 void quantize(py::handle x_arg, py::handle scale_arg, py::handle q_arg, py::handle qt_arg,
               py::handle amax_arg, int out_layout, py::handle stream_arg) {
-  const TensorArg x = bind::tensor_arg("x", x_arg);
-  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
-  const TensorArg q = bind::tensor_arg("q", q_arg);
-  const TensorArg q_t = bind::tensor_arg("q_t", qt_arg);
-  const TensorArg amax = bind::tensor_arg("amax", amax_arg);
+  const auto [x, scale, q, q_t, amax] =
+      bind::tensor_args({"x", "scale", "q", "q_t", "amax"}, {x_arg, scale_arg, q_arg, qt_arg, amax_arg});
   const cudaStream_t stream = bind::stream_arg(stream_arg);
 
   ASTRAI_CHECK(out_layout >= 0 && out_layout <= 2, "out_layout: expected 0 (q), 1 (q_t) or 2 (both), got ",
@@ -166,10 +163,7 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
              const std::string& mainloop) {
   ASTRAI_CHECK(mainloop == "auto" || mainloop == "mma_sync",
                "mainloop: expected 'auto' or 'mma_sync', got '", mainloop, "'");
-  const TensorArg a = bind::tensor_arg("a", a_arg);
-  const TensorArg b = bind::tensor_arg("b", b_arg);
-  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
-  const TensorArg out = bind::tensor_arg("out", out_arg);
+  const auto [a, b, scale, out] = bind::tensor_args({"a", "b", "scale", "out"}, {a_arg, b_arg, scale_arg, out_arg});
   const bool has_bias = !bias_arg.is_none();
   TensorArg bias;
   if (has_bias) bias = bind::tensor_arg("bias", bias_arg);
@@ -231,11 +225,9 @@ bool overlaps(const TensorArg& a, const TensorArg& b) {
 
 void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_arg, py::handle scale_arg,
                   py::handle inv_arg, double factor, bool most_recent, py::handle stream_arg) {
-  const TensorArg hist = bind::tensor_arg("hist", hist_arg);
-  const TensorArg pending = bind::tensor_arg("pending", pending_arg);
-  const TensorArg prev = bind::tensor_arg("prev_scale", prev_arg);
-  const TensorArg scale = bind::tensor_arg("scale", scale_arg);
-  const TensorArg inv = bind::tensor_arg("scale_inv", inv_arg);
+  const auto [hist, pending, prev, scale, inv] =
+      bind::tensor_args({"hist", "pending", "prev_scale", "scale", "scale_inv"},
+                        {hist_arg, pending_arg, prev_arg, scale_arg, inv_arg});
   const cudaStream_t stream = bind::stream_arg(stream_arg);
 
   expect_dtype(hist, DType::Float32);

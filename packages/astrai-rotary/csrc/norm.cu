@@ -194,26 +194,21 @@ void launch_silu_dtype(const SiluMulParams& p, bool vector, cudaStream_t stream)
 }  // namespace
 
 void rms_norm(py::handle x_arg, py::handle weight_arg, py::handle out_arg, double eps, py::handle stream_arg) {
-    const TensorArg x = bind::tensor_arg("x", x_arg);
-    const TensorArg weight = bind::tensor_arg("weight", weight_arg);
-    const TensorArg out = bind::tensor_arg("out", out_arg);
+    const auto [x, weight, out] = bind::tensor_args({"x", "weight", "out"}, {x_arg, weight_arg, out_arg});
     const cudaStream_t stream = bind::stream_arg(stream_arg);
     norm_checked(x, nullptr, weight, out, eps, stream);
 }
 
 void fused_add_rms_norm(py::handle x_arg, py::handle residual_arg, py::handle weight_arg, py::handle out_arg,
                         double eps, py::handle stream_arg) {
-    const TensorArg x = bind::tensor_arg("x", x_arg);
-    const TensorArg residual = bind::tensor_arg("residual", residual_arg);
-    const TensorArg weight = bind::tensor_arg("weight", weight_arg);
-    const TensorArg out = bind::tensor_arg("out", out_arg);
+    const auto [x, residual, weight, out] =
+        bind::tensor_args({"x", "residual", "weight", "out"}, {x_arg, residual_arg, weight_arg, out_arg});
     const cudaStream_t stream = bind::stream_arg(stream_arg);
     norm_checked(x, &residual, weight, out, eps, stream);
 }
 
 void silu_and_mul(py::handle gate_up_arg, py::handle out_arg, py::handle stream_arg) {
-    const TensorArg in = bind::tensor_arg("gate_up", gate_up_arg);
-    const TensorArg out = bind::tensor_arg("out", out_arg);
+    const auto [in, out] = bind::tensor_args({"gate_up", "out"}, {gate_up_arg, out_arg});
     const cudaStream_t stream = bind::stream_arg(stream_arg);
     expect_rows(in);
     ASTRAI_CHECK(in.size(1) > 0 && in.size(1) % 2 == 0, in.name,

@@ -285,16 +285,9 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
                        py::handle v_cache_arg, py::handle cos_arg, py::handle sin_arg, py::handle positions_arg,
                        py::handle slots_arg, py::handle q_out_arg, bool interleaved, py::handle stream_arg,
                        py::handle kv_scales_arg_) {
-    const TensorArg q = bind::tensor_arg("q", q_arg);
-    const TensorArg k = bind::tensor_arg("k", k_arg);
-    const TensorArg v = bind::tensor_arg("v", v_arg);
-    const TensorArg k_cache = bind::tensor_arg("k_cache", k_cache_arg);
-    const TensorArg v_cache = bind::tensor_arg("v_cache", v_cache_arg);
-    const TensorArg cos = bind::tensor_arg("cos", cos_arg);
-    const TensorArg sin = bind::tensor_arg("sin", sin_arg);
-    const TensorArg positions = bind::tensor_arg("positions", positions_arg);
-    const TensorArg slots = bind::tensor_arg("slots", slots_arg);
-    const TensorArg q_out = bind::tensor_arg("q_out", q_out_arg);
+    const auto [q, k, v, k_cache, v_cache, cos, sin, positions, slots, q_out] = bind::tensor_args(
+        {"q", "k", "v", "k_cache", "v_cache", "cos", "sin", "positions", "slots", "q_out"},
+        {q_arg, k_arg, v_arg, k_cache_arg, v_cache_arg, cos_arg, sin_arg, positions_arg, slots_arg, q_out_arg});
     const cudaStream_t stream = bind::stream_arg(stream_arg);
 
     expect_rotated(q, 3);
@@ -355,10 +348,7 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
 }
 
 void rotary_emb(py::handle x_arg, py::handle cos_arg, py::handle sin_arg, py::handle out_arg, py::handle stream_arg) {
-    const TensorArg x = bind::tensor_arg("x", x_arg);
-    const TensorArg cos = bind::tensor_arg("cos", cos_arg);
-    const TensorArg sin = bind::tensor_arg("sin", sin_arg);
-    const TensorArg out = bind::tensor_arg("out", out_arg);
+    const auto [x, cos, sin, out] = bind::tensor_args({"x", "cos", "sin", "out"}, {x_arg, cos_arg, sin_arg, out_arg});
     const cudaStream_t stream = bind::stream_arg(stream_arg);
     expect_rotated(x, 4);
     for (const TensorArg* t : {&cos, &sin}) {  // the original call: rows 0 .. L-1 of every pair

@@ -1,6 +1,8 @@
 // pybind11 glue shared by the plugins' compiled modules (torch-free, ABI 1).
 //
 //   tensor_arg(name, obj)   a Python tuple (ptr, shape, strides, dtype_code) -> TensorArg
+//   tensor_args({names}, {objs})  several at once, in order:
+//                           const auto [x, out] = tensor_args({"x", "out"}, {x_arg, out_arg});
 //   stream_arg(handle)      a Python int (torch's `cuda_stream`) -> cudaStream_t
 //   init_module(m)          error translation (ValueError / RuntimeError with .cuda_error) + build_info()
 //
@@ -10,6 +12,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -107,6 +111,14 @@ inline TensorArg tensor_arg(const char* name, py::handle obj) {
     t.dtype = dtype_from_code(dtype, name);
     check_layout(t);
     return t;
+}
+
+// tensor_arg of each (name, obj) pair, checked in order (the first bad argument is the one reported).
+template <std::size_t N>
+std::array<TensorArg, N> tensor_args(const char* const (&names)[N], const py::handle (&objs)[N]) {
+    std::array<TensorArg, N> args;
+    for (std::size_t i = 0; i < N; ++i) args[i] = tensor_arg(names[i], objs[i]);
+    return args;
 }
 
 inline cudaStream_t stream_arg(py::handle obj) {
