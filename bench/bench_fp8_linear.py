@@ -41,31 +41,22 @@ from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.runtime import current_runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_time_ms
+from graph_timing import eager_time_ms, graph_time_ms
 
 SHAPES_NK = [(8192, 8192), (28672, 8192), (8192, 28672)]
 MS = [1024, 4096, 8192]
 
 
 def timed_ms(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
+    if device != "cpu":
+        return eager_time_ms(fn, calls=1, rounds=reps, warmup=warmup)
     for _ in range(warmup):
         fn()
-    if device == "cpu":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
+        t0 = time.perf_counter()
         fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

@@ -15,7 +15,6 @@ With --splits, the e4m3 rows are repeated at each forced split count (marked *).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, abi, module, ragged_plan  # noqa: E402
 from bench_variants import cudnn_us  # noqa: E402
-from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
+from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
 
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.kv_quant import calibrated_scale, quantize  # noqa: E402
@@ -112,12 +111,10 @@ def prefill_main(args) -> None:
     shapes = PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
     rows = [r for shape in shapes for r in prefill_rows_for(*shape)]
     print(f"paged prefill, causal, GQA {HQ}/{HKV} d{D}, page 16 shuffled, bf16 q; cuDNN bf16 contiguous")
-    print(f"{'shape':10} {'pages':6} {'graph us':>9} {'eager us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} {'cuDNN/ours':>10}")
-    for r in rows:
-        print(f"{r['shape']:10} {r['pages']:6} {r['graph_us']:9.1f} {r['eager_us']:9.1f} {r['tflops']:8.1f} "
-              f"{r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_rows(f"{'shape':10} {'pages':6} {'graph us':>9} {'eager us':>9} {'TFLOP/s':>8} {'cuDNN us':>9} "
+               f"{'cuDNN/ours':>10}",
+               rows, lambda r: f"{r['shape']:10} {r['pages']:6} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
+                               f"{r['tflops']:8.1f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}", args.json)
 
 
 def main() -> None:
@@ -133,13 +130,11 @@ def main() -> None:
     shapes = [(1, 32768), (16, 4096)] if args.quick else SHAPES
     extra = tuple(int(x) for x in args.splits.split(",") if x)
     rows = [r for shape in shapes for r in rows_for(*shape, extra_splits=extra)]
-    print(f"{'shape':16} {'pages':6} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'cuDNN us':>9} "
-          f"{'cuDNN/ours':>10}")
-    for r in rows:
-        print(f"{r['shape']:16} {r['pages']:6} {r['splits']:5d}{' ' if r['planned'] else '*'} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
-              f"{r['gbps']:7.0f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_rows(f"{'shape':16} {'pages':6} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'cuDNN us':>9} "
+               f"{'cuDNN/ours':>10}",
+               rows, lambda r: f"{r['shape']:16} {r['pages']:6} {r['splits']:5d}{' ' if r['planned'] else '*'} "
+                               f"{r['graph_us']:9.1f} {r['eager_us']:9.1f} {r['gbps']:7.0f} {r['cudnn_us']:9.1f} "
+                               f"{r['vs_cudnn']:10.2f}", args.json)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ the activations and the weight).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_times_ms  # noqa: E402
+from graph_timing import graph_times_ms, quick_json_args  # noqa: E402
 
 from astrai.extension.backend.norm_torch import rms_norm_torch, silu_and_mul_torch  # noqa: E402
 from astrai.extension.ops import norm as ops_norm  # noqa: E402
@@ -79,12 +78,8 @@ def cases(rows: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_norm: no CUDA device", file=sys.stderr)
+    args = quick_json_args(__doc__, "bench_norm")
+    if args is None:
         return 1
     start = time.time()
     rows_list = [1, 64, 4096] if args.quick else [1, 16, 64, 4096]

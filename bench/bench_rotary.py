@@ -18,7 +18,6 @@ read and written (the cos/sin rows are read too, a few percent).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # rotary_reference
-from graph_timing import graph_times_ms  # noqa: E402
+from graph_timing import graph_times_ms, quick_json_args  # noqa: E402
 from rotary_reference import rope_tables  # noqa: E402
 
 from astrai.extension import apply_rotary_emb  # noqa: E402
@@ -166,12 +165,8 @@ def fused_decode_case(interleaved: bool, quick: bool) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_rotary: no CUDA device", file=sys.stderr)
+    args = quick_json_args(__doc__, "bench_rotary")
+    if args is None:
         return 1
     torch.manual_seed(0)
     hf, liger = peers()

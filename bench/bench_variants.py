@@ -13,7 +13,6 @@ the full context, the work the window saves). Decode rows also time the binding 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, abi, decode_workspace, module, variant_arg  # noqa: E402
-from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
+from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
 
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
@@ -124,13 +123,11 @@ def main() -> None:
         rows += decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
     if args.only != "decode":
         rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
-    print(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
-          f"{'cuDNN us':>9} {'cuDNN/ours':>10}")
-    for r in rows:
-        print(f"{r['kind']:16} {r['shape']:14} {r['variant']:12} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
-              f"{r.get('binding_us', float('nan')):10.1f} {r['cudnn_us']:9.1f} {r['vs_cudnn']:10.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_rows(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
+               f"{'cuDNN us':>9} {'cuDNN/ours':>10}",
+               rows, lambda r: f"{r['kind']:16} {r['shape']:14} {r['variant']:12} {r['graph_us']:9.1f} "
+                               f"{r['eager_us']:9.1f} {r.get('binding_us', float('nan')):10.1f} {r['cudnn_us']:9.1f} "
+                               f"{r['vs_cudnn']:10.2f}", args.json)
 
 
 if __name__ == "__main__":

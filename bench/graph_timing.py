@@ -2,12 +2,17 @@
 
 ``fn`` is warmed up on a side stream (as graph capture requires), ``calls`` calls of it
 are captured into one graph, and the graph is replayed ``rounds`` times between events;
-replaying many calls per graph takes the launch gaps out of the figure.
+replaying many calls per graph takes the launch gaps out of the figure. Beside the timers,
+what the benchmarks' command lines and result tables share.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -118,3 +123,26 @@ def linear_shape_args(ap) -> None:
     host-path bar is set at)."""
     for name, default in (("--m", 1024), ("--n", 8192), ("--k", 8192)):
         ap.add_argument(name, type=int, default=default)
+
+
+def quick_json_args(doc: str, name: str) -> argparse.Namespace | None:
+    """The ``--json`` / ``--quick`` command line of a side-by-side benchmark, described by the
+    first line of ``doc``; None (said on stderr, under ``name``) without a CUDA device."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{name}: no CUDA device", file=sys.stderr)
+        return None
+    return args
+
+
+def print_rows(header: str, rows: list[dict], line, json_path=None) -> None:
+    """A benchmark's table: ``header``, then ``line(row)`` for each row; the rows also go to
+    ``json_path`` as JSON when one is given."""
+    print(header)
+    for r in rows:
+        print(line(r))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
