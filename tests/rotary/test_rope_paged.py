@@ -8,7 +8,7 @@ from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
 from reference import tolerance
 from rotary_reference import rope_reference, rope_tables
 
-from astrai.extension import PagedKVCache, apply_rotary_emb_qk, attention
+from astrai.extension import BatchPlan, PagedKVCache, apply_rotary_emb_qk, attention
 from astrai.extension.backend import rope_paged, rotary
 from astrai.extension.registry import Registry
 from astrai.extension.runtime import Runtime, use_runtime
@@ -60,8 +60,9 @@ def test_token_positions_follow_the_plan():
     done = [0, 0, 0]
     for q_lens in STEPS:
         plan = cache.plan(list("abc"), q_lens=q_lens)
-        assert rope_paged.token_positions(plan).tolist() == expected_positions(done, q_lens).tolist()
-        assert rope_paged.token_positions(plan) is rope_paged.token_positions(plan)  # once per plan
+        assert plan.token_positions.tolist() == expected_positions(done, q_lens).tolist()
+        assert plan.token_positions is plan.token_positions  # once per plan
+        assert plan.token_positions.tolist() == BatchPlan.token_positions.func(plan).tolist()  # staged = derived
         done = [a + b for a, b in zip(done, q_lens)]
 
 

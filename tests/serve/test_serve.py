@@ -168,64 +168,50 @@ def test_fp8_linears_run_and_stay_close():
         assert 0 < rel < 0.15  # FP8 (E4M3) linears: changed, but within a few percent
 
 
-def test_graph_plan_is_refilled_in_place_with_pad_rows():
-    """What a decode graph reads: the captured plan's tensors, refilled from each real step."""
-    import dataclasses
+class EagerReplays:
+    """DecodeGraphs on the CPU: real static buffers per bucket, a "replay" runs the forward
+    eagerly over the step planned into them (what the engine hands a graph)."""
 
-    from astrai.extension import PagedKVCache
-    from astrai.serve.graphs import capture_pages, fill_plan
+    def __init__(self, forward, kv_cache, pad_seq, max_batch_size, max_seq_pages):
+        self.forward, self.max_seq_pages = forward, max_seq_pages
+        self.sizes = tuple(sorted({1, max_batch_size}))  # batches between run with pad rows
+        self.static = {n: kv_cache.static_decode_plan(n, max_seq_pages, pad_seq) for n in self.sizes}
+        self.replays = []
+
+    def bucket(self, batch):
+        return next((n for n in self.sizes if n >= batch), None)
+
+    def static_plan(self, batch):
+        return self.static.get(self.bucket(batch))
+
+    def run(self, plan, tokens):
+        from astrai.serve.greedy import greedy_tokens
+
+        assert plan.kv_lens.data_ptr() == self.static_plan(plan.batch_size).kv_lens.data_ptr()
+        self.replays.append(plan.batch_size)
+        logits = self.forward(tokens, plan.token_positions)
+        return greedy_tokens(logits), logits
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_steps_planned_into_static_buffers_give_the_eager_tokens(monkeypatch, overlap):
+    from astrai.serve import engine
+
+    hf = _hf("llama", seed=17)
+    prompts = _prompts(18, [3, 30, 11, 7, 19], hf.config.vocab_size)
+    want = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24, overlap=overlap).generate(prompts, 12)
+    monkeypatch.setattr(engine, "DecodeGraphs", EagerReplays)
+    llm = LLM.from_transformers(hf, max_batch_size=3, max_batch_tokens=24, overlap=overlap)
+    llm.use_graphs = True  # the CUDA path's decode steps, on the CPU
+    assert llm.generate(prompts, 12) == want
+    assert {2, 3} <= set(llm.graphs.replays)  # batches of 3, then 2 on the bucket of 3 (a pad row)
+
+
+def test_capture_pages_share_out_the_free_pages():
+    from astrai.serve.graphs import capture_pages
 
     assert capture_pages(100, 4, 10) == [10, 10, 10, 10]
     assert capture_pages(30, 4, 10) == [8, 8, 7, 7]
-    ps = 4
-    order = torch.randperm(80, generator=torch.Generator().manual_seed(20)).tolist()  # scattered page tables
-    cache = PagedKVCache(num_layers=1, num_pages=80, page_size=ps, kv_heads=1, head_dim=8, dtype=torch.float32,
-                         page_order=order)
-    cache.add_sequence("pad")
-    cache.plan(["pad"], [1])
-    pad_page = cache.page_table("pad")[0]
-    dummies = [("d", b) for b in range(4)]  # a bucket of 4, captured as the engine does
-    pages = capture_pages(cache.free_pages, 4, 6)
-    for d in dummies:
-        cache.add_sequence(d)
-    cache.plan(dummies, [n * ps - 2 for n in pages])
-    cache.plan(dummies, [1] * 4)
-    captured = cache.plan(dummies, [1] * 4)
-    kept_slots = captured.write_index  # derived before the refill (the decode launch keeps it)
-    for d in dummies:
-        cache.release(d)
-    real_ids = ["a", "b", "c"]  # 3 requests: one pad row
-    for s, n in zip(real_ids, [9, 1, 14]):
-        cache.add_sequence(s)
-        cache.plan([s], [n])
-    real = cache.plan(real_ids, [1, 1, 1])
-    poison = torch.full_like(captured.kv_indices, -7)
-    captured.kv_indices.copy_(poison)
-    fill_plan(captured, real, pad_page)
-    # the captured tensors, read afresh (what the graph's kernels do on replay)
-    fresh = dataclasses.replace(captured, kv_lens_host=(*real.kv_lens_host, 1), q_lens_host=(1,) * 4)
-    assert fresh.write_index[:3].tolist() == real.write_index.tolist()
-    assert fresh.write_index[3].item() == pad_page * ps
-    assert kept_slots.tolist() == fresh.write_index.tolist()  # refreshed in place
-    slots, valid = fresh.padded_index
-    real_slots, real_valid = real.padded_index
-    width = real_slots.shape[1]
-    assert torch.equal(slots[:3, :width][real_valid], real_slots[real_valid])
-    assert valid[3].sum() == 1 and slots[3, 0].item() == pad_page * ps
-    # a request longer than any captured row (the table's rows widened since the capture)
-    cache.add_sequence("long")
-    cache.plan(["long"], [36 * ps + 2])  # 37 pages after the decode step: the table's rows widen
-    wide = cache.plan(["a", "long"], [1, 1])
-    fill_plan(captured, wide, pad_page)
-    fresh = dataclasses.replace(captured, kv_lens_host=(*wide.kv_lens_host, 1, 1), q_lens_host=(1,) * 4)
-    assert fresh.write_index[:2].tolist() == wide.write_index.tolist()
-    assert fresh.write_index[2:].tolist() == [pad_page * ps] * 2
-    assert kept_slots.tolist() == fresh.write_index.tolist()
-    slots, valid = fresh.padded_index
-    wide_slots, wide_valid = wide.padded_index
-    assert torch.equal(slots[:2, :wide_slots.shape[1]][wide_valid], wide_slots[wide_valid])
-    with pytest.raises(ValueError, match="does not fit the captured plan"):
-        fill_plan(real, captured, pad_page)
 
 
 def test_cli_generate_from_a_local_checkpoint(tmp_path, capsys):

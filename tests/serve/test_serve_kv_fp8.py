@@ -163,12 +163,15 @@ class RecordingGraphs:
 
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def __init__(self, forward, kv_cache, pad_page, max_batch_size, max_seq_pages):
+    def __init__(self, forward, kv_cache, pad_seq, max_batch_size, max_seq_pages):
         graphs.require_kv_scales(kv_cache)
         RecordingGraphs.seen.append([kv_cache.kv_scales(i) for i in range(kv_cache.num_layers)])
         self.sizes, self.max_seq_pages = (max_batch_size,), max_seq_pages
 
     def bucket(self, batch: int) -> None:
+        return None
+
+    def static_plan(self, batch: int) -> None:
         return None
 
 

@@ -12,7 +12,7 @@ from .backend.attention import ATTN_BACKEND, attention, attn_backend
 from .backend.norm import fused_add_rms_norm, rms_norm, silu_and_mul
 from .backend.rotary import apply_rotary_emb, apply_rotary_emb_qk
 from .fp8 import DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state, is_fp8_autocast_enabled
-from .kv_cache import BatchPlan, CacheStateError, PagedKVCache
+from .kv_cache import BatchPlan, CacheStateError, PagedKVCache, StaticDecodePlan
 from .resolver import BackendUnavailableError, Decision
 from .runtime import current_runtime
 
@@ -32,6 +32,7 @@ __all__ = [
     "DynamicScaling",
     "Format",
     "PagedKVCache",
+    "StaticDecodePlan",
     "apply_rotary_emb",
     "apply_rotary_emb_qk",
     "attention",

@@ -135,6 +135,17 @@ class BatchPlan:
         return self._slots(seq, pos)
 
     @functools.cached_property
+    def token_positions(self) -> torch.Tensor:
+        """int64 ``[total_q]``: each new token's position in its sequence (``kv_len - q_len +
+        row``), packed query order; derived on the device (no host sync)."""
+        device = self.qo_indptr.device
+        starts = self.qo_indptr.long()
+        q_lens = starts[1:] - starts[:-1]
+        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
+        row = torch.arange(self.total_q, device=device) - starts[seq]
+        return self.kv_lens.long()[seq] - q_lens[seq] + row
+
+    @functools.cached_property
     def flat_index(self) -> torch.Tensor:
         """int64 ``[total_kv]``: slots of every cached token, requests concatenated."""
         device = self.kv_lens.device
@@ -233,7 +244,8 @@ def staged_plan(table, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[i
                 slots: list[int] | None) -> BatchPlan:
     """The batch's plan with its metadata in one host->device copy through the cache's device
     page table (:class:`~.device_page_table.DevicePageTable`); ``slots``: a decode step's write
-    slots when the cache knows them on the host (they become ``write_index``), else None."""
+    slots when the cache knows them on the host (they become ``write_index``, and the
+    positions ``kv_len - 1`` become ``token_positions``), else None."""
     batch = len(seq_ids)
     qo_indptr = [0] * (batch + 1)
     total = 0
@@ -245,6 +257,7 @@ def staged_plan(table, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[i
     head = [*qo_indptr, *kv_indptr, *kv_lens]
     if slots is not None:
         head += slots
+        head += [n - 1 for n in kv_lens]
     flat, parts = table.stage(seq_ids, head)  # one host->device copy
     kv_indices = table.apply(seq_ids, flat, parts)
     views = flat.split_with_sizes([batch + 1, batch + 1, batch, parts[0] - 3 * batch - 2, flat.shape[0] - parts[0]])
@@ -258,6 +271,6 @@ def staged_plan(table, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[i
         q_lens_host=q_lens,
         kv_lens_host=kv_lens,
     )
-    if slots is not None:  # BatchPlan.write_index, already known: one conversion instead of a dozen ops
-        plan.__dict__["write_index"] = views[3].long()
+    if slots is not None:  # write_index and token_positions, already known: one conversion instead of 20 ops
+        plan.__dict__["write_index"], plan.__dict__["token_positions"] = views[3].long().split(batch)
     return plan

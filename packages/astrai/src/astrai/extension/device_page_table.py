@@ -113,6 +113,31 @@ class DevicePageTable:
         self._slot_of_row = {self._row[s]: b for b, s in enumerate(seq_ids)}
         return self._batch_rows.view(-1)
 
+    # -- fixed-address batches (:class:`~.static_plan.StaticDecodePlan`): the caller stages, the table writes
+
+    def row(self, seq_id: Hashable) -> int:
+        """The table row of ``seq_id`` (fixed for the sequence's life)."""
+        return self._row[seq_id]
+
+    def take_deltas(self, min_width: int) -> tuple[list[int], list[int]]:
+        """The pending ``(flat position, page)`` deltas, cleared, once the rows have at least
+        ``min_width`` columns (positions count that width); the caller stages them and writes
+        them with :meth:`scatter`."""
+        if min_width > self.width:
+            self._grow_width(min_width)
+        pos, pages = self._delta_pos, self._delta_page
+        self._delta_pos, self._delta_page = [], []
+        return pos, pages
+
+    def scatter(self, pos: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write staged deltas (int32 flat positions and page ids on the device) into the table."""
+        self.table.view(-1).index_put_((pos,), pages)
+        self._forget_batch()  # the gathered rows of the last batch did not get them
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [len(rows), W] = `` the first ``W`` columns of table rows ``rows`` (one kernel)."""
+        torch.index_select(self.table[:, :out.shape[1]], 0, rows, out=out)
+
     def _forget_batch(self) -> None:
         self._batch, self._slot_of_row, self._batch_rows = None, {}, None
 

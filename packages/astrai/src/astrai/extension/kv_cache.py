@@ -57,6 +57,7 @@ one byte per value with per-layer K and V scales (:mod:`~astrai.extension.kv_qua
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -67,8 +68,9 @@ from .kv_pages import PageStore, locked as _locked
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype
 from .kv_steps import CacheStateError, CacheSteps, OpenStep, StepLog
 from .kv_window import WindowPages, check_window
+from .static_plan import StaticDecodePlan
 
-__all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache"]
+__all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache", "StaticDecodePlan"]
 
 
 class CacheFullError(RuntimeError):
@@ -190,6 +192,7 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
         self._active: BatchPlan | None = None
         self._steps = StepLog(num_layers)
         self._preparers: dict[Hashable, Callable[[PagedKVCache, BatchPlan], object]] = {}
+        self._static_plans: weakref.WeakSet[StaticDecodePlan] = weakref.WeakSet()
 
     # -- properties
 
@@ -277,7 +280,8 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
             raise KeyError(f"seq_id {seq_id!r} is not in the cache (add it with add_sequence)")
 
     @_locked
-    def plan(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> BatchPlan:
+    def plan(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int], *,
+             into: StaticDecodePlan | None = None) -> BatchPlan:
         """Reserve pages for ``q_lens[b]`` new tokens of ``seq_ids[b]`` and build the batch plan.
 
         Sequence lengths advance now; every layer then appends the same new tokens. Raises
@@ -286,11 +290,47 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
         An earlier plan over any of ``seq_ids`` that some layers wrote and others did not is
         rolled back first, with a ``RuntimeWarning`` (see the class docstring); prefer
         :meth:`step`, which rolls a failed batch back as it fails.
-        """
-        return self._plan(tuple(seq_ids), tuple(q_lens), False)[0]
 
-    def _plan(self, seq_ids: tuple, q_lens: tuple, strict: bool) -> tuple[BatchPlan, OpenStep]:
+        ``into``: a decode step (every ``q_lens`` 1) written into the fixed buffers of a
+        :meth:`static_decode_plan` (what a CUDA graph reads); the plan returned is a view of
+        them. The backends' per-batch preparations are left to :meth:`prepare`.
+        """
+        return self._plan(tuple(seq_ids), tuple(q_lens), False, into)[0]
+
+    @_locked
+    def static_decode_plan(self, size: int, max_pages: int, pad_seq: Hashable) -> StaticDecodePlan:
+        """Fixed device buffers for the decode steps of up to ``size`` requests of at most
+        ``max_pages`` pages each (``plan(..., into=)`` fills them); the rows past a step's
+        requests read and write one token of ``pad_seq``'s first page (a sequence holding at
+        least one token, kept for the buffers' life)."""
+        for name, value in (("size", size), ("max_pages", max_pages)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._require_seq(pad_seq)
+        if not self._pages[pad_seq]:
+            raise ValueError(f"pad_seq {pad_seq!r} owns no page: plan a token for it first")
+        static = StaticDecodePlan(size, max_pages, self.page_size, pad_seq, self.device)
+        self._static_plans.add(static)
+        return static
+
+    @_locked
+    def prepare(self, plan: BatchPlan) -> None:
+        """Run the backends' per-batch preparations (:meth:`add_preparer`) on ``plan``, as
+        :meth:`plan` does for the plans it builds (not for those ``into`` a static plan)."""
+        for key, prepare in list(self._preparers.items()):
+            try:
+                launch = prepare(self, plan)
+            except RuntimeError:
+                del self._preparers[key]
+                continue
+            if launch is not None:
+                plan.launches[key] = launch
+
+    def _plan(self, seq_ids: tuple, q_lens: tuple, strict: bool,
+              into: StaticDecodePlan | None = None) -> tuple[BatchPlan, OpenStep]:
         self._check_batch(seq_ids, q_lens)
+        if into is not None:
+            self._check_static(into, seq_ids, q_lens)
         for step in self._steps.settle(seq_ids):
             self._warn_rolled_back(step, "a new plan over its requests", 5)
             self._roll_back(step)
@@ -315,15 +355,12 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
         for s, n in zip(seq_ids, new_lens):
             lens[s] = n
         try:
-            plan = self._build_plan(seq_ids, q_lens, new_lens)
-            for key, prepare in list(self._preparers.items()):
-                try:
-                    launch = prepare(self, plan)
-                except RuntimeError:
-                    del self._preparers[key]
-                    continue
-                if launch is not None:
-                    plan.launches[key] = launch
+            if into is None:
+                plan = self._build_plan(seq_ids, q_lens, new_lens)
+                self.prepare(plan)
+            else:
+                pad_slot = self._pages[into.pad_seq][0] * page
+                plan = into.stage(self._table, seq_ids, new_lens, self._last_slots(seq_ids, new_lens), pad_slot)
         except BaseException:
             self._undo(seq_ids, q_lens, new_lens)
             raise
@@ -357,6 +394,17 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
             if s not in self._pages:
                 self._require_seq(s)
 
+    def _check_static(self, into: object, seq_ids: tuple, q_lens: tuple) -> None:
+        if not isinstance(into, StaticDecodePlan) or into not in self._static_plans:
+            raise TypeError(f"into must be a StaticDecodePlan of this cache (static_decode_plan), got "
+                            f"{type(into).__name__}")
+        if q_lens.count(1) != len(q_lens):
+            raise ValueError(f"into= takes decode steps (every q_len 1), got q_lens={list(q_lens)}")
+        if len(seq_ids) > into.size:
+            raise ValueError(f"the decode step has {len(seq_ids)} requests, the static plan holds {into.size}")
+        if into.pad_seq not in self._pages:
+            raise ValueError(f"the static plan's pad_seq {into.pad_seq!r} was released")
+
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
         slots = self._decode_slots(seq_ids, q_lens, kv_lens)
         return staged_plan(self._table, seq_ids, q_lens, kv_lens, self.page_size, slots)
@@ -366,9 +414,13 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
         O(batch), where deriving them on the device takes a dozen ops. None for other steps
         (their slots are derived on the device) and caches of 2**31 token slots or more
         (the staged copy is int32)."""
-        page, pages = self.page_size, self._pages
-        if self.num_pages * page >= 2**31 or q_lens.count(1) != len(q_lens):
+        if self.num_pages * self.page_size >= 2**31 or q_lens.count(1) != len(q_lens):
             return None
+        return self._last_slots(seq_ids, kv_lens)
+
+    def _last_slots(self, seq_ids: tuple, kv_lens: tuple[int, ...]) -> list[int]:
+        """The slot of each request's last token (of length ``kv_lens[b]``)."""
+        page, pages = self.page_size, self._pages
         return [pages[s][(n - 1) // page] * page + (n - 1) % page for s, n in zip(seq_ids, kv_lens)]
 
     def __repr__(self) -> str:

@@ -155,16 +155,16 @@ class CacheSteps:
     """
 
     @contextlib.contextmanager
-    def step(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int]) -> Iterator[BatchPlan]:
+    def step(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int], *, into=None) -> Iterator[BatchPlan]:
         """``with cache.step(seq_ids, q_lens) as plan:`` :meth:`plan`, then run the layers in the
         block. Leaving it by an exception (``KeyboardInterrupt`` too) rolls the batch back:
         every request's length returns to what it was, the pages the step took return to the
         pool; the exception propagates. Leaving it normally commits the batch, once every layer
         wrote its tokens; else the batch is rolled back and :class:`CacheStateError` names the
         layers that did not. While the block is open, planning any of its requests again
-        raises :class:`CacheStateError`."""
+        raises :class:`CacheStateError`. ``into``: as in :meth:`plan`."""
         with self._lock:
-            plan, step = self._plan(tuple(seq_ids), tuple(q_lens), True)
+            plan, step = self._plan(tuple(seq_ids), tuple(q_lens), True, into)
         try:
             yield plan
         except BaseException:

@@ -20,8 +20,8 @@ written. Every backend computes a key's position from its column, so nothing els
   stays 0 (a released page, reused by another request or never written, may hold NaN);
 - the torch path gathers every column and masks by position (``BatchPlan.keep_mask``); it
   reads zeros there, as it does for padding (which points at column 0);
-- CUDA graphs copy the page table as it is (``serve/graphs.py: fill_plan``): its fixed size
-  counts the null columns, the pool does not.
+- CUDA graphs gather the page-table rows as they are (:class:`~.static_plan.StaticDecodePlan`):
+  their fixed width counts the null columns, the pool does not.
 
 The alternative, a per-request position offset carried by the plan, would need every kernel
 and the torch path to add it; the null page costs one page and no change to any reader.

@@ -231,7 +231,7 @@ class LLM:
         if self.use_graphs:
             try:
                 self.graphs = DecodeGraphs(lambda tokens, positions: self._forward(tokens, positions, None, cache),
-                                           cache, cache.page_table(_PAD_SEQ)[0], widest, longest)
+                                           cache, _PAD_SEQ, widest, longest)
             except RuntimeError as exc:  # said by astrai generate; eager decoding gives the same tokens
                 self.graphs_off_reason = str(exc)
                 self.use_graphs = False
@@ -313,12 +313,13 @@ class LLM:
         steps = min(r.max_new_tokens - len(r.output) for r in reqs)
         base = [len(r.prompt) + len(r.output) - 1 for r in reqs]
         tokens = self._to_device([r.output[-1] for r in reqs])
+        into = self._static_plan(len(ids))
         t0 = time.perf_counter()
         pending = None
         ran = 0
-        for k in range(steps):
-            with cache.step(ids, [1] * len(ids)) as plan:
-                next_tokens, logits = self._decode(plan, tokens, self._to_device([b + k for b in base]))
+        for _ in range(steps):
+            with cache.step(ids, [1] * len(ids), into=into) as plan:
+                next_tokens, logits = self._decode(plan, tokens)
             launched = _InFlight(next_tokens, logits.float().clone() if keep_logits else None)
             tokens = next_tokens
             ran += 1
@@ -351,10 +352,16 @@ class LLM:
             host = host.pin_memory()
         return host.to(self.model.device, non_blocking=True)
 
-    def _decode(self, plan, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graphs is not None and self.graphs.bucket(plan.batch_size) is not None:
-            return self.graphs.run(plan, tokens, positions)
-        logits = self._forward(tokens, positions, None, self.kv_cache)
+    def _static_plan(self, batch: int):
+        """The graph buffers a decode step of ``batch`` requests is planned into, or None (eager)."""
+        return None if self.graphs is None else self.graphs.static_plan(batch)
+
+    def _decode(self, plan, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's ``(next tokens, logits)``: a graph replay when ``plan`` was planned into
+        a graph's buffers (:meth:`_static_plan`), else eagerly at the plan's positions."""
+        if self._static_plan(plan.batch_size) is not None:
+            return self.graphs.run(plan, tokens)
+        logits = self._forward(tokens, plan.token_positions, None, self.kv_cache)
         return greedy_tokens(logits), logits
 
     def _run_step(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,18 +370,17 @@ class LLM:
         for r in reqs:
             if step.kind == "prefill" and r.prefilled == 0:
                 cache.add_sequence(r.rid)
+        ids = [r.rid for r in reqs]
         if step.kind == "decode":
-            tokens = [r.output[-1] for r in reqs]
-            positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
-        else:
-            tokens, positions = [], []
-            for r, n in zip(reqs, step.q_lens):
-                tokens += r.prompt[r.prefilled: r.prefilled + n]
-                positions += range(r.prefilled, r.prefilled + n)
-        with cache.step([r.rid for r in reqs], list(step.q_lens)) as plan:
+            tokens_t = self._to_device([r.output[-1] for r in reqs])
+            with cache.step(ids, list(step.q_lens), into=self._static_plan(len(ids))) as plan:
+                return self._decode(plan, tokens_t)
+        tokens, positions = [], []
+        for r, n in zip(reqs, step.q_lens):
+            tokens += r.prompt[r.prefilled: r.prefilled + n]
+            positions += range(r.prefilled, r.prefilled + n)
+        with cache.step(ids, list(step.q_lens)) as plan:
             tokens_t, positions_t = self._to_device(tokens + positions).view(2, -1).unbind(0)
-            if step.kind == "decode":
-                return self._decode(plan, tokens_t, positions_t)
             ends = torch.tensor(step.q_lens).cumsum(0) - 1
             rows = ends[list(step.logits_for)].to(device, non_blocking=True)
             logits = self._forward(tokens_t, positions_t, rows, cache)

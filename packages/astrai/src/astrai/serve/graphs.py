@@ -1,19 +1,17 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-A graph reads fixed buffers: the tokens and positions of the step, and the tensors of the
-:class:`~astrai.extension.BatchPlan` it was captured with (``kv_indptr``, ``kv_indices``,
-``kv_lens``; a decode plan's ``qo_indptr`` is ``0..B`` for every step). Before a replay the
-real step's plan — built by ``kv_cache.plan`` as in the eager path, which also reserves the
-pages — is copied into those tensors in place; rows past the real batch point at one
-scratch page (``pad_page``) holding one token, so they write and read only there.
+A graph reads fixed buffers: the step's tokens, and the plan tensors of the bucket's
+:class:`~astrai.extension.StaticDecodePlan` (``kv_indptr``, ``kv_indices``, ``kv_lens``, the
+write slots and positions; ``qo_indptr`` is ``0..B`` for every decode step). A real step is
+planned straight into them (``kv_cache.step(ids, [1] * n, into=graphs.static_plan(n))``,
+which also reserves the pages): one host->device copy and two small kernels, no plan of its
+own. Rows past the real batch read and write one token of the pad sequence's first page.
 
 Capture plans are made through the cache's public methods on throw-away sequences of
-``max_seq_pages`` pages each (fewer when the free pages do not suffice; then together they
-own every free page), so the captured ``kv_indices`` is as long as any real step's: a real
-batch of ``B`` requests holds at most ``B * max_seq_pages`` pages and never more than the
-free ones. The decode kernel sizes its split-KV schedule from that length (the mean
-context), so it is kept no longer than needed. Capture needs an otherwise empty cache; the
-engine captures before serving.
+``max_seq_pages`` pages each (fewer when the free pages do not suffice), so the capture
+step's longest request is as long as any real step's: the decode kernel sizes its split-KV
+schedule from it, so it is kept no longer than needed. Capture needs an otherwise empty
+cache; the engine captures before serving.
 
 On a cache that releases the pages left of its window (``PagedKVCache(window=W)``) a real
 step's page table counts the released columns too (they point at the null page), so the
@@ -32,11 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..extension import BatchPlan, PagedKVCache, explain
+from ..extension import BatchPlan, PagedKVCache, StaticDecodePlan, explain
 from ..extension.backend.attention import current_attn_backend
 from .greedy import greedy_tokens
 
-__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "fill_plan", "grow", "held_while_growing",
+__all__ = ["DEFAULT_BUCKETS", "DecodeGraphs", "capture_pages", "grow", "held_while_growing",
            "require_kv_scales"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -107,53 +105,13 @@ def grow(cache: PagedKVCache, seq_ids: list, lengths: list[int]) -> None:
             done[b] += n
 
 
-def fill_plan(target: BatchPlan, plan: BatchPlan, pad_page: int) -> None:
-    """Copy the decode ``plan`` of ``n`` requests into the captured decode plan ``target`` of
-    ``B >= n`` rows, in place; rows ``n..B-1`` get one token on ``pad_page``.
-
-    The captured page table is rewritten compact (request ``b``'s pages at ``kv_indptr[b]``,
-    one after the other), so it holds any step whose pages fit its size, whatever the width
-    of the rows ``plan``'s table has (``kv_indptr[b] = b * width``). Device ops of fixed
-    shapes only: no host sync.
-    """
-    n, size = plan.batch_size, target.batch_size
-    room = target.kv_indices.numel()
-    need = sum(-(-kv // plan.page_size) for kv in plan.kv_lens_host) + size - n
-    if n > size or need > room:
-        raise ValueError(f"the decode step ({n} requests, {need - size + n} pages) does not fit the captured plan "
-                         f"({size} requests, {room} pages): reserve() the workload first")
-    device = target.kv_indices.device
-    pages = torch.ones(size, dtype=torch.long, device=device)  # pad rows: one page
-    pages[:n] = torch.div(plan.kv_lens.long() + plan.page_size - 1, plan.page_size, rounding_mode="floor")
-    starts = torch.zeros(size + 1, dtype=torch.long, device=device)
-    torch.cumsum(pages, 0, out=starts[1:])
-    slot = torch.arange(room, device=device)
-    row = torch.searchsorted(starts[1:], slot, right=True)  # the request each compact slot belongs to
-    col = slot - starts[row.clamp(max=size - 1)]
-    src = plan.kv_indptr.long()[row.clamp(max=n - 1)] + col
-    real = row < n
-    pages_of = plan.kv_indices[src.clamp(max=plan.kv_indices.numel() - 1)]
-    target.kv_indices.copy_(torch.where(real, pages_of, torch.full_like(pages_of, pad_page)))
-    target.kv_indptr.copy_(starts)
-    target.kv_lens[:n].copy_(plan.kv_lens)
-    target.kv_lens[n:].fill_(1)
-    # The write slots, once derived, are a tensor of their own that launches may keep (a
-    # decode module without the in-kernel append appends to them; the fused rotary append
-    # reads them): derive them again from the refilled table, in place. The in-kernel append
-    # needs nothing here: it reads the refilled kv_indptr / kv_indices / kv_lens.
-    slots = target.__dict__.get("write_index")
-    if slots is not None:
-        slots.copy_(BatchPlan.write_index.func(target))
-
-
 class _Graph:
-    def __init__(self, size: int, graph: torch.cuda.CUDAGraph, plan: BatchPlan, tokens: torch.Tensor,
-                 positions: torch.Tensor, logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def __init__(self, size: int, graph: torch.cuda.CUDAGraph, static: StaticDecodePlan, tokens: torch.Tensor,
+                 logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.size = size
         self.graph = graph
-        self.plan = plan
+        self.static = static
         self.tokens = tokens
-        self.positions = positions
         self.logits = logits
         self.next_tokens = next_tokens
 
@@ -161,13 +119,15 @@ class _Graph:
 class DecodeGraphs:
     """Captures ``forward`` for every bucket up to ``max_batch_size``; :meth:`run` replays one."""
 
-    def __init__(self, forward: Forward, kv_cache: PagedKVCache, pad_page: int, max_batch_size: int,
+    def __init__(self, forward: Forward, kv_cache: PagedKVCache, pad_seq, max_batch_size: int,
                  max_seq_pages: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        """``pad_seq``: a sequence of ``kv_cache`` holding a token, kept while the graphs live;
+        rows past a step's requests read and write only its first page."""
         require_kv_scales(kv_cache)
         if kv_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA kv_cache, got one on {kv_cache.device}")
         self.kv_cache = kv_cache
-        self.pad_page = pad_page
+        self.pad_seq = pad_seq
         self.max_seq_pages = max_seq_pages
         sizes = sorted({b for b in buckets if b < max_batch_size} | {max_batch_size})
         self.sizes = tuple(sizes)
@@ -180,6 +140,12 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         """The smallest captured size holding ``batch`` requests, or None when none does."""
         return next((s for s in self.sizes if s >= batch), None)
+
+    def static_plan(self, batch: int) -> StaticDecodePlan | None:
+        """The buffers a decode step of ``batch`` requests is planned into (``into=``) to be
+        replayed by :meth:`run`; None when no graph holds that many."""
+        size = self.bucket(batch)
+        return None if size is None else self._graphs[size].static
 
     def _capture(self, forward: Forward, size: int, pool) -> _Graph:
         cache = self.kv_cache
@@ -195,36 +161,38 @@ class DecodeGraphs:
         try:
             grow(cache, ids, [n * ps - 2 for n in pages])
             device = cache.device
+            static = cache.static_decode_plan(size, self.max_seq_pages, self.pad_seq)
             tokens = torch.zeros(size, dtype=torch.long, device=device)
-            positions = torch.zeros(size, dtype=torch.long, device=device)
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                cache.plan(ids, [1] * size)  # warm-up step (lazy initialisations happen outside the capture)
-                greedy_tokens(forward(tokens, positions))
+                # warm-up step (lazy initialisations happen outside the capture), on the buffers
+                warm = cache.plan(ids, [1] * size, into=static)
+                cache.prepare(warm)
+                greedy_tokens(forward(tokens, warm.token_positions))
             torch.cuda.current_stream(device).wait_stream(stream)
             _require_graph_safe_attention(cache)
-            plan = cache.plan(ids, [1] * size)  # a fresh plan: its derived indices are computed inside the graph
+            plan = cache.plan(ids, [1] * size, into=static)  # a fresh plan of the same buffers
+            cache.prepare(plan)  # the decode launch (split count, workspaces), made outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(tokens, positions)
+                logits = forward(tokens, plan.token_positions)
                 next_tokens = greedy_tokens(logits)
         finally:
             for s in ids:
                 cache.release(s)
-        return _Graph(size, graph, plan, tokens, positions, logits, next_tokens)
+        return _Graph(size, graph, static, tokens, logits, next_tokens)
 
-    def run(self, plan: BatchPlan, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the bucket of ``plan`` (a decode plan of the real requests, from ``kv_cache.plan``);
-        returns views ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs."""
+    def run(self, plan: BatchPlan, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket of ``plan``, a decode step of the real requests planned into its
+        buffers (``kv_cache.step(..., into=self.static_plan(n))``); returns views
+        ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs."""
         n = plan.batch_size
         g = self._graphs[self.bucket(n)]
-        g.tokens[:n].copy_(tokens, non_blocking=True)
-        g.positions[:n].copy_(positions, non_blocking=True)
-        if g.size > n:
-            g.tokens[n:].zero_()
-            g.positions[n:].zero_()
-        fill_plan(g.plan, plan, self.pad_page)
+        if plan.kv_lens.data_ptr() != g.static.kv_lens.data_ptr():
+            raise ValueError(f"the decode plan of {n} requests was not planned into this graph's buffers: plan it "
+                             "with kv_cache.plan(..., into=graphs.static_plan(n))")
+        g.tokens[:n].copy_(tokens, non_blocking=True)  # pad rows keep earlier tokens: any id is valid there
         g.graph.replay()
         self.kv_cache.mark_written(None, plan)  # the replay wrote every layer's pages
         self.replays += 1

@@ -12,13 +12,11 @@ cache takes the second route, which calibrates the scales on the rotated keys.
 
 What it needs from the batch plan, per new token in packed query order: the cache slot
 (``plan.write_index``, int64 ``[total_q]``) and the token's position in its sequence
-(``token_positions(plan)``: ``kv_len - q_len + row``), both on the cache's device; the
-positions are derived once per plan and kept beside it.
+(``plan.token_positions``: ``kv_len - q_len + row``), both on the cache's device and made
+once per plan.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -28,24 +26,7 @@ from ..ops import rope_paged as ops_rope_paged
 from ..ops.rotary_args import check_freqs, check_positions
 from .rotary import apply_rotary_emb_qk, choose, states_pages, with_fallback
 
-__all__ = ["rope_and_append", "token_positions"]
-
-
-_POSITIONS: weakref.WeakKeyDictionary[BatchPlan, torch.Tensor] = weakref.WeakKeyDictionary()
-
-
-def token_positions(plan: BatchPlan) -> torch.Tensor:
-    """int64 ``[total_q]``: the position in its sequence of each new token, packed query order
-    (computed on the device, no host sync; once per plan)."""
-    positions = _POSITIONS.get(plan)
-    if positions is None:
-        device = plan.qo_indptr.device
-        starts = plan.qo_indptr.long()
-        q_lens = starts[1:] - starts[:-1]
-        seq = torch.repeat_interleave(torch.arange(plan.batch_size, device=device), q_lens, output_size=plan.total_q)
-        row = torch.arange(plan.total_q, device=device) - starts[seq]
-        positions = _POSITIONS[plan] = plan.kv_lens.long()[seq] - q_lens[seq] + row
-    return positions
+__all__ = ["rope_and_append"]
 
 
 def _kernel_scales(kv_cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -86,7 +67,7 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     q3 = _check("q", q, kv_cache, plan, None)
     k3 = _check("k", k, kv_cache, plan, kv_cache.kv_heads)
     v3 = _check("v", v, kv_cache, plan, kv_cache.kv_heads)
-    positions, slots = token_positions(plan), plan.write_index
+    positions, slots = plan.token_positions, plan.write_index
     cos, sin = check_freqs(rope, q3, q3.shape[0], positions, "q")
     check_positions(positions, 1, q3.shape[0], cos.shape[0], q3.device)  # on a GPU: with ASTRAI_DEBUG=1
 
