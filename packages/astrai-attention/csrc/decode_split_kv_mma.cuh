@@ -36,6 +36,7 @@
 #include "common.h"
 #include "layout_policies.cuh"
 #include "mma_utils.cuh"
+#include "decode_swap_ab.cuh"
 #include "kv_fp8.cuh"
 #include "variant.cuh"
 
@@ -185,13 +186,7 @@ __device__ __forceinline__ void b16_output(float (&o)[D / 8][4], const float (&s
 template <int D, class KvFmt, class QFrag>
 __device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_tile, int warp, int lane,
                                            QFrag&& q_frag) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int seg = 0; seg < D / 64; ++seg) {
-        uint4 kw[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-            kw[j] = *reinterpret_cast<const uint4*>(k_tile + Fp8Tile<D>::offset(warp * 16 + 8 * j + g, 4 * seg + t));
+    for_fp8_k_segments<D>(k_tile, warp, lane, [&](int seg, const uint4 (&kw)[2]) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             uint32_t qa[4];
@@ -202,7 +197,7 @@ __device__ __forceinline__ void fp8_scores(float (&s)[2][4], const uint8_t* k_ti
                 mma_sync<__half>(s[j], qa, {fp8x2_to_half2<KvFmt>(w), fp8x2_to_half2<KvFmt, true>(w)});
             }
         }
-    }
+    });
 }
 
 // A bfloat16 Q tile (16 rows in SwizzledTile<D> layout) rewritten in place as float16, row r
@@ -245,43 +240,18 @@ __device__ __forceinline__ void q_rows_to_half(uint8_t* q_tile, float* q_unit, i
 }
 
 // O += P.V for a warp's 16 rows of one fp8 V tile, on float16 (kv_fp8.cuh): P (probabilities
-// from online_softmax, alpha its rescale of O where `rescale`) as float16 A fragments; V rows 2t, 2t + 1,
-// 2t + 8, 2t + 9 of the warp's, bytes g * D/8 ..: n-tile j's B values are byte j of each.
+// from online_softmax, alpha its rescale of O where `rescale`) as float16 A fragments; n-tiles
+// j and j + 1's B values are the halves of the pair (j, j + 1) of for_fp8_v_pairs.
 template <int D, class KvFmt>
 __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s)[2][4], const float (&alpha)[2],
                                            bool rescale, const uint8_t* v_tile, int warp, int lane) {
-    const int g = lane >> 2, t = lane & 3;
     const uint32_t pa[4] = {Elem<__half>::pack2(s[0][0], s[0][1]), Elem<__half>::pack2(s[0][2], s[0][3]),
                             Elem<__half>::pack2(s[1][0], s[1][1]), Elem<__half>::pack2(s[1][2], s[1][3])};
     if (rescale) rescale_rows<D / 8>(o, alpha);
-    constexpr int kWords = D / 32;                   // 32-bit words of a thread's D/8 bytes per row
-    constexpr int kLoadWords = kWords < 4 ? kWords : 4;  // one 8- or 16-byte load per row
-    const int rows[4] = {warp * 16 + 2 * t, warp * 16 + 2 * t + 1, warp * 16 + 2 * t + 8, warp * 16 + 2 * t + 9};
-#pragma unroll
-    for (int part = 0; part < kWords / kLoadWords; ++part) {
-        const int byte = g * (D / 8) + 4 * kLoadWords * part;
-        uint32_t w[4][kLoadWords];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint8_t* src = v_tile + Fp8Tile<D>::offset(rows[i], byte / 16) + byte % 16;
-            if constexpr (kLoadWords == 4) {
-                const uint4 x = *reinterpret_cast<const uint4*>(src);
-                w[i][0] = x.x, w[i][1] = x.y, w[i][2] = x.z, w[i][3] = x.w;
-            } else {
-                const uint2 x = *reinterpret_cast<const uint2*>(src);
-                w[i][0] = x.x, w[i][1] = x.y;
-            }
-        }
-#pragma unroll
-        for (int jj = 0; jj < 4 * kLoadWords; jj += 2) {
-            const int j = 4 * kLoadWords * part + jj, word = jj / 4, at = jj % 4;
-            // bytes at, at + 1 of rows 2t and 2t + 1 (2t + 8, 2t + 9): n-tiles j and j + 1
-            const uint32_t lo = __byte_perm(w[0][word], w[1][word], interleave_selector(at));
-            const uint32_t hi = __byte_perm(w[2][word], w[3][word], interleave_selector(at));
-            mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(lo), fp8x2_to_half2<KvFmt>(hi)});
-            mma_sync<__half>(o[j + 1], pa, {fp8x2_to_half2<KvFmt, true>(lo), fp8x2_to_half2<KvFmt, true>(hi)});
-        }
-    }
+    for_fp8_v_pairs<D>(v_tile, warp, lane, [&](int j, uint32_t lo, uint32_t hi) {
+        mma_sync<__half>(o[j], pa, {fp8x2_to_half2<KvFmt>(lo), fp8x2_to_half2<KvFmt>(hi)});
+        mma_sync<__half>(o[j + 1], pa, {fp8x2_to_half2<KvFmt, true>(lo), fp8x2_to_half2<KvFmt, true>(hi)});
+    });
 }
 
 // kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
@@ -289,11 +259,14 @@ __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s
 // KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
 // bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
 // in-kernel append: the caller quantizes the step's token into the cache first).
-template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16>
+// kSwapAB: over fp8 pages, for a GQA group of at most kSwapHeads heads, the swapped operands
+// of decode_swap_ab.cuh (heads as the mma's n8 dimension); the loads and the split are the same.
+template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16, bool kSwapAB = false>
 __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
     constexpr bool kFp8 = KvFmt::kBytes == 1;
+    static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
     using C = DecodeMmaConfig<D, KvFmt::kBytes>;
     using Tile = SwizzledTile<D>;
     using KvT = std::conditional_t<kFp8, uint8_t, T>;
@@ -429,8 +402,12 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
             ldmatrix_x4(qa, sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
         }
     };
-    uint32_t qf[C::kQInRegs ? D / 16 : 1][4];
-    if constexpr (C::kQInRegs) {
+    uint32_t qf[C::kQInRegs && !kSwapAB ? D / 16 : 1][4];
+    uint32_t qb[C::kQInRegs && kSwapAB ? D / 16 : 1][2];  // Q^T's B fragments (swapped operands)
+    if constexpr (kSwapAB && C::kQInRegs) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) swap_q_fragment<D>(qb[ks], smem + C::kQSmemOffset, ks, lane);  // as below
+    } else if constexpr (C::kQInRegs && !kSwapAB) {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) load_q(ks, qf[ks]);
         // No barrier here: Q's slot is next written after the main loop's first barrier
@@ -441,20 +418,23 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     // fp8 pages: the layer's K / V scales of this kv head (per tensor: stride 0)
     const float k_scale = kFp8 ? __ldg(p.k_scale + kvh * p.kv_scale_stride) : 1.f;
     const float v_scale = kFp8 ? __ldg(p.v_scale + kvh * p.kv_scale_stride) : 1.f;
-    // what a raw fp8 score of rows g and g + 8 is multiplied by to be q.k, and the softmax's
-    // scale of those rows (the cap, if any, has applied the factor already)
+    // what a raw fp8 score of rows g and g + 8 (swapped: of head columns 2t and 2t + 1) is
+    // multiplied by to be q.k, and the softmax's scale of those (the cap, if any, has applied
+    // the factor already)
     float score_factor[2] = {1.f, 1.f}, row_scale_log2[2] = {p.scale_log2, p.scale_log2};
     if constexpr (kFp8) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            score_factor[r] = k_scale * (std::is_same_v<T, __half> ? 1.f : q_unit[(lane >> 2) + 8 * r]);
+            const int head = kSwapAB ? 2 * (lane & 3) + r : (lane >> 2) + 8 * r;
+            score_factor[r] = k_scale * (std::is_same_v<T, __half> ? 1.f : q_unit[head]);
             if constexpr (!kSoftCap) row_scale_log2[r] = p.scale_log2 * score_factor[r];
         }
     }
-    float o[D / 8][4];
+    constexpr int kOTiles = kSwapAB ? D / 16 : D / 8;  // O's n-tiles (swapped: O^T's m-tiles)
+    float o[kOTiles][4];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    RowState st;
+    for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    std::conditional_t<kSwapAB, HeadState, RowState> st;
 
     for (int i = 0; i < my_tiles; ++i) {
         cp_async_wait<C::kStages - 2>();
@@ -467,63 +447,93 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
         cp_async_commit();
 
         const int stage = i % C::kStages;
-        const uint32_t k_st = sK + stage * C::kTileBytes;
-        const uint32_t v_st = sV + stage * C::kTileBytes;
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        // Q's A fragment of k-step ks: from registers, or re-read from shared memory (d256)
-        auto q_frag = [&](int ks, uint32_t (&qa)[4]) {
-            if constexpr (C::kQInRegs) {
+        if constexpr (kSwapAB) {
+            float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+            swap_scores<D, KvFmt>(s[0], smem + stage * C::kTileBytes, warp, lane, [&](int ks, uint32_t (&b)[2]) {
+                if constexpr (C::kQInRegs) {
+                    b[0] = qb[ks][0];
+                    b[1] = qb[ks][1];
+                } else {
+                    swap_q_fragment<D>(b, smem + C::kQSmemOffset, ks, lane);
+                }
+            });
+            if constexpr (kSoftCap) {
 #pragma unroll
-                for (int x = 0; x < 4; ++x) qa[x] = qf[ks][x];
-            } else {
-                load_q(ks, qa);
+                for (int e = 0; e < 4; ++e) s[0][e] *= score_factor[e & 1];
+                soft_cap_tile(s, p);
             }
-        };
-        if constexpr (kFp8) {
-            fp8_scores<D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
-            if constexpr (kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e / 2];
-            }
-        } else {
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                uint32_t qa[4];
-                q_frag(ks, qa);
-                uint32_t kb[4];
-                ldmatrix_x4(kb, k_st + Tile::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
-                                                    2 * ks + ((lane >> 3) & 1)));
-                mma_sync<T>(s[0], qa, {kb[0], kb[1]});
-                mma_sync<T>(s[1], qa, {kb[2], kb[3]});
-            }
-        }
-        if constexpr (kSoftCap) soft_cap_tile(s, p);
-        const int col0 = (t_begin + i) * C::kBN + warp * 16;
-        // the warp's 16 keys need masking only at the ends of the window and the context (or with a
-        // mask); the 16-bit d256 body spilled with the test, so it always masks
-        if (!kFp8 || mask || col0 < first_key || col0 + 16 > kv_len) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
+            const int key0 = (t_begin + i) * C::kBN + warp * 16;
+            if (mask || key0 < first_key || key0 + 16 > kv_len) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                    bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);  // recomputed: d256's registers
-                    if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
-                    if (!keep) s[j][e] = -INFINITY;
+                    const int key = key0 + (lane >> 2) + 8 * (e >> 1);
+                    bool keep = key < kv_len && key >= first_key;
+                    if (keep && mask) keep = mask[int64_t(key) * p.mask_stride_k] != 0;
+                    if (!keep) s[0][e] = -INFINITY;
                 }
-        }
-        float alpha[2];
-        // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
-        // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
-        bool rescale = true;
-        if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, row_scale_log2, alpha);
-        else online_softmax<2>(st, s, p.scale_log2, alpha);
-        if constexpr (kFp8) {
-            fp8_output<D, KvFmt>(o, s, alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
+            }
+            float alpha[2];
+            const bool rescale = swap_softmax_lazy(st, s[0], row_scale_log2, alpha);
+            swap_output<D, KvFmt>(o, s[0], alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
         } else {
-            b16_output<T, D>(o, s, alpha, rescale, v_st, warp, lane);
+            const uint32_t k_st = sK + stage * C::kTileBytes;
+            const uint32_t v_st = sV + stage * C::kTileBytes;
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            // Q's A fragment of k-step ks: from registers, or re-read from shared memory (d256)
+            auto q_frag = [&](int ks, uint32_t (&qa)[4]) {
+                if constexpr (C::kQInRegs) {
+    #pragma unroll
+                    for (int x = 0; x < 4; ++x) qa[x] = qf[ks][x];
+                } else {
+                    load_q(ks, qa);
+                }
+            };
+            if constexpr (kFp8) {
+                fp8_scores<D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
+                if constexpr (kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
+    #pragma unroll
+                    for (int j = 0; j < 2; ++j)
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e / 2];
+                }
+            } else {
+    #pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) {
+                    uint32_t qa[4];
+                    q_frag(ks, qa);
+                    uint32_t kb[4];
+                    ldmatrix_x4(kb, k_st + Tile::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
+                                                        2 * ks + ((lane >> 3) & 1)));
+                    mma_sync<T>(s[0], qa, {kb[0], kb[1]});
+                    mma_sync<T>(s[1], qa, {kb[2], kb[3]});
+                }
+            }
+            if constexpr (kSoftCap) soft_cap_tile(s, p);
+            const int col0 = (t_begin + i) * C::kBN + warp * 16;
+            // the warp's 16 keys need masking only at the ends of the window and the context (or with a
+            // mask); the 16-bit d256 body spilled with the test, so it always masks
+            if (!kFp8 || mask || col0 < first_key || col0 + 16 > kv_len) {
+    #pragma unroll
+                for (int j = 0; j < 2; ++j)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                        bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);  // recomputed: d256's registers
+                        if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
+                        if (!keep) s[j][e] = -INFINITY;
+                    }
+            }
+            float alpha[2];
+            // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
+            // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
+            bool rescale = true;
+            if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, row_scale_log2, alpha);
+            else online_softmax<2>(st, s, p.scale_log2, alpha);
+            if constexpr (kFp8) {
+                fp8_output<D, KvFmt>(o, s, alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
+            } else {
+                b16_output<T, D>(o, s, alpha, rescale, v_st, warp, lane);
+            }
         }
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -551,12 +561,30 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     cp_async_wait<0>();
     __syncthreads();  // the ring is reused for the warp merge below
 
-    // Merge the warps: sO[w][row][d] (unnormalized), sM / sL [w][row].
+    // Merge the warps: sO[w][row][d] (unnormalized), sM / sL [w][row]; a row is a query head.
+    constexpr int kRows = kSwapAB ? kSwapHeads : C::kHeads;
     float* sO = reinterpret_cast<float*>(smem);
-    float* sM = sO + C::kWarps * C::kHeads * D;
-    float* sL = sM + C::kWarps * C::kHeads;
+    float* sM = sO + C::kWarps * kRows * D;
+    float* sL = sM + C::kWarps * kRows;
+    if constexpr (kSwapAB) {
+        // O^T's row g of m-tile mt is head-dim element g * D/8 + 2 mt, row g + 8 the next one
+        const int h = 2 * (lane & 3), d0 = (lane >> 2) * (D / 8);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+        for (int c = 0; c < 2; ++c) {
+            const float l = column_sum(st.l[c]);
+            if ((lane >> 2) == 0) {
+                sM[warp * kRows + h + c] = st.m[c];
+                sL[warp * kRows + h + c] = l;
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+            *reinterpret_cast<float2*>(sO + (warp * kRows + h) * D + d0 + 2 * mt) = make_float2(o[mt][0], o[mt][2]);
+            *reinterpret_cast<float2*>(sO + (warp * kRows + h + 1) * D + d0 + 2 * mt) = make_float2(o[mt][1], o[mt][3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2 && !kSwapAB; ++r) {
         const float l = warp_reduce_sum<4>(st.l[r]);
         const int row = (lane >> 2) + 8 * r;
         if ((lane & 3) == 0) {
@@ -577,17 +605,17 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     if constexpr (kFp8) o_factor = v_scale;  // V's float16 values are exact (kv_fp8.cuh)
     for (int idx = tid; idx < nh * D; idx += C::kThreads) {
         const int row = idx / D, c = idx % D;
-        const int d = kFp8 ? (c % 8) * (D / 8) + c / 8 : c;
+        const int d = kFp8 && !kSwapAB ? (c % 8) * (D / 8) + c / 8 : c;
         float m = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sM[w * C::kHeads + row]);
+        for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sM[w * kRows + row]);
         const float base = m == -INFINITY ? 0.f : m;
         float acc = 0.f, l = 0.f;
 #pragma unroll
         for (int w = 0; w < C::kWarps; ++w) {
-            const float f = exp2f(sM[w * C::kHeads + row] - base);
-            acc += f * sO[(w * C::kHeads + row) * D + c];
-            l += f * sL[w * C::kHeads + row];
+            const float f = exp2f(sM[w * kRows + row] - base);
+            acc += f * sO[(w * kRows + row) * D + c];
+            l += f * sL[w * kRows + row];
         }
         // one split: the sink joins the denominator here; several: in the merge of the splits
         const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, head0 + row))

@@ -82,6 +82,12 @@ constexpr bool kDecodeAppendsInKernel = false;
 constexpr bool kDecodeAppendsInKernel = true;
 #endif
 
+// The swapped-operand decode over fp8 pages for GQA groups <= 8 (decode_swap_ab.cuh). Built,
+// waiting for a GPU: off until its tests and an interleaved A/B against the 16-row form run.
+#ifndef ASTRAI_DECODE_FP8_SWAP_AB
+#define ASTRAI_DECODE_FP8_SWAP_AB 0
+#endif
+
 // pdl: also launch the split grid with programmatic dependent launch on sm_90+ (the
 // combine grid always is). Off by default: measured on an H200 in CUDA graphs of
 // back-to-back decode calls, an early-scheduled split grid cost 0.9-1.1 us at batch 1 and
@@ -97,16 +103,20 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     ASTRAI_CHECK_LAUNCH();
 #else
     using C = DecodeMmaConfig<D, KvFmt::kBytes>;
-    static std::atomic<uint64_t> done{0}, done_capped{0};
-    if (p.cap_log2 != 0.f) {
-        set_smem_limit(decode_mma_kernel<T, D, KV, true, KvFmt>, C::kSmemBytes, done_capped);
-        launch_pdl(decode_mma_kernel<T, D, KV, true, KvFmt>, grid, dim3(C::kThreads), C::kSmemBytes, stream,
-                   pdl && has_pdl, p);
-    } else {
-        set_smem_limit(decode_mma_kernel<T, D, KV, false, KvFmt>, C::kSmemBytes, done);
-        launch_pdl(decode_mma_kernel<T, D, KV, false, KvFmt>, grid, dim3(C::kThreads), C::kSmemBytes, stream,
-                   pdl && has_pdl, p);
+    auto launch = [&](auto kernel, std::atomic<uint64_t>& done) {
+        set_smem_limit(kernel, C::kSmemBytes, done);
+        launch_pdl(kernel, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+    };
+    static std::atomic<uint64_t> done[2][2] = {};  // [swapped][capped]
+    const bool capped = p.cap_log2 != 0.f;
+    bool swapped = false;
+    if constexpr (KvFmt::kBytes == 1 && ASTRAI_DECODE_FP8_SWAP_AB != 0) {
+        swapped = p.group <= kSwapHeads;
+        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1]);
+        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0]);
     }
+    if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt>, done[0][1]);
+    else if (!swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt>, done[0][0]);
     if (p.ws_count != nullptr) return;  // the kernel merged its own splits
 #endif
     // The combine grid is scheduled while the split grid drains and waits in

@@ -100,6 +100,56 @@ __device__ __forceinline__ constexpr uint32_t interleave_selector(int at) {
     return uint32_t(((5 + at) << 12) | ((at + 1) << 8) | ((4 + at) << 4) | at);
 }
 
+// The K bytes a thread's score fragments take from one fp8 tile (Fp8Tile<D>): per 64-byte
+// segment `seg` of the head dim, 16 bytes at 16t of rows g and g + 8 of the warp's 16 (word kk
+// of them is k-step 4 seg + kk's k = 2t, 2t+1, 2t+8, 2t+9, above); f(seg, kw), kw[j] of row g + 8j.
+template <int D, class F>
+__device__ __forceinline__ void for_fp8_k_segments(const uint8_t* k_tile, int warp, int lane, F&& f) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int seg = 0; seg < D / 64; ++seg) {
+        uint4 kw[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            kw[j] = *reinterpret_cast<const uint4*>(k_tile + Fp8Tile<D>::offset(warp * 16 + 8 * j + g, 4 * seg + t));
+        f(seg, kw);
+    }
+}
+
+// The V bytes a thread's output fragments take from one fp8 tile (Fp8Tile<D>): rows 2t, 2t + 1,
+// 2t + 8, 2t + 9 of the warp's 16, its D/8 bytes g * D/8 .. of each. For every pair (j, j + 1)
+// of those bytes, f(j, lo, hi): lo holds rows 2t and 2t + 1's bytes j, j + 1 interleaved
+// (interleave_selector: each byte's pair of rows in one half), hi rows 2t + 8 and 2t + 9's.
+template <int D, class F>
+__device__ __forceinline__ void for_fp8_v_pairs(const uint8_t* v_tile, int warp, int lane, F&& f) {
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int kWords = D / 32;                       // 32-bit words of a thread's D/8 bytes per row
+    constexpr int kLoadWords = kWords < 4 ? kWords : 4;  // one 8- or 16-byte load per row
+    const int rows[4] = {warp * 16 + 2 * t, warp * 16 + 2 * t + 1, warp * 16 + 2 * t + 8, warp * 16 + 2 * t + 9};
+#pragma unroll
+    for (int part = 0; part < kWords / kLoadWords; ++part) {
+        const int byte = g * (D / 8) + 4 * kLoadWords * part;
+        uint32_t w[4][kLoadWords];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint8_t* src = v_tile + Fp8Tile<D>::offset(rows[i], byte / 16) + byte % 16;
+            if constexpr (kLoadWords == 4) {
+                const uint4 x = *reinterpret_cast<const uint4*>(src);
+                w[i][0] = x.x, w[i][1] = x.y, w[i][2] = x.z, w[i][3] = x.w;
+            } else {
+                const uint2 x = *reinterpret_cast<const uint2*>(src);
+                w[i][0] = x.x, w[i][1] = x.y;
+            }
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4 * kLoadWords; jj += 2) {
+            const int word = jj / 4, at = jj % 4;
+            f(4 * kLoadWords * part + jj, __byte_perm(w[0][word], w[1][word], interleave_selector(at)),
+              __byte_perm(w[2][word], w[3][word], interleave_selector(at)));
+        }
+    }
+}
+
 // 16 bytes of shared memory at a shared-window address.
 __device__ __forceinline__ void ld_shared_16(uint32_t (&w)[4], uint32_t addr) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr));

@@ -91,6 +91,19 @@ __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], 
     }
 }
 
+// A lazily rescaled row's exponent base (online_softmax_lazy): with `rescale`, its max m moves
+// to cover the tile's max mx and alpha is the factor for its old accumulator; else m stays and
+// alpha is 1. A row that has seen only masked scores keeps base 0.
+__device__ __forceinline__ float lazy_base(float& m, float mx, bool rescale, float& alpha) {
+    alpha = 1.f;
+    if (rescale) {
+        const float moved = fmaxf(m, mx);
+        alpha = exp2f(m - (moved == -INFINITY ? 0.f : moved));
+        m = moved;
+    }
+    return m == -INFINITY ? 0.f : m;
+}
+
 // online_softmax whose rows keep their exponent base until a tile's max exceeds it by more
 // than kSlack (log2 units; FlashAttention-4's trick): P <= 2^kSlack, and O and l stay exact
 // relative to the old base, so most tiles of a long row leave O alone. Returns whether the
@@ -113,13 +126,7 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
     const bool rescale = __any_sync(0xffffffffu, mx[0] > st.m[0] + kSlack || mx[1] > st.m[1] + kSlack);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        alpha[r] = 1.f;
-        if (rescale) {
-            const float m = fmaxf(st.m[r], mx[r]);
-            alpha[r] = exp2f(st.m[r] - (m == -INFINITY ? 0.f : m));
-            st.m[r] = m;
-        }
-        const float base = st.m[r] == -INFINITY ? 0.f : st.m[r];
+        const float base = lazy_base(st.m[r], mx[r], rescale, alpha[r]);
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
