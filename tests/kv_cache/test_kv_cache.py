@@ -97,8 +97,9 @@ def test_plan_metadata_of_the_spec_example():
     plan = cache.plan(["a", "b", "c"], [70, 10, 130])
     assert plan.qo_indptr.tolist() == [0, 70, 80, 210]
     to_batch, to_index = plan.q_tiles(64)  # the kernels' tile size, Q_TILE_ROWS of the plugin modules
-    assert to_batch.tolist() == [0, 0, 1, 2, 2, 2] and to_index.tolist() == [0, 1, 0, 0, 1, 2]
-    assert [t.tolist() for t in plan.q_tiles(128)] == [[0, 1, 2, 2], [0, 0, 0, 1]]
+    # the order the blocks start in: the requests last-first, each request's tiles last-first
+    assert to_batch.tolist() == [2, 2, 2, 1, 0, 0] and to_index.tolist() == [2, 1, 0, 0, 1, 0]
+    assert [t.tolist() for t in plan.q_tiles(128)] == [[2, 2, 1, 0], [1, 0, 0, 0]]
     assert plan.q_tiles(64)[0] is to_batch  # built once per tile size
     assert plan.kv_lens.tolist() == [70, 10, 130]
     order = shuffled(32, 1)
@@ -291,3 +292,17 @@ def test_keep_mask_is_built_once_per_plan():
     assert plan.keep_mask(causal=False)[0].all() and plan.keep_mask(causal=False)[1, 0].tolist() == [True, True] + [False] * 3
     index, valid = plan.q_padded_index
     assert index.tolist() == [[0, 1, 2], [3, 0, 0]] and valid.tolist() == [[True] * 3, [True, False, False]]
+
+
+def test_q_tiles_in_longest_first_order_cover_every_tile_once():
+    from astrai.extension.batch_plan import q_tile_schedule
+
+    q_lens, kv_lens = (70, 10, 130, 64), (70, 500, 130, 64)  # request 1: a chunk after 490 cached keys
+    tb, ti = q_tile_schedule(q_lens, 64, kv_lens, "longest_first")
+    request = q_tile_schedule(q_lens, 64, kv_lens, "request")
+    assert sorted(zip(tb, ti)) == sorted(zip(*request)) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0)]
+    # keys the tile's last row sees: 500, 130, 128, 70, 64, 64, 64 (ties: the request order's)
+    assert list(zip(tb, ti)) == [(1, 0), (2, 2), (2, 1), (0, 1), (3, 0), (2, 0), (0, 0)]
+    assert q_tile_schedule((1, 1, 1), 64, None, "longest_first") == ([0, 1, 2], [0, 0, 0])  # decode: as is
+    with pytest.raises(ValueError, match="order must be one of"):
+        q_tile_schedule(q_lens, 64, kv_lens, "shortest")

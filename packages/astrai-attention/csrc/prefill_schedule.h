@@ -5,7 +5,9 @@
 //
 // A 64-row host Q tile is shared by blocks_per_tile blocks (HB * 64 / rows per block), or a
 // block covers tiles_per_block whole tiles (the Hopper kernel's 128 rows of one query head).
-// Causal launches take the host tiles last-first, so the longest rows of each head start first:
+// Dense causal launches take the host tiles last-first, so the longest rows of each head start
+// first; a packed launch takes its tiles in the order of its tile list, which the host orders
+// (BatchPlan.q_tiles: the requests last-first, or the tiles by their keys, longest first):
 //   DenseQSchedule   grid (num_q_tiles * bpt / tpb, kv_heads * head_groups, batch)
 //   PackedQSchedule  grid (num_q_tiles * bpt, kv_heads * head_groups, 1) over a packed
 //                    [total_q, heads, dim] Q, O(1) through q_tile_to_batch / q_tile_to_index;
@@ -45,7 +47,7 @@ struct BlockCoord {
 #endif
 };
 
-// The block's index along the Q tiles: reversed for causal launches.
+// A dense block's index along the Q tiles: reversed for causal launches.
 ASTRAI_HD int q_block_index(const AttentionParams& p, const BlockCoord& c) {
     return p.causal ? c.grid_x - 1 - c.x : c.x;
 }
@@ -73,7 +75,7 @@ struct PackedQSchedule {
     static constexpr bool kPacked = true;
     ASTRAI_HD static QWork get(const AttentionParams& p, const BlockCoord& c) {
         const int bpt = p.blocks_per_tile;
-        const int bx = q_block_index(p, c);
+        const int bx = c.x;  // in the tile list's order (the host's)
         const int host_tile = bx / bpt;
         const int b = p.q_tile_to_batch[host_tile];
         const int start = p.qo_indptr[b];

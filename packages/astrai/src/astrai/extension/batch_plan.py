@@ -13,20 +13,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BatchPlan", "q_tile_schedule", "staged_plan"]
+__all__ = ["TILE_ORDER", "TILE_ORDERS", "BatchPlan", "q_tile_schedule", "staged_plan"]
 
 
-def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int) -> tuple[list[int], list[int]]:
-    """(tile -> request, tile -> index inside the request) of ``tile_rows``-row Q tiles."""
+# The order of a ragged prefill's Q tiles, which is the order its blocks start in:
+# "request": the requests last-first, each request's tiles last-first (a causal tile's last
+# rows see the most keys); "longest_first": every tile by the keys its last row sees, most
+# first, over the whole batch (a longest-processing-time order for ragged batches). Built,
+# waiting for a GPU: "request" until an A/B (bench/bench_prefill.py --tile-order) measures it.
+TILE_ORDERS = ("request", "longest_first")
+TILE_ORDER = "request"
+
+
+def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int, kv_lens: tuple[int, ...] | None = None,
+                    order: str | None = None) -> tuple[list[int], list[int]]:
+    """(tile -> request, tile -> index inside the request) of ``tile_rows``-row Q tiles, in
+    ``order`` (default :data:`TILE_ORDER`); ``kv_lens``: the requests' keys after the step (the
+    new tokens are their last ``q_lens``), for ``"longest_first"`` (default: ``q_lens``)."""
     if all(n == 1 for n in q_lens):  # decode: one tile per request
         return list(range(len(q_lens))), [0] * len(q_lens)
-    to_batch: list[int] = []
-    to_index: list[int] = []
-    for b, n in enumerate(q_lens):
-        tiles = -(-n // tile_rows)
-        to_batch.extend([b] * tiles)
-        to_index.extend(range(tiles))
-    return to_batch, to_index
+    order = TILE_ORDER if order is None else order
+    tiles = [(b, i) for b in reversed(range(len(q_lens))) for i in reversed(range(-(-q_lens[b] // tile_rows)))]
+    if order == "longest_first":
+        kv = q_lens if kv_lens is None else kv_lens
+        tiles.sort(key=lambda t: kv[t[0]] - q_lens[t[0]] + min((t[1] + 1) * tile_rows, q_lens[t[0]]), reverse=True)
+    elif order != "request":
+        raise ValueError(f"order must be one of {TILE_ORDERS}, got {order!r}")
+    return [b for b, _ in tiles], [i for _, i in tiles]
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +104,7 @@ class BatchPlan:
         key = ("q_tiles", tile_rows)
         found = self.launches.get(key)
         if found is None:
-            to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows)
+            to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows, self.kv_lens_host)
             flat = torch.tensor(to_batch + to_index, dtype=torch.int32)
             device = self.qo_indptr.device
             if device.type == "cuda" and not torch.compiler.is_compiling():

@@ -31,8 +31,8 @@ Example (plan once, run many)::
     >>> for seq in ("a", "b"):
     ...     cache.add_sequence(seq)
     >>> plan = cache.plan(["a", "b"], q_lens=[70, 10])      # prefill: ragged q lengths
-    >>> plan.qo_indptr.tolist(), plan.q_tiles(64)[0].tolist()
-    ([0, 70, 80], [0, 0, 1])
+    >>> plan.qo_indptr.tolist(), [t.tolist() for t in plan.q_tiles(64)]  # (request, tile) of each Q tile
+    ([0, 70, 80], [[1, 0, 0], [0, 1, 0]])
     >>> for layer in range(2):                              # every layer reuses the plan
     ...     k = torch.randn(plan.total_q, 2, 64)
     ...     cache.append(layer, k, torch.randn_like(k))
