@@ -249,6 +249,8 @@ void bench_prefill_d() {
             qo.push_back(qo.back() + L);
             for (int t = 0; t < L / kQTileRows; ++t) { tb.push_back(b); ti.push_back(t); }
         }
+        std::reverse(tb.begin(), tb.end());  // the order BatchPlan.q_tiles starts them in
+        std::reverse(ti.begin(), ti.end());
         PagedCache cache(lens, g_page, Hkv, D, true);
         DeviceBuffer<uint16_t> dq(size_t(B) * L * Hq * D), dout(size_t(B) * L * Hq * D);
         HostTensor q; q.random(dq.n, g_rng, true); dq.upload(q.bits);
