@@ -46,6 +46,20 @@ Example (plan once, run many)::
     >>> cache.seq_len("a")
     72
 
+CUDA graphs: a captured decode step reads its plan at the addresses it was captured with.
+:meth:`PagedKVCache.static_decode_plan` owns such buffers, and ``plan(..., into=static)`` (or
+``step``) writes a decode step of up to ``size`` requests into them in one host->device copy;
+rows past the step's requests read and write one token of a pad sequence.
+:meth:`PagedKVCache.prepare` builds the backends' launches for a capture
+(``astrai.serve.graphs`` does all of it)::
+
+    >>> cache.add_sequence("pad")
+    >>> _ = cache.plan(["pad"], [1])                      # the pad sequence holds a token
+    >>> static = cache.static_decode_plan(size=4, max_pages=8, pad_seq="pad")
+    >>> plan = cache.plan(["a", "b"], [1, 1], into=static)
+    >>> static.kv_lens.tolist(), plan.kv_lens.tolist()    # two requests and two pad rows; a view
+    ([73, 13, 1, 1], [73, 13])
+
 Writes are detached: the cache is inference state, gradients never flow into it.
 
 FP8 storage: ``PagedKVCache(..., kv_dtype=torch.float8_e4m3fn)`` (or ``float8_e5m2``) stores
