@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "astrai/fp8_convert.cuh"
 #include "mma_utils.cuh"
 
 namespace astrai::attn {
@@ -52,27 +53,10 @@ struct KvE5M2 {
 };
 
 // Two fp8 values of format F (bytes 0, 1 of x, or with kHigh bytes 2, 3) as a packed float16
-// pair, exactly: one hardware conversion on sm_89+, which reads either half of x in place (NaN
-// stays NaN); cuda_fp8.h's software form below that.
+// pair, exactly (astrai/fp8_convert.cuh).
 template <class F, bool kHigh = false>
 __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    uint32_t h;
-    if constexpr (F::kExpBits == 4 && kHigh) {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(h) : "r"(x));
-    } else if constexpr (F::kExpBits == 4) {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(h) : "r"(x));
-    } else if constexpr (kHigh) {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}" : "=r"(h) : "r"(x));
-    } else {
-        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}" : "=r"(h) : "r"(x));
-    }
-    return h;
-#else
-    const uint32_t bytes = kHigh ? x >> 16 : x & 0xffffu;
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bytes), F::kFormat);
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-#endif
+    return astrai::fp8x2_to_half2<F::kExpBits, kHigh>(x);
 }
 
 // A [rows][D] tile of fp8 bytes: 16-byte chunks with the chunk index XOR-swizzled per row so
