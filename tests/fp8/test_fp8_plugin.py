@@ -180,7 +180,7 @@ def test_manifest_matches_the_binary(plugin_manifest, so):
     assert set(re.findall(r"\.(sm_\d+[af]?)\.cubin", elf)) == set(plugin_manifest["sass_archs"]) == {"sm_89", "sm_90a", "sm_120"}
     assert {"compute_" + a for a in re.findall(r"\.sm_(\d+[af]?)\.ptx", ptx)} == set(plugin_manifest["ptx_archs"])
     parsed = parse_manifest(plugin_manifest)
-    assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm", "fp8_scale_update"}
+    assert set(parsed.ops) == {"fp8_quantize", "fp8_gemm", "fp8_scale_update", "fp8_weight_gemm"}
     # mma.sync is native on 89 and 120; a build with the sm_90a wgmma kernel adds 90
     assert set(parsed.ops["fp8_gemm"].native_sm) == {89, 90, 120}
     # the sm_90a build ships the measured table (packaged with the wheel)
@@ -314,6 +314,46 @@ def test_cpp_quantize_validation(compiled, case):
     override, message = Q_BAD[case]
     with pytest.raises(ValueError, match=message):
         compiled.quantize(**dict(Q_OK, **override))
+
+
+WM, WN, WK, F16 = 8, 48, 512, 1
+WG_OK = dict(x=_t((WM, WK), BF16), w=_t((WN, WK), E4M3, 65536), w_scale=_t((WN,), F32, 131072),
+             y=_t((WM, WN), BF16, 135168), ws=None, k_per_split=WK, stream=0)
+WG_BAD = {
+    "x dtype": (dict(x=_t((WM, WK), F32)), r"x: expected bfloat16 or float16, got float32"),
+    "x rows": (dict(x=_t((65, WK), BF16)), r"x: at most 64 rows \(tokens\)"),
+    "x K": (dict(x=_t((WM, 320), BF16), w=_t((WN, 320), E4M3, 65536)), r"x: K must be a multiple of 256"),
+    "x misaligned rows": (dict(x=_t((WM, WK), BF16, strides=(WK + 4, 1))), r"x: rows must start 16 bytes apart"),
+    "x misaligned": (dict(x=_t((WM, WK), BF16, ptr=4104)), r"x: data pointer .* not 16-byte aligned"),
+    "w dtype": (dict(w=_t((WN, WK), BF16, 65536)), r"w: expected float8_e4m3fn or float8_e5m2, got bfloat16"),
+    "w K": (dict(w=_t((WN, WK + 256), E4M3, 65536)), r"w: expected \[N, 512\]"),
+    "w_scale shape": (dict(w_scale=_t((WN + 1,), F32, 131072)), r"w_scale: expected shape \[N\]"),
+    "w_scale dtype": (dict(w_scale=_t((WN,), BF16, 131072)), r"w_scale: expected dtype float32"),
+    "y dtype": (dict(y=_t((WM, WN), F16, 135168)), r"y: expected dtype bfloat16"),
+    "y shape": (dict(y=_t((WM, WN + 1), BF16, 135168)), r"y: expected shape \[M, N\]"),
+    "k_per_split": (dict(k_per_split=100), r"k_per_split: expected a positive multiple of 256"),
+    "ws missing": (dict(k_per_split=256), r"ws: K splits .* need the float32 \[M, N\] workspace"),
+    "ws shape": (dict(k_per_split=256, ws=_t((WM, WN + 1), F32, 262144)), r"ws: expected shape \[M, N\]"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(WG_BAD))
+def test_cpp_weight_gemm_validation(compiled, case):
+    override, message = WG_BAD[case]
+    with pytest.raises(ValueError, match=message) as err:
+        compiled.weight_gemm(**dict(WG_OK, **override))
+    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+
+
+@pytest.mark.slow
+def test_the_weight_gemm_plan_splits_k_until_the_sms_have_two_blocks(compiled):
+    assert compiled.weight_gemm_plan(28672, 4096, 132) == 2048  # 224 blocks of 128 channels: 2 splits fill 264
+    assert compiled.weight_gemm_plan(4096, 4096, 132) == 256  # 32 blocks: 16 splits (the most), a chunk each
+    assert compiled.weight_gemm_plan(4096, 14336, 132) == 14336 // 8
+    assert compiled.weight_gemm_plan(6144, 768, 132) == 768  # 768 = 3 chunks: no even split
+    with pytest.raises(ValueError, match="k a multiple of 256"):
+        compiled.weight_gemm_plan(4096, 100, 132)
 
 
 ROWS, HIST = 6, 16

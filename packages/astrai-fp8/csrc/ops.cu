@@ -3,6 +3,8 @@
 //   quantize(x, scale, q, q_t, amax, out_layout, stream)
 //   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
 //   scale_update(hist, pending, prev_scale, scale, scale_inv, factor, most_recent, stream)
+//   weight_gemm(x, w, w_scale, y, ws, k_per_split, stream)   y = x (w * w_scale)^T, <= 64 rows of x
+//   weight_gemm_plan(n, k, sms) -> k_per_split   (no GPU)
 //   plan(m, n, k, trans_a, trans_b, sms, smem_per_sm, smem_per_block) -> dict   (no GPU)
 //   sm90.plan(shape, device, accum, force_config) ...: the Hopper planner (planning_bind.h)
 //   build_info() -> dict
@@ -29,6 +31,7 @@
 #include "gemm/sm90/planning_bind.h"
 #include "quantize.cuh"
 #include "scale_update.cuh"
+#include "weight_gemm.cuh"
 
 namespace astrai::fp8 {
 namespace py = pybind11;
@@ -260,6 +263,75 @@ void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_a
   scale_update_launch(p, stream);
 }
 
+// --------------------------------------------------------------------- weight_gemm
+// A matrix operand of the weight GEMM: 2-D, a contiguous last dim, rows 16-byte aligned.
+int64_t expect_rows16(const TensorArg& t) {
+  const int64_t ld = expect_matrix(t);
+  const int64_t esize = dtype_size(t.dtype);
+  ASTRAI_CHECK((ld * esize) % 16 == 0, t.name, ": rows must start 16 bytes apart (row stride ", ld,
+               " elements of ", esize, " bytes)");
+  expect_data(t, 16);
+  return ld;
+}
+
+void weight_gemm(py::handle x_arg, py::handle w_arg, py::handle scale_arg, py::handle y_arg, py::handle ws_arg,
+                 int64_t k_per_split, py::handle stream_arg) {
+  const auto [x, w, w_scale, y] = bind::tensor_args({"x", "w", "w_scale", "y"}, {x_arg, w_arg, scale_arg, y_arg});
+  const cudaStream_t stream = bind::stream_arg(stream_arg);
+  ASTRAI_CHECK(x.dtype == DType::BFloat16 || x.dtype == DType::Float16, "x: expected bfloat16 or float16, got ",
+               dtype_name(x.dtype));
+  const int64_t ldx = expect_rows16(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  ASTRAI_CHECK(m <= 64, "x: at most 64 rows (tokens) for the weight GEMM, got ", m);
+  ASTRAI_CHECK(k % kWeightGemmChunk == 0, "x: K must be a multiple of ", kWeightGemmChunk, ", got ", k);
+  ASTRAI_CHECK(w.dtype == DType::Float8E4M3 || w.dtype == DType::Float8E5M2,
+               "w: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(w.dtype));
+  const int64_t ldw = expect_rows16(w);
+  ASTRAI_CHECK(w.size(1) == k, "w: expected [N, ", k, "] (K of x), got ", shape_str(w.shape));
+  const int64_t n = w.size(0);
+  expect_dtype(w_scale, DType::Float32);
+  expect_shape(w_scale, {n}, "[N] (one scale per output channel)");
+  expect_contiguous(w_scale);
+  expect_data(w_scale, 4);
+  expect_dtype(y, x.dtype);
+  expect_shape(y, {m, n}, "[M, N]");
+  const int64_t ldy = expect_matrix(y);
+  expect_data(y, 2);
+  ASTRAI_CHECK(k_per_split > 0 && k_per_split % kWeightGemmChunk == 0, "k_per_split: expected a positive multiple of ",
+               kWeightGemmChunk, ", got ", k_per_split);
+  WeightGemmParams p{};
+  if (k_per_split < k) {
+    ASTRAI_CHECK(!ws_arg.is_none(), "ws: K splits (k_per_split ", k_per_split, " < K ", k,
+                 ") need the float32 [M, N] workspace, zero on entry");
+    const TensorArg ws = bind::tensor_arg("ws", ws_arg);
+    expect_dtype(ws, DType::Float32);
+    expect_shape(ws, {m, n}, "[M, N]");
+    expect_contiguous(ws);
+    expect_data(ws, 4);
+    p.ws = ws.data<float>();
+  }
+  checked_device();
+  p.x = x.data<const void>(), p.w = w.data<const uint8_t>(), p.w_scale = w_scale.data<const float>();
+  p.y = y.data<void>();
+  p.x_stride = ldx, p.w_stride = ldw, p.y_stride = ldy;
+  p.m = static_cast<int>(m), p.n = static_cast<int>(n), p.k = static_cast<int>(k);
+  p.k_per_split = static_cast<int>(k_per_split);
+  const bool e4m3 = w.dtype == DType::Float8E4M3;
+  if (x.dtype == DType::BFloat16) {
+    e4m3 ? launch_weight_gemm<__nv_bfloat16, 4>(p, stream) : launch_weight_gemm<__nv_bfloat16, 5>(p, stream);
+  } else {
+    e4m3 ? launch_weight_gemm<__half, 4>(p, stream) : launch_weight_gemm<__half, 5>(p, stream);
+  }
+  ASTRAI_CHECK_LAUNCH();
+}
+
+int64_t weight_gemm_plan(int64_t n, int64_t k, int sms) {
+  ASTRAI_CHECK(n > 0 && k > 0 && n <= kIntMax && k <= kIntMax && k % kWeightGemmChunk == 0,
+               "n, k: expected positive int32 sizes with k a multiple of ", kWeightGemmChunk, ", got ", n, ", ", k);
+  ASTRAI_CHECK(sms > 0, "sms: must be positive, got ", sms);
+  return k / weight_gemm_splits(static_cast<int>(n), static_cast<int>(k), sms);
+}
+
 // --------------------------------------------------------------------- planner (pure)
 const char* tile_name(TileConfig c) {
   switch (c) {
@@ -328,6 +400,13 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "and > 0 else prev_scale[r]; scale[r] = s, scale_inv[r] = 1/s; pending[r] = 0.\n"
         "pending, prev_scale, scale, scale_inv: float32 contiguous, one element per row;\n"
         "prev_scale may alias scale. Bit-identical to the same torch ops on CUDA.");
+  m.def("weight_gemm", &astrai::fp8::weight_gemm, py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("y"),
+        py::arg("ws"), py::arg("k_per_split"), py::arg("stream"),
+        "y [M, N] = x [M, K] (w [N, K] * w_scale [N])^T for M <= 64: x, y bf16 / f16, w fp8 (e4m3 / e5m2),\n"
+        "w_scale float32; K a multiple of 256, rows 16-byte aligned. k_per_split < K splits K over\n"
+        "blocks adding into ws (float32 [M, N], zero on entry and left zero); else ws may be None.");
+  m.def("weight_gemm_plan", &astrai::fp8::weight_gemm_plan, py::arg("n"), py::arg("k"), py::arg("sms"),
+        "k_per_split of the weight GEMM for N output channels on sms SMs (pure host function).");
   m.def("plan", &astrai::fp8::plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("trans_a"),
         py::arg("trans_b"), py::arg("sms"), py::arg("smem_per_sm"), py::arg("smem_per_block"),
         "The launch plan fp8_gemm would use (pure host function, no GPU needed).");

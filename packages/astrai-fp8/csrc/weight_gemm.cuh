@@ -2,7 +2,8 @@
 // for M <= 64 tokens, x and y 16-bit (bfloat16 / float16), W e4m3 or e5m2 with one float32
 // scale per output channel. No activation quantization: a decode step reads every weight
 // once, so one byte a weight is what halves its time (docs/fp8.md, "FP8 weights at decode").
-// Built, waiting for a GPU: csrc/tests/weight_gemm_test.cu checks and times it; no op binds it.
+// Op fp8_weight_gemm (ops.cu: weight_gemm, weight_gemm_plan); astrai.extension.fp8_weight_linear.
+// Built, waiting for a GPU: csrc/tests/weight_gemm_test.cu checks and times it.
 //
 // mma.sync m16n8k16 on float16 with the channels as the mma's M and the tokens as its n8
 // columns: a warp owns 16 output channels, whose bytes convert straight into A fragments (one

@@ -36,6 +36,7 @@ OP_DTYPES = {
     "fp8_quantize": ["float32", "float16", "bfloat16"],
     "fp8_gemm": ["float8_e4m3fn", "float8_e5m2"],
     "fp8_scale_update": ["float32"],  # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
+    "fp8_weight_gemm": ["bfloat16", "float16"],  # decode-size x . (FP8 weights * per-channel scales)^T
 }
 
 # Archs whose mma.sync e4m3/e5m2 is a native QMMA (checked in the SASS by the tests).

@@ -17,8 +17,8 @@ from .. import __version__
 from ..extension.device import DeviceInfo, driver_cuda_version, probe_device
 from ..extension.install import PLUGIN_EXTRAS, PUBLISHED_CUDA, cuda_index_tag, index_is_published
 from ..extension.op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL,
-                                  FP8_GEMM, FP8_QUANTIZE, FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM,
-                                  ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
+                                  FP8_GEMM, FP8_QUANTIZE, FP8_SCALE_UPDATE, FP8_WEIGHT_GEMM, FUSED_ADD_RMS_NORM,
+                                  RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
 from ..extension.ops._plugin import PLUGIN_OF_OP
 from ..extension.registry import OpStatus, Registry
 from ..extension.runtime import current_runtime
@@ -39,6 +39,7 @@ FALLBACKS = {
     FP8_QUANTIZE: "torch saturating cast",
     FP8_GEMM: "torch._scaled_mm (sm_89+) or dequantize-matmul emulation",
     FP8_SCALE_UPDATE: "torch ops (nine small kernels)",
+    FP8_WEIGHT_GEMM: "torch float32 matmul of the dequantized weights",
 }
 
 

@@ -9,6 +9,7 @@ Direct kernel wrappers that never fall back live in :mod:`astrai.extension.ops`.
 """
 
 from .backend.attention import ATTN_BACKEND, attention, attn_backend
+from .backend.fp8_weights import fp8_weight_linear, quantize_weight
 from .backend.norm import fused_add_rms_norm, rms_norm, silu_and_mul
 from .backend.rotary import apply_rotary_emb, apply_rotary_emb_qk
 from .fp8 import DelayedScaling, DynamicScaling, Format, fp8_autocast, fp8_state, is_fp8_autocast_enabled
@@ -40,8 +41,10 @@ __all__ = [
     "explain",
     "fp8_autocast",
     "fp8_state",
+    "fp8_weight_linear",
     "fused_add_rms_norm",
     "is_fp8_autocast_enabled",
+    "quantize_weight",
     "rms_norm",
     "silu_and_mul",
 ]

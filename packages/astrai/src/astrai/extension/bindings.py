@@ -63,5 +63,7 @@ BINDINGS: dict[str, Binding] = {
     "gemm": Binding(("a", "b", "scale", "bias", "out", "trans_a", "trans_b", "stream"), ("mainloop",)),
     "scale_update": Binding(("hist", "pending", "prev_scale", "scale", "scale_inv", "factor", "most_recent",
                              "stream")),
+    "weight_gemm": Binding(("x", "w", "w_scale", "y", "ws", "k_per_split", "stream")),
+    "weight_gemm_plan": Binding(("n", "k", "sms")),
     "plan": Binding(("m", "n", "k", "trans_a", "trans_b", "sms", "smem_per_sm", "smem_per_block")),
 }

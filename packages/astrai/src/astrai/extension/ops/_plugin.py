@@ -14,7 +14,8 @@ from ..device import DeviceInfo, probe_device
 from ..install import PLUGIN_EXTRAS, pip_command, unpublished_note
 from ..manifest import OpSpec
 from ..op_names import (ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL, FP8_GEMM, FP8_QUANTIZE,
-                        FP8_SCALE_UPDATE, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB, SILU_AND_MUL)
+                        FP8_SCALE_UPDATE, FP8_WEIGHT_GEMM, FUSED_ADD_RMS_NORM, RMS_NORM, ROPE_PAGED_APPEND, ROTARY_EMB,
+                        SILU_AND_MUL)
 from ..registry import OpStatus, Registry, failure
 from ..runtime import current_runtime
 
@@ -33,6 +34,7 @@ PLUGIN_OF_OP = {
     FP8_QUANTIZE: "astrai-fp8",
     FP8_GEMM: "astrai-fp8",
     FP8_SCALE_UPDATE: "astrai-fp8",
+    FP8_WEIGHT_GEMM: "astrai-fp8",
 }
 
 

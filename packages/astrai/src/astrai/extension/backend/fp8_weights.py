@@ -1,0 +1,104 @@
+"""Linears over FP8 weights with one scale per output channel, for decoding.
+
+``quantize_weight(weight, dtype=torch.float8_e4m3fn) -> (w, w_scale)``: ``weight [N, K]`` in
+one byte a value, ``w_scale [N]`` float32 the dequantization scale of each output channel
+(``amax of the row / the format's largest value``; a zero row gets 1), so that ``weight ~
+w * w_scale[:, None]`` with FP8's relative rounding (2^-4 for e4m3, 2^-3 for e5m2).
+
+``fp8_weight_linear(x, w, w_scale, bias=None) -> y``: ``F.linear(x, w * w_scale[:, None], bias)``
+for ``x [..., K]`` bfloat16 / float16 / float32, ``y`` in ``x``'s dtype. The activations stay
+in their dtype: a decode step reads every weight once for a few tokens, so the weights' one byte
+is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
+of at most 64 rows it can take (16-bit ``x``, K a multiple of 256, 16-byte aligned rows, no
+gradient wanted); otherwise the torch path: float32 products of the dequantized weights, summed
+in float32 and rounded once, as the kernel does. Decisions go through the resolver once per
+(device, dtype, K) (``explain("fp8_weight_gemm")``). Built, waiting for a GPU: the kernel has not
+run on one yet (docs/fp8.md, "FP8 weights at decode").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..op_names import FP8_WEIGHT_GEMM
+from ..ops import fp8_weights as ops_fp8_weights
+from .rotary import choose, fall_back
+
+__all__ = ["fp8_weight_linear", "quantize_weight"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, w_scale)``: ``weight [N, K]`` as FP8 of ``dtype`` with one float32 scale per row."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.dtype in _FP8:
+        raise ValueError(f"weight must be a 2-D [N, K] floating tensor (not FP8), got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if dtype not in _FP8:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    if not torch.isfinite(amax).all():
+        raise ValueError("weight holds inf or NaN: its rows cannot be scaled into FP8")
+    w_scale = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+    return (w / w_scale[:, None]).to(dtype), w_scale
+
+
+def _check(x: object, w: object, w_scale: object, bias: object) -> None:
+    for name, t in (("x", x), ("w", w), ("w_scale", w_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dtype not in _X_DTYPES or x.dim() < 1:
+        raise TypeError(f"x must be a bfloat16, float16 or float32 tensor [..., K], got {x.dtype} {tuple(x.shape)}")
+    if w.dtype not in _FP8 or w.dim() != 2:
+        raise TypeError(f"w must be a float8_e4m3fn or float8_e5m2 [N, K] tensor (quantize_weight), got {w.dtype} "
+                        f"{tuple(w.shape)}")
+    if w.shape[1] != x.shape[-1]:
+        raise ValueError(f"w has shape {tuple(w.shape)}: expected [N, {x.shape[-1]}] (x's last dim is K)")
+    if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (w.shape[0],):
+        raise ValueError(f"w_scale must be float32 [{w.shape[0]}] (one scale per output channel), got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (w.shape[0],)):
+        raise ValueError(f"bias must be None or a [{w.shape[0]}] tensor")
+    for name, t in (("w", w), ("w_scale", w_scale)) + ((("bias", bias),) if bias is not None else ()):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() < 2 or (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _kernel_takes(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool) -> bool:
+    if x2.dtype == torch.float32 or x2.shape[0] > ops_fp8_weights.MAX_ROWS or x2.shape[0] == 0:
+        return False
+    if x2.shape[1] % ops_fp8_weights.K_MULTIPLE or not (_aligned(x2) and _aligned(w) and w_scale.is_contiguous()):
+        return False
+    return choose(x2, needs_grad, FP8_WEIGHT_GEMM) == "cuda" and not needs_grad
+
+
+def _torch_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    return (F.linear(x.float(), w.float()) * w_scale).to(x.dtype)
+
+
+def fp8_weight_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w * w_scale[:, None], bias)`` in ``x``'s dtype (see the module docstring).
+    Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument."""
+    _check(x, w, w_scale, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_scale.requires_grad)
+    if _kernel_takes(x2, w, w_scale, needs_grad):
+        try:
+            y = ops_fp8_weights.fp8_weight_gemm_unchecked(x2, w, w_scale)
+        except RuntimeError:
+            y = fall_back(x.device, lambda: _torch_path(x2, w, w_scale), FP8_WEIGHT_GEMM)
+    else:
+        y = _torch_path(x2, w, w_scale)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)

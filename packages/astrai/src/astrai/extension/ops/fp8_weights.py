@@ -1,0 +1,72 @@
+"""The astrai-fp8 plugin's decode-size linear over FP8 weights as a torch custom op.
+
+``fp8_weight_gemm_unchecked(x [M, K], w [N, K], w_scale [N]) -> y [M, N]``:
+``y = x (w * w_scale[:, None])^T`` for ``M <= 64`` rows of bfloat16 / float16 ``x``
+(``y`` in ``x``'s dtype), ``w`` float8_e4m3fn / float8_e5m2, ``w_scale`` float32, K a
+multiple of :data:`K_MULTIPLE`, rows 16-byte aligned (``backend/fp8_weights.py`` checks all
+of it and runs the torch path otherwise). ``torch.ops.astrai.fp8_weight_gemm`` with a fake
+implementation (``torch.compile``, CUDA graphs).
+
+The launch splits K over blocks where the output channels alone leave SMs idle (the module's
+``weight_gemm_plan``); the splits add into a float32 workspace that the launch leaves zero, kept
+per device and stream (a workspace made while a CUDA graph is captured belongs to that graph).
+
+Call convention (ABI 1) of ``astrai_fp8._fp8_ops``: ``weight_gemm(x, w, w_scale, y, ws,
+k_per_split, stream)``, ``weight_gemm_plan(n, k, sms) -> k_per_split``; tensors as tuples
+``(data_ptr, shape, strides_in_elements, dtype_code)``, ``ws`` None without splits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..abi import launch, stream_handle, tensor_arg
+from ..op_names import FP8_WEIGHT_GEMM
+from . import _plugin
+
+__all__ = ["K_MULTIPLE", "MAX_ROWS", "fp8_weight_gemm_unchecked"]
+
+MAX_ROWS = 64  # rows of x (decode tokens) the kernel takes
+K_MULTIPLE = 256  # K is staged in chunks of this many
+
+_SPLITS: dict[tuple[int, int, int], int] = {}  # (device index, n, k) -> k_per_split
+_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> float32, all zero
+
+
+def _k_per_split(module, device: torch.device, n: int, k: int) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, n, k)
+    found = _SPLITS.get(key)
+    if found is None:
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        found = _SPLITS[key] = module.weight_gemm_plan(n, k, sms)
+    return found
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A zero float32 buffer of at least ``numel`` elements for this device's current stream."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream_handle(device))
+    found = _WORKSPACES.get(key)
+    if found is None or found.numel() < numel:
+        found = _WORKSPACES[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+    return found
+
+
+@_plugin.plugin_op(f"astrai::{FP8_WEIGHT_GEMM}")
+def fp8_weight_gemm_unchecked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    module = _plugin.require(FP8_WEIGHT_GEMM, x.device)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split = _k_per_split(module, x.device, n, k)
+    ws = None if k_per_split >= k else tensor_arg(_workspace(x.device, m * n)[:m * n].view(m, n))
+    launch(x.device, module.weight_gemm, tensor_arg(x), tensor_arg(w), tensor_arg(w_scale), tensor_arg(y), ws,
+           k_per_split)
+    return y
+
+
+@fp8_weight_gemm_unchecked.op.register_fake
+def _fp8_weight_gemm_fake(x, w, w_scale):
+    return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)

@@ -1,0 +1,126 @@
+"""FP8 weights with per-channel scales (astrai.extension.fp8_weight_linear, quantize_weight) on
+the CPU: the quantization's bound, the linear against a float64 reference of the dequantized
+weights, bad input named, and the plugin's kernel chosen exactly where it can take the call
+(a fake plugin, the kernel computed by the torch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
+
+from astrai.extension import explain, fp8_weight_linear, quantize_weight
+from astrai.extension.backend import fp8_weights, rotary
+from astrai.extension.registry import Registry
+from astrai.extension.runtime import Runtime, use_runtime
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize(("fp8", "rel"), [(E4M3, 2**-4), (E5M2, 2**-3)])
+def test_quantize_weight_scales_each_row_to_the_formats_largest_value(fp8, rel):
+    weight = rand(48, 256, scale=0.05)
+    weight[3] = 0.0  # a zero row: scale 1, zeros
+    weight[7] *= 1000.0  # rows of very different ranges keep their own scale
+    w, w_scale = quantize_weight(weight, fp8)
+    assert w.dtype == fp8 and w.shape == weight.shape and w_scale.dtype == torch.float32 and w_scale.shape == (48,)
+    assert w_scale[3] == 1.0 and torch.all(w[3].float() == 0)
+    back = w.float() * w_scale[:, None]
+    amax = weight.abs().amax(dim=1)
+    torch.testing.assert_close(w.float().abs().amax(dim=1)[amax > 0], torch.full((47,), torch.finfo(fp8).max))
+    # round to nearest: half a unit in the last place (2^-4 of the value for e4m3), or of the subnormals
+    tiny = w_scale[:, None] * torch.finfo(fp8).tiny
+    assert torch.all((back - weight).abs() <= rel * weight.abs() + tiny)
+
+
+def test_quantize_weight_refuses_what_it_cannot_scale():
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        quantize_weight([1.0])
+    with pytest.raises(ValueError, match=r"weight must be a 2-D \[N, K\] floating tensor"):
+        quantize_weight(rand(4))
+    with pytest.raises(ValueError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        quantize_weight(rand(4, 4), torch.bfloat16)
+    bad = rand(4, 4)
+    bad[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_weight(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 512), (3, 5, 256), (70, 768)])
+def test_the_linear_is_the_dequantized_weights_linear(dtype, shape):
+    w, w_scale = quantize_weight(rand(96, shape[-1], seed=1, scale=0.02))
+    x = rand(*shape, seed=2).to(dtype)
+    bias = rand(96, seed=3)
+    y = fp8_weight_linear(x, w, w_scale, bias.to(dtype))
+    want = x.double() @ (w.double() * w_scale.double()[:, None]).t()
+    assert y.dtype == dtype and y.shape == (*shape[:-1], 96)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(y.double(), want + bias.to(dtype).double(), rtol=tol, atol=tol * want.abs().max())
+
+
+def test_bad_input_names_the_argument():
+    w, w_scale = quantize_weight(rand(8, 256))
+    x = rand(2, 256, dtype=torch.bfloat16)
+    cases = [
+        (dict(x="x"), TypeError, "x must be a torch.Tensor"),
+        (dict(x=x.int()), TypeError, "x must be a bfloat16, float16 or float32 tensor"),
+        (dict(w=w.float()), TypeError, "w must be a float8_e4m3fn or float8_e5m2"),
+        (dict(x=rand(2, 128, dtype=torch.bfloat16)), ValueError, r"w has shape \(8, 256\): expected \[N, 128\]"),
+        (dict(w_scale=w_scale[:4]), ValueError, r"w_scale must be float32 \[8\]"),
+        (dict(w_scale=w_scale.double()), ValueError, r"w_scale must be float32 \[8\]"),
+        (dict(bias=torch.zeros(9)), ValueError, r"bias must be None or a \[8\] tensor"),
+    ]
+    for override, error, match in cases:
+        args = dict(x=x, w=w, w_scale=w_scale, bias=None) | override
+        with pytest.raises(error, match=match):
+            fp8_weight_linear(**args)
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+OPS = {"fp8_weight_gemm": {"module": "fake_fp8_module", "abi": 1, "dtypes": ["bfloat16", "float16"], "min_sm": 89}}
+
+
+def fp8_runtime():
+    registry = Registry(entry_points(FakeEntryPoint("fp8", manifest(name="astrai-fp8", ops=OPS))),
+                        importer=lambda name: fake_module(name))
+    return Runtime(registry)
+
+
+def test_the_kernel_runs_where_it_can_take_the_call(monkeypatch):
+    calls = []
+
+    def kernel(x2, w, w_scale):
+        calls.append(tuple(x2.shape))
+        return fp8_weights._torch_path(x2, w, w_scale)
+
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)  # pretend tensors live on an H200
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_weight_gemm_unchecked", kernel)
+    w, w_scale = quantize_weight(rand(32, 512))
+    with use_runtime(fp8_runtime()):
+        fp8_weight_linear(rand(1, 512, dtype=torch.bfloat16), w, w_scale)
+        fp8_weight_linear(rand(4, 16, 512, dtype=torch.float16), w, w_scale)  # 64 rows: still the kernel
+        assert calls == [(1, 512), (64, 512)]
+        fp8_weight_linear(rand(65, 512, dtype=torch.bfloat16), w, w_scale)  # more rows than the kernel takes
+        fp8_weight_linear(rand(2, 512), w, w_scale)  # float32 x
+        w2, s2 = quantize_weight(rand(32, 320))
+        fp8_weight_linear(rand(2, 320, dtype=torch.bfloat16), w2, s2)  # K not a multiple of 256
+        fp8_weight_linear(rand(2, 512, dtype=torch.bfloat16).requires_grad_(), w, w_scale)  # a gradient wanted
+        assert calls == [(1, 512), (64, 512)]
+        (decision, *_) = [d for d in explain("fp8_weight_gemm") if d.chosen == "cuda"]
+    assert decision.key.dtype in (torch.bfloat16, torch.float16)
+
+
+def test_fakes_give_the_output_shape():
+    import astrai.extension.ops.fp8_weights  # noqa: F401  (registers torch.ops.astrai.fp8_weight_gemm)
+
+    x = torch.empty(5, 512, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(96, 512, dtype=E4M3, device="meta")
+    y = torch.ops.astrai.fp8_weight_gemm(x, w, torch.empty(96, device="meta"))
+    assert y.shape == (5, 96) and y.dtype == torch.bfloat16
