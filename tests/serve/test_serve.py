@@ -253,3 +253,41 @@ def test_graphs_require_the_paged_decode_kernel_for_this_cache(monkeypatch):
     seen.append(decision(torch.bfloat16, "torch_native"))
     with pytest.raises(RuntimeError, match="torch_native"):
         graphs._require_graph_safe_attention(cache)
+
+
+def test_fp8_weights_serve_the_dequantized_model():
+    llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu", seed=3)
+    fp8 = LLM(llm.model, fp8_weights=True)  # copies on the shared model, read only by this engine
+    ref = LLM.from_preset("tiny", dtype=torch.float32, device="cpu", seed=3)
+    with torch.no_grad():
+        for layer, ref_layer in zip(fp8.model.layers, ref.model.layers):
+            for name, (w, w_scale) in layer.fp8_weights.items():
+                getattr(ref_layer, name).weight.copy_(w.float() * w_scale[:, None])
+    prompts = _prompts(23, [8, 30, 3], llm.config.vocab_size)
+    tokens, approx = fp8.generate(prompts, max_new_tokens=5, return_logits=True)
+    want_tokens, want = ref.generate(prompts, max_new_tokens=5, return_logits=True)
+    assert tokens == want_tokens
+    for got, expected in zip(approx, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)  # the 16-bit weights, untouched
+    for got, full in zip(approx, exact):
+        rel = float((got[0] - full[0]).norm() / full[0].norm())
+        assert 0 < rel < 0.1  # e4m3 weights, one scale per channel: changed, within a few percent
+    with pytest.raises(ValueError, match="exclude each other"):
+        LLM(llm.model, fp8=True, fp8_weights=True)
+
+
+def test_cli_generate_fp8_weights(tmp_path, capsys):
+    import json
+
+    from astrai.cli.main import main
+
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--preset", "tiny", "--requests", "2", "--prompt-len", "4", "9", "--max-new-tokens", "3",
+            "--dtype", "float32", "--fp8-weights", "--json", str(out)]
+    assert main(argv) == 0
+    assert "FP8 weights" in capsys.readouterr().out
+    assert json.loads(out.read_text())["fp8_weights"] is True
+    with pytest.raises(SystemExit) as exit_:  # one or the other: argparse's one-line usage error
+        main(["generate", "--preset", "tiny", "--fp8", "--fp8-weights"])
+    assert exit_.value.code == 2 and "not allowed with argument --fp8" in capsys.readouterr().err

@@ -43,7 +43,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt length range")
     parser.add_argument("--max-new-tokens", type=int, help="new tokens per request (default 256 GPU / 32 CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 on a GPU, float32 on the CPU")
-    parser.add_argument("--fp8", action="store_true", help="FP8 linears in the decoder layers")
+    fp8 = parser.add_mutually_exclusive_group()
+    fp8.add_argument("--fp8", action="store_true", help="FP8 linears in the decoder layers")
+    fp8.add_argument("--fp8-weights", action="store_true",
+                     help="FP8 weight copies of the decoder layers' linears, 16-bit activations")
     parser.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                         help="the KV cache's storage: auto (the model's dtype) or FP8 with per-layer scales")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
@@ -98,7 +101,8 @@ def _check(args) -> None:
 def _build(args, device: torch.device, dtype: torch.dtype):
     from ..serve import LLM
 
-    options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8, kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+    options = dict(cuda_graphs=not args.no_graphs, fp8=args.fp8, fp8_weights=args.fp8_weights,
+                   kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.checkpoint:  # tensor by tensor into the engine's model: no transformers model is built
         return LLM.from_pretrained(args.checkpoint, dtype=dtype, device=device, **options)
     name = args.preset or ("llama3-8b" if device.type == "cuda" else "tiny")
@@ -146,7 +150,8 @@ def main(args) -> int:
     prompts = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     console.print(f"model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads "
                   f"of {c.head_dim}, {count(c.num_parameters())} parameters, {dtype}"
-                  f"{', FP8 linears' if args.fp8 else ''}{', FP8 KV cache' if llm.kv_cache_dtype else ''}; "
+                  f"{', FP8 linears' if args.fp8 else ''}{', FP8 weights' if args.fp8_weights else ''}"
+                  f"{', FP8 KV cache' if llm.kv_cache_dtype else ''}; "
                   f"{n} requests, prompts {lo}-{hi}, {new} new tokens")
     llm.reserve(prompts, new)  # the KV cache and the decode graphs, before the clock starts
     llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
@@ -155,10 +160,12 @@ def main(args) -> int:
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "cuda_graphs": llm.use_graphs,
+    result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "fp8_weights": args.fp8_weights,
+              "cuda_graphs": llm.use_graphs,
               "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
               "peers": [], "accuracy": None}
-    result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8, step_ms=stats.decode_step_ms,
+    result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8 or args.fp8_weights,
+                                                 step_ms=stats.decode_step_ms,
                                                  context_tokens_per_step=stats.decode_context_per_step,
                                                  kv_dtype=llm.kv_cache.kv_dtype)
     if args.compare == "hf":

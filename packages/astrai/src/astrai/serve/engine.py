@@ -78,7 +78,10 @@ class LLM:
         max_batch_size: requests decoded together at most.
         max_batch_tokens: prompt tokens per prefill step at most (longer prompts are chunked).
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only; ignored on the CPU).
-        fp8: run the decoder layers' linears in FP8 (``fp8_autocast``).
+        fp8: run the decoder layers' linears in FP8 (``fp8_autocast``: FP8 weights and activations).
+        fp8_weights: give the decoder layers' linears FP8 weight copies, one scale per output
+            channel, read by ``fp8_weight_linear`` (activations stay 16-bit: what pays at decode
+            sizes). Not with ``fp8``.
         memory_fraction: share of the free GPU memory the KV cache may take.
         overlap: plan and launch each decode step before the previous one's tokens reach the
             host (while no request waits for a slot); False waits for every step.
@@ -101,9 +104,11 @@ class LLM:
     def __init__(self, model: DecoderModel, *, page_size: int = 16, max_batch_size: int = 64,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, fp8: bool = False,
                  memory_fraction: float = 0.8, overlap: bool = True, fused_rope: bool = True,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, fp8_weights: bool = False) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
+        if fp8 and fp8_weights:
+            raise ValueError("fp8 (FP8 weights and activations) and fp8_weights (FP8 weights only) exclude each other")
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, model.dtype)
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1)):
@@ -119,6 +124,9 @@ class LLM:
         self.use_graphs = bool(cuda_graphs) and model.device.type == "cuda"
         self.graphs_off_reason: str | None = None  # why decode steps run eagerly on CUDA, when they do
         self.fp8 = bool(fp8)
+        self.fp8_weights = bool(fp8_weights)
+        if self.fp8_weights and not all(layer.fp8_weights for layer in model.layers):
+            model.quantize_weights_fp8()
         self.memory_fraction = memory_fraction
         self.overlap = bool(overlap)
         self.fused_rope = bool(fused_rope)
@@ -239,7 +247,8 @@ class LLM:
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
                  cache: PagedKVCache) -> torch.Tensor:
-        return self.model(tokens, positions, cache, logit_rows, fp8=self.fp8, fused_rope=self.fused_rope)
+        return self.model(tokens, positions, cache, logit_rows, fp8=self.fp8, fused_rope=self.fused_rope,
+                          fp8_weights=self.fp8_weights)
 
     # -- generation
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..extension import (DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast,
-                         fused_add_rms_norm, rms_norm, silu_and_mul)
+                         fp8_weight_linear, fused_add_rms_norm, quantize_weight, rms_norm, silu_and_mul)
 from .config import ModelConfig
 
 __all__ = ["DecoderModel", "add_rms_norm", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
@@ -59,10 +59,19 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **kw)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
+        # FP8 copies of the linears' weights, (w, w_scale) by name (DecoderModel.quantize_weights_fp8)
+        self.fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def project(self, name: str, x: torch.Tensor, fp8_weights: bool = False) -> torch.Tensor:
+        """The linear ``name`` of ``x``; with ``fp8_weights``, over its FP8 weight copy."""
+        linear = getattr(self, name)
+        if not fp8_weights:
+            return linear(x)
+        return fp8_weight_linear(x, *self.fp8_weights[name], linear.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv_cache: PagedKVCache,
-                fused_rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                fused_rope: bool = True, fp8_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, residual)``: this layer's output, not yet added to the residual stream
         ``residual`` (the next norm adds it); ``x`` is the previous layer's output (the
         embeddings, with ``residual`` None, for the first layer). Overwrites ``x`` and ``residual``."""
@@ -70,7 +79,7 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         cos, sin, positions = rope
         h, residual = add_rms_norm(x, residual, self.attn_norm, c.rms_norm_eps)
-        q, k, v = self.qkv(h).split([c.q_size, c.kv_size, c.kv_size], -1)
+        q, k, v = self.project("qkv", h, fp8_weights).split([c.q_size, c.kv_size, c.kv_size], -1)
         q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
         v = v.view(1, t, c.num_kv_heads, c.head_dim)
         window = self.window_left
@@ -80,8 +89,9 @@ class DecoderLayer(nn.Module):
         else:
             q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
             out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, window_left=window)
-        h, residual = fused_add_rms_norm(self.o(out.reshape(t, c.q_size)), residual, self.mlp_norm, c.rms_norm_eps)
-        return self.down(silu_and_mul(self.gate_up(h))), residual
+        h, residual = fused_add_rms_norm(self.project("o", out.reshape(t, c.q_size), fp8_weights), residual,
+                                         self.mlp_norm, c.rms_norm_eps)
+        return self.project("down", silu_and_mul(self.project("gate_up", h, fp8_weights)), fp8_weights), residual
 
 
 class DecoderModel(nn.Module):
@@ -128,7 +138,8 @@ class DecoderModel(nn.Module):
         return model
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                logit_rows: torch.Tensor | None = None, *, fp8: bool = False, fused_rope: bool = True) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, *, fp8: bool = False, fused_rope: bool = True,
+                fp8_weights: bool = False) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the packed ``tokens [T]`` at ``positions [T]`` (the rows
         ``logit_rows`` only, default all). ``kv_cache.plan(...)`` must describe these tokens.
 
@@ -141,15 +152,28 @@ class DecoderModel(nn.Module):
         ``fused_rope``: rotary through ``attention(..., rope=(cos, sin))``, at the positions the
         cache's plan gives each token (they equal ``positions``), fused with the page write;
         False rotates with ``apply_rotary_emb_qk(positions=...)`` first.
+
+        ``fp8_weights``: the decoder layers' linears read their FP8 weight copies
+        (:meth:`quantize_weights_fp8`, made first) through ``fp8_weight_linear``.
         """
         x, residual = self.embed(tokens), None
         rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
             for layer in self.layers:
-                x, residual = layer(x, residual, rope, kv_cache, fused_rope)
+                x, residual = layer(x, residual, rope, kv_cache, fused_rope, fp8_weights)
         if logit_rows is not None:
             x, residual = x[logit_rows], None if residual is None else residual[logit_rows]
         return self.lm_head(add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0])
+
+    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        """Give the decoder layers' four linears FP8 copies of their weights, one scale per output
+        channel (``quantize_weight``), which ``forward(..., fp8_weights=True)`` reads through
+        ``fp8_weight_linear`` (one byte a weight at decode). The 16-bit weights stay
+        (``hf_state_dict``, the LM head, a forward without ``fp8_weights``)."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.fp8_weights = {name: quantize_weight(getattr(layer, name).weight, dtype)
+                                     for name in ("qkv", "o", "gate_up", "down")}
 
     def hidden_linears(self) -> list[nn.Linear]:
         """The linears of the decoder layers (those ``fp8_autocast`` runs in FP8; not the LM head)."""

@@ -11,7 +11,8 @@ in their dtype: a decode step reads every weight once for a few tokens, so the w
 is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
 of at most 64 rows it can take (16-bit ``x``, K a multiple of 256, 16-byte aligned rows, no
 gradient wanted); otherwise the torch path: float32 products of the dequantized weights, summed
-in float32 and rounded once, as the kernel does. Decisions go through the resolver once per
+in float32 and rounded once, as the kernel does (16-bit CUDA calls, a prefill's, multiply in
+their dtype: ``_torch_path``). Decisions go through the resolver once per
 (device, dtype, K) (``explain("fp8_weight_gemm")``). Built, waiting for a GPU: the kernel has not
 run on one yet (docs/fp8.md, "FP8 weights at decode").
 """
@@ -83,6 +84,11 @@ def _kernel_takes(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, need
 
 
 def _torch_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """float32 products summed in float32, one rounding (the kernel's arithmetic). A 16-bit CUDA
+    call (a prefill's many rows) multiplies in its dtype instead, at cuBLAS's speed: FP8 values
+    are exact in 16 bits, and the scale's extra rounding is far below FP8's own."""
+    if x.is_cuda and x.dtype != torch.float32:
+        return F.linear(x, w.to(x.dtype)) * w_scale.to(x.dtype)
     return (F.linear(x.float(), w.float()) * w_scale).to(x.dtype)
 
 
