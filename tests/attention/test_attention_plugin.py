@@ -455,7 +455,7 @@ def test_standalone_tests_compile():
 # swapped fp8 decode, instantiated by pending_decode_knobs.cu): they must keep compiling to sm_90a
 # code without spills or serialized wgmma until they are measured.
 PENDING_KNOBS = ("-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
-                 "-DASTRAI_PREFILL_EXP2_EMULATE=4")
+                 "-DASTRAI_PREFILL_EXP2_EMULATE=4", "-DASTRAI_DECODE_FP8_SWAP_STAGES=3")
 PENDING_UNITS = (*STANDALONE, "pending_decode_knobs.cu")
 
 

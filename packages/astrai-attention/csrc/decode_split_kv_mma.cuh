@@ -43,7 +43,8 @@
 namespace astrai::attn {
 
 // KvBytes: bytes per K/V value in the pages (2: the compute dtype, 1: fp8, kv_fp8.cuh).
-template <int D, int KvBytes = 2>
+// Stages: the K/V ring's depth, 0 for the default below (a knob of the swapped form).
+template <int D, int KvBytes = 2, int Stages = 0>
 struct DecodeMmaConfig {
     static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
     static_assert(KvBytes == 1 || KvBytes == 2, "K/V values are 16-bit or fp8");
@@ -51,7 +52,7 @@ struct DecodeMmaConfig {
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBN = 16 * kWarps;  // K/V rows per tile
     // fp8 tiles are half the bytes: one more stage keeps as many bytes in flight
-    static constexpr int kStages = (D <= 128 ? 3 : 2) + (KvBytes == 1 ? 1 : 0);
+    static constexpr int kStages = Stages > 0 ? Stages : (D <= 128 ? 3 : 2) + (KvBytes == 1 ? 1 : 0);
     static constexpr int kHeads = 16;  // query heads per block (mma rows)
     static constexpr bool kQInRegs = D <= 128;  // else Q fragments are re-read from smem
     static constexpr int kChunks = D * KvBytes / 16;  // 16-byte copies per K/V row
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
     constexpr bool kFp8 = KvFmt::kBytes == 1;
     static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
-    using C = DecodeMmaConfig<D, KvFmt::kBytes>;
+    using C = DecodeMmaConfig<D, KvFmt::kBytes, kSwapAB ? kSwapStages : 0>;
     using Tile = SwizzledTile<D>;
     using KvT = std::conditional_t<kFp8, uint8_t, T>;
     extern __shared__ __align__(128) uint8_t smem[];

@@ -103,17 +103,18 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     ASTRAI_CHECK_LAUNCH();
 #else
     using C = DecodeMmaConfig<D, KvFmt::kBytes>;
-    auto launch = [&](auto kernel, std::atomic<uint64_t>& done) {
-        set_smem_limit(kernel, C::kSmemBytes, done);
-        launch_pdl(kernel, grid, dim3(C::kThreads), C::kSmemBytes, stream, pdl && has_pdl, p);
+    auto launch = [&](auto kernel, std::atomic<uint64_t>& done, int smem = C::kSmemBytes) {
+        set_smem_limit(kernel, smem, done);
+        launch_pdl(kernel, grid, dim3(C::kThreads), smem, stream, pdl && has_pdl, p);
     };
     static std::atomic<uint64_t> done[2][2] = {};  // [swapped][capped]
     const bool capped = p.cap_log2 != 0.f;
     bool swapped = false;
     if constexpr (KvFmt::kBytes == 1 && ASTRAI_DECODE_FP8_SWAP_AB != 0) {
         swapped = p.group <= kSwapHeads;
-        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1]);
-        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0]);
+        constexpr int kSmem = DecodeMmaConfig<D, KvFmt::kBytes, kSwapStages>::kSmemBytes;
+        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1], kSmem);
+        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0], kSmem);
     }
     if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt>, done[0][1]);
     else if (!swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt>, done[0][0]);
