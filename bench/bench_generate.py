@@ -6,7 +6,8 @@ transformers, in one run.
     PYTHONPATH=packages/astrai/src python3 bench/bench_generate.py --kv-cache-dtype fp8_e4m3  # FP8 KV cache
 
 Runs (bf16, ``--layers`` layers of hidden 4096, 32/8 heads of 128, MLP 14336, vocab 128256):
-the engine (CUDA-graph decode), the engine with FP8 linears, transformers ``generate``
+the engine (CUDA-graph decode), the engine with FP8 linears, with FP8 weights only
+(``fp8_weights``: per-channel e4m3 copies, 16-bit activations), transformers ``generate``
 (sdpa, dynamic cache, left-padded batches) and ``generate_batch`` where it runs, all on the
 same ``--requests`` prompts (lengths uniform in ``--prompt-len``) with ``--new-tokens`` each.
 ``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) runs every engine with an FP8 KV cache
@@ -52,6 +53,7 @@ def _args():
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--logit-requests", type=int, default=8, help="requests whose logits are compared")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--no-fp8-weights", action="store_true", help="skip the engine over FP8 weight copies")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
                    help="the engines' KV cache storage (auto: the model's bf16)")
     p.add_argument("--no-fused-rope", action="store_true", help="rotary before attention, not fused with the cache write")
@@ -73,7 +75,7 @@ def _hbm_ms(llm: LLM, batch: int, context: int) -> float:
     h, i = c.hidden_size, c.intermediate_size
     linears = c.num_layers * (h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 3 * h * i)
     rest = c.num_parameters() - linears - c.vocab_size * h * (0 if c.tie_word_embeddings else 1)
-    weights = linears * (1 if llm.fp8 else item) + rest * item
+    weights = linears * (1 if llm.fp8 or llm.fp8_weights else item) + rest * item
     kv = batch * context * c.num_layers * 2 * c.kv_size * (llm.kv_cache_dtype or llm.model.dtype).itemsize
     return float("nan") if HBM_BYTES_PER_S is None else 1e3 * (weights + kv) / HBM_BYTES_PER_S
 
@@ -136,18 +138,20 @@ def main() -> None:
         serial.kv_cache = serial.graphs = None
         del serial
 
-    if not a.no_fp8:
-        fp8 = LLM(llm.model, fp8=True, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope,
-                  kv_cache_dtype=llm.kv_cache_dtype)
-        fp8.reserve(prompts, a.new_tokens)
-        fp8.generate(prompts, max_new_tokens=2)
-        fp8_tokens = fp8.generate(prompts, max_new_tokens=a.new_tokens)
-        result["runs"]["astrai fp8"] = fp8.last_stats.summary()
-        result["fp8_vs_bf16_agreement"] = {k: v for k, v in agreement(fp8_tokens, tokens).items()
-                                           if k != "first_divergence"}
-        result["decode_sweep_fp8"] = _decode_sweep(fp8, sizes, a.context, rng)
-        fp8.kv_cache = fp8.graphs = None
-        del fp8
+    for key, option, skip in (("fp8", "fp8", a.no_fp8), ("fp8_weights", "fp8_weights", a.no_fp8_weights)):
+        if skip:
+            continue
+        engine = LLM(llm.model, max_batch_size=llm.max_batch_size, fused_rope=llm.fused_rope,
+                     kv_cache_dtype=llm.kv_cache_dtype, **{option: True})
+        engine.reserve(prompts, a.new_tokens)
+        engine.generate(prompts, max_new_tokens=2)
+        engine_tokens = engine.generate(prompts, max_new_tokens=a.new_tokens)
+        result["runs"][f"astrai {key.replace('_', ' ')}"] = engine.last_stats.summary()
+        result[f"{key}_vs_bf16_agreement"] = {k: v for k, v in agreement(engine_tokens, tokens).items()
+                                              if k != "first_divergence"}
+        result[f"decode_sweep_{key}"] = _decode_sweep(engine, sizes, a.context, rng)
+        engine.kv_cache = engine.graphs = None
+        del engine
 
     if not a.no_hf:
         _, engine_logits = llm.generate(prompts[: a.logit_requests], max_new_tokens=a.new_tokens, return_logits=True)
@@ -187,7 +191,7 @@ def _print(r: dict) -> None:
         print(f"{name:32} {f(ttft, '11.3f')} {f(s.get('ttft_max_s'), '10.3f')} "
               f"{f(s.get('decode_tokens_per_s') or s.get('tokens_per_s'), '12,.0f')} "
               f"{f(s.get('decode_step_ms'), '8.2f')} {f(s['total_s'], '8.2f')}")
-    for key in ("decode_sweep_bf16", "decode_sweep_bf16_serial", "decode_sweep_fp8"):
+    for key in ("decode_sweep_bf16", "decode_sweep_bf16_serial", "decode_sweep_fp8", "decode_sweep_fp8_weights"):
         if key in r:
             print(f"\n{key} (context {r['context']}): batch, step ms, HBM limit ms, x of limit")
             for row in r[key]:
