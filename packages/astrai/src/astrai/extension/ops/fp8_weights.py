@@ -9,7 +9,8 @@ implementation (``torch.compile``, CUDA graphs).
 
 The launch splits K over blocks where the output channels alone leave SMs idle (the module's
 ``weight_gemm_plan``); the splits add into a float32 workspace that the launch leaves zero, kept
-per device and stream (a workspace made while a CUDA graph is captured belongs to that graph).
+per device and stream. A CUDA-graph capture reuses one its warm-up made (the graph then reads
+it by address, with no zeroing recorded); only a capture without one allocates (and zeroes) its own.
 
 Call convention (ABI 1) of ``astrai_fp8._fp8_ops``: ``weight_gemm(x, w, w_scale, y, ws,
 k_per_split, stream)``, ``weight_gemm_plan(n, k, sms) -> k_per_split``; tensors as tuples
@@ -31,6 +32,7 @@ K_MULTIPLE = 256  # K is staged in chunks of this many
 
 _SPLITS: dict[tuple[int, int, int], int] = {}  # (device index, n, k) -> k_per_split
 _WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> float32, all zero
+_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones, kept: a captured graph may hold their address
 
 
 def _k_per_split(module, device: torch.device, n: int, k: int) -> int:
@@ -45,11 +47,15 @@ def _k_per_split(module, device: torch.device, n: int, k: int) -> int:
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A zero float32 buffer of at least ``numel`` elements for this device's current stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(numel, dtype=torch.float32, device=device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream_handle(device))
+        made = [ws for (i, _), ws in _WORKSPACES.items() if i == index and ws.numel() >= numel]
+        return made[0] if made else torch.zeros(numel, dtype=torch.float32, device=device)
+    key = (index, stream_handle(device))
     found = _WORKSPACES.get(key)
     if found is None or found.numel() < numel:
+        if found is not None:
+            _OUTGROWN.append(found)
         found = _WORKSPACES[key] = torch.zeros(numel, dtype=torch.float32, device=device)
     return found
 
