@@ -33,7 +33,7 @@ def test_the_kernel_is_the_dequantized_linear(m, n, k, dtype, fp8):
     mag = x.double().abs() @ (w.double().abs() * w_scale.double()[:, None]).t()
     rel = 2**-10 if dtype == torch.float16 else 2**-7
     err = (y.double() - want).abs()
-    assert torch.all(err <= rel * want.abs() + 1e-5 * mag), float((err - rel * want.abs()).max())
+    assert torch.all(err <= rel * want.abs() + 1e-4 * mag), float((err - rel * want.abs()).max())
     workspaces = list(ops_fp8_weights._WORKSPACES.values())
     assert all(not ws.any() for ws in workspaces)  # the splits left their workspace zero
     assert any(d.chosen == "cuda" for d in explain("fp8_weight_gemm"))

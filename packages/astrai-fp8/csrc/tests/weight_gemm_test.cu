@@ -131,7 +131,7 @@ bool run_case(const Case& c, bool e4m3, bool split, bool bench, int sms) {
       ref *= scale[j];
       mag *= scale[j];
       const double got = value_of<T>(y[size_t(i) * n + j]);
-      const double err = std::fabs(got - ref), tol = out_tol * std::fabs(ref) + 1e-5 * mag;
+      const double err = std::fabs(got - ref), tol = out_tol * std::fabs(ref) + 1e-4 * mag;  // float32 sums of K terms
       worst = std::fmax(worst, err / (tol > 0 ? tol : 1.0));
       if (!(err <= tol)) ++bad;  // NaN fails too
     }
