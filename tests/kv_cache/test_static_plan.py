@@ -4,6 +4,7 @@ buffers never move, and a step that does not fit changes nothing."""
 
 from __future__ import annotations
 
+import doctest
 import random
 
 import pytest
@@ -144,3 +145,10 @@ def test_an_ordinary_plan_of_the_same_batch_after_static_steps_sees_their_pages(
     plan = cache.plan(["a", "b"], [1, 1])  # the same batch again, ordinarily
     assert len(cache.page_table("a")) == 2
     assert pages_of(plan) == [list(cache.page_table(s)) for s in ("a", "b")]
+
+
+def test_docstring_example_runs():
+    from astrai.extension import kv_static
+
+    result = doctest.testmod(kv_static)
+    assert result.attempted >= 5 and result.failed == 0

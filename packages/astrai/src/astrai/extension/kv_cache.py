@@ -46,21 +46,8 @@ Example (plan once, run many)::
     >>> cache.seq_len("a")
     72
 
-CUDA graphs: a captured decode step reads its plan at the addresses it was captured with.
-:meth:`PagedKVCache.static_decode_plan` owns such buffers, and ``plan(..., into=static)`` (or
-``step``) writes a decode step of up to ``size`` requests into them in one host->device copy;
-rows past the step's requests read and write one token of a pad sequence.
-:meth:`PagedKVCache.prepare` builds the backends' launches for a capture
-(``astrai.serve.graphs`` does all of it)::
-
-    >>> cache.add_sequence("pad")
-    >>> _ = cache.plan(["pad"], [1])                      # the pad sequence holds a token
-    >>> static = cache.static_decode_plan(size=4, max_pages=8, pad_seq="pad")
-    >>> plan = cache.plan(["a", "b"], [1, 1], into=static)
-    >>> static.kv_lens.tolist(), plan.kv_lens.tolist()    # two requests and two pad rows; a view
-    ([73, 13, 1, 1], [73, 13])
-
-Writes are detached: the cache is inference state, gradients never flow into it.
+Writes are detached: the cache is inference state, gradients never flow into it. Decode
+steps for CUDA graphs: :mod:`~astrai.extension.kv_static`.
 
 FP8 storage: ``PagedKVCache(..., kv_dtype=torch.float8_e4m3fn)`` (or ``float8_e5m2``) stores
 one byte per value with per-layer K and V scales (:mod:`~astrai.extension.kv_quant`):
@@ -82,6 +69,7 @@ from .kv_pages import PageStore, locked as _locked
 from .kv_quant import LayerScales, check_granularity, check_kv_dtype
 from .kv_steps import CacheStateError, CacheSteps, OpenStep, StepLog
 from .kv_window import WindowPages, check_window
+from .kv_static import StaticPlans
 from .static_plan import StaticDecodePlan
 
 __all__ = ["BatchPlan", "CacheFullError", "CacheStateError", "PagedKVCache", "StaticDecodePlan"]
@@ -91,7 +79,7 @@ class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.plan` when the free pages cannot hold the new tokens."""
 
 
-class PagedKVCache(CacheSteps, PageStore, WindowPages):
+class PagedKVCache(CacheSteps, PageStore, WindowPages, StaticPlans):
     """Paged key/value storage for ``num_layers`` layers, with a page allocator per sequence.
 
     Args:
@@ -312,22 +300,6 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
         return self._plan(tuple(seq_ids), tuple(q_lens), False, into)[0]
 
     @_locked
-    def static_decode_plan(self, size: int, max_pages: int, pad_seq: Hashable) -> StaticDecodePlan:
-        """Fixed device buffers for the decode steps of up to ``size`` requests of at most
-        ``max_pages`` pages each (``plan(..., into=)`` fills them); the rows past a step's
-        requests read and write one token of ``pad_seq``'s first page (a sequence holding at
-        least one token, kept for the buffers' life)."""
-        for name, value in (("size", size), ("max_pages", max_pages)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self._require_seq(pad_seq)
-        if not self._pages[pad_seq]:
-            raise ValueError(f"pad_seq {pad_seq!r} owns no page: plan a token for it first")
-        static = StaticDecodePlan(size, max_pages, self.page_size, pad_seq, self.device)
-        self._static_plans.add(static)
-        return static
-
-    @_locked
     def prepare(self, plan: BatchPlan) -> None:
         """Run the backends' per-batch preparations (:meth:`add_preparer`) on ``plan``, as
         :meth:`plan` does for the plans it builds (not for those ``into`` a static plan)."""
@@ -373,8 +345,7 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
                 plan = self._build_plan(seq_ids, q_lens, new_lens)
                 self.prepare(plan)
             else:
-                pad_slot = self._pages[into.pad_seq][0] * page
-                plan = into.stage(self._table, seq_ids, new_lens, self._last_slots(seq_ids, new_lens), pad_slot)
+                plan = self._stage_static(into, seq_ids, new_lens)
         except BaseException:
             self._undo(seq_ids, q_lens, new_lens)
             raise
@@ -408,34 +379,9 @@ class PagedKVCache(CacheSteps, PageStore, WindowPages):
             if s not in self._pages:
                 self._require_seq(s)
 
-    def _check_static(self, into: object, seq_ids: tuple, q_lens: tuple) -> None:
-        if not isinstance(into, StaticDecodePlan) or into not in self._static_plans:
-            raise TypeError(f"into must be a StaticDecodePlan of this cache (static_decode_plan), got "
-                            f"{type(into).__name__}")
-        if q_lens.count(1) != len(q_lens):
-            raise ValueError(f"into= takes decode steps (every q_len 1), got q_lens={list(q_lens)}")
-        if len(seq_ids) > into.size:
-            raise ValueError(f"the decode step has {len(seq_ids)} requests, the static plan holds {into.size}")
-        if into.pad_seq not in self._pages:
-            raise ValueError(f"the static plan's pad_seq {into.pad_seq!r} was released")
-
     def _build_plan(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> BatchPlan:
         slots = self._decode_slots(seq_ids, q_lens, kv_lens)
         return staged_plan(self._table, seq_ids, q_lens, kv_lens, self.page_size, slots)
-
-    def _decode_slots(self, seq_ids: tuple, q_lens: tuple[int, ...], kv_lens: tuple[int, ...]) -> list[int] | None:
-        """A decode step's write slots (``BatchPlan.write_index``) from the host page lists:
-        O(batch), where deriving them on the device takes a dozen ops. None for other steps
-        (their slots are derived on the device) and caches of 2**31 token slots or more
-        (the staged copy is int32)."""
-        if self.num_pages * self.page_size >= 2**31 or q_lens.count(1) != len(q_lens):
-            return None
-        return self._last_slots(seq_ids, kv_lens)
-
-    def _last_slots(self, seq_ids: tuple, kv_lens: tuple[int, ...]) -> list[int]:
-        """The slot of each request's last token (of length ``kv_lens[b]``)."""
-        page, pages = self.page_size, self._pages
-        return [pages[s][(n - 1) // page] * page + (n - 1) % page for s, n in zip(seq_ids, kv_lens)]
 
     def __repr__(self) -> str:
         return (
