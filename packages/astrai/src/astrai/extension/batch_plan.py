@@ -137,26 +137,24 @@ class BatchPlan:
         must never synchronise)."""
         return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
 
-    @functools.cached_property
-    def write_index(self) -> torch.Tensor:
-        """int64 ``[total_q]``: slot of each new token, in packed query order."""
+    def _new_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``(request, position in its sequence)`` of each new token, packed query order
+        (``kv_len - q_len + row``), derived on the device (no host sync)."""
         device = self.qo_indptr.device
         q_lens = self._q_lens_device()
         seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
         row = torch.arange(self.total_q, device=device) - self.qo_indptr.long()[seq]
-        pos = self.kv_lens.long()[seq] - q_lens[seq] + row
-        return self._slots(seq, pos)
+        return seq, self.kv_lens.long()[seq] - q_lens[seq] + row
+
+    @functools.cached_property
+    def write_index(self) -> torch.Tensor:
+        """int64 ``[total_q]``: slot of each new token, in packed query order."""
+        return self._slots(*self._new_tokens())
 
     @functools.cached_property
     def token_positions(self) -> torch.Tensor:
-        """int64 ``[total_q]``: each new token's position in its sequence (``kv_len - q_len +
-        row``), packed query order; derived on the device (no host sync)."""
-        device = self.qo_indptr.device
-        starts = self.qo_indptr.long()
-        q_lens = starts[1:] - starts[:-1]
-        seq = torch.repeat_interleave(torch.arange(self.batch_size, device=device), q_lens, output_size=self.total_q)
-        row = torch.arange(self.total_q, device=device) - starts[seq]
-        return self.kv_lens.long()[seq] - q_lens[seq] + row
+        """int64 ``[total_q]``: each new token's position in its sequence, packed query order."""
+        return self._new_tokens()[1]
 
     @functools.cached_property
     def flat_index(self) -> torch.Tensor:
