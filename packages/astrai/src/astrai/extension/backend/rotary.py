@@ -33,6 +33,7 @@ from ..compiling import assume_constant_result
 from ..device import DeviceInfo, probe_device
 from ..op_names import ROTARY_EMB
 from ..ops import rotary as ops_rotary
+from ..ops._plugin import PLUGIN_OF_OP
 from ..ops.rotary_args import check_freqs, check_positions, check_qk, check_x, debug_checks
 from ..runtime import Runtime, current_runtime
 from .rotary_torch import rotary_torch
@@ -50,7 +51,8 @@ class RotaryCall(NamedTuple):
 
 
 class _Kernel:
-    """An astrai-rotary kernel (``op``): its manifest states the dtypes (and head dims, if limited)."""
+    """A plugin kernel (``op``, an astrai-rotary one unless said: the norms, and the FP8 plugin's
+    weight GEMM share this dispatch): its manifest states the dtypes (and head dims, if limited)."""
 
     name = "cuda"
 
@@ -60,7 +62,7 @@ class _Kernel:
 
     def check(self, call: RotaryCall) -> str | None:
         if call.device.type != "cuda":
-            return f"the astrai-rotary kernels run on CUDA tensors ({call.device.describe()})"
+            return f"the {PLUGIN_OF_OP.get(self.op, 'plugin')} kernels run on CUDA tensors ({call.device.describe()})"
         status = self.runtime.registry.op_status(self.op, call.device)
         if not status.usable:
             return status.reason
