@@ -285,11 +285,16 @@ GEMM_BAD = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(GEMM_BAD))
 def test_cpp_gemm_validation(compiled, case):
-    override, message = GEMM_BAD[case]
-    args = dict(GEMM_OK, **override)
+    _refused(compiled.gemm, GEMM_OK, *GEMM_BAD[case])
+
+
+def _refused(entry, ok: dict, override: dict, message: str, located: bool = True) -> None:
+    """``entry`` with ``ok``'s arguments changed by ``override`` raises ``ValueError`` matching
+    ``message`` before any CUDA call; ``located``: the message names the check's source line."""
     with pytest.raises(ValueError, match=message) as err:
-        compiled.gemm(**args)
-    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+        entry(**dict(ok, **override))
+    if located:
+        assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
 
 
 Q_OK = dict(x=_t((M, K), BF16), scale=_t((), F32, 16384, ()), q=_t((M, K), E4M3, 8192),
@@ -311,9 +316,7 @@ Q_BAD = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(Q_BAD))
 def test_cpp_quantize_validation(compiled, case):
-    override, message = Q_BAD[case]
-    with pytest.raises(ValueError, match=message):
-        compiled.quantize(**dict(Q_OK, **override))
+    _refused(compiled.quantize, Q_OK, *Q_BAD[case], located=False)
 
 
 WM, WN, WK, F16 = 8, 48, 512, 1
@@ -340,10 +343,7 @@ WG_BAD = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(WG_BAD))
 def test_cpp_weight_gemm_validation(compiled, case):
-    override, message = WG_BAD[case]
-    with pytest.raises(ValueError, match=message) as err:
-        compiled.weight_gemm(**dict(WG_OK, **override))
-    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+    _refused(compiled.weight_gemm, WG_OK, *WG_BAD[case])
 
 
 @pytest.mark.slow
@@ -383,10 +383,7 @@ SU_BAD = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(SU_BAD))
 def test_cpp_scale_update_validation(compiled, case):
-    override, message = SU_BAD[case]
-    with pytest.raises(ValueError, match=message) as err:
-        compiled.scale_update(**dict(SU_OK, **override))
-    assert re.search(r"\[check `.+` at [\w.]+:\d+\]", str(err.value)), str(err.value)
+    _refused(compiled.scale_update, SU_OK, *SU_BAD[case])
 
 
 @pytest.mark.slow
