@@ -29,17 +29,6 @@ from .device_page_table import DevicePageTable
 
 __all__ = ["StaticDecodePlan"]
 
-_LOW = 0xFFFFFFFF
-
-
-def _words(values: list[int]) -> list[int]:
-    """Non-negative int64 values as (low, high) uint32 pairs: their bytes, little-endian."""
-    out = []
-    for v in values:
-        out += (v & _LOW, v >> 32)
-    return out
-
-
 class StaticDecodePlan:
     """Fixed-address tensors of decode plans of up to ``size`` requests (see the module
     docstring); made by ``PagedKVCache.static_decode_plan``, filled by its ``plan(..., into=)``,
@@ -48,7 +37,7 @@ class StaticDecodePlan:
 
     def __init__(self, size: int, max_pages: int, page_size: int, pad_seq: Hashable, device: torch.device) -> None:
         if sys.byteorder != "little":
-            raise RuntimeError("StaticDecodePlan stages int64 values as little-endian words")
+            raise RuntimeError("StaticDecodePlan stages int64 values in the host's byte order, read as little-endian")
         self.size, self.max_pages, self.page_size, self.pad_seq = size, max_pages, page_size, pad_seq
         self.delta_room = 2 * size  # a decode step adds a page and releases one per request at most
         # int32 words: qo_indptr, kv_indptr (fixed); then what each step stages: kv_lens, table rows,
@@ -82,14 +71,14 @@ class StaticDecodePlan:
         rows = [table.row(s) for s in seq_ids] + [table.row(self.pad_seq)] * pad
         delta_pos, delta_pages = table.take_deltas(self.max_pages)
         fits = len(delta_pos) <= self.delta_room
-        head = [*kv_lens, *[1] * pad, *rows]
-        if (self._staged_at + len(head)) % 2:
-            head.append(0)
-        head += _words([*slots, *[pad_slot] * pad])
-        head += _words([*(kv - 1 for kv in kv_lens), *[0] * pad])
+        narrow = [*kv_lens, *[1] * pad, *rows]
+        if (self._staged_at + len(narrow)) % 2:  # the int64 words start 8-byte aligned
+            narrow.append(0)
+        head = bytearray(array("i", narrow))
+        head += array("q", [*slots, *[pad_slot] * pad, *(kv - 1 for kv in kv_lens), *[0] * pad])
         if fits:
-            head += delta_pos + [0] * (self.delta_room - len(delta_pos)) + delta_pages
-        host = torch.frombuffer(array("I", head), dtype=torch.int32)
+            head += array("i", delta_pos + [0] * (self.delta_room - len(delta_pos)) + delta_pages)
+        host = torch.frombuffer(head, dtype=torch.int32)
         if self._words.device.type == "cuda":
             host = host.pin_memory()
         staged = self._words[self._staged_at:self._staged_at + host.numel()]
