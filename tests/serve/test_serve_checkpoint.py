@@ -10,6 +10,7 @@ import torch
 
 from astrai.serve import LLM
 from astrai.serve.checkpoint import CheckpointError, load_checkpoint
+from astrai.serve.model import DecoderLayer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -146,8 +147,43 @@ def test_unknown_missing_and_misshapen_weights_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="lacks model.layers.1.mlp.up_proj.weight"):
         load_checkpoint(folder, device="cpu")
     _rewrite_weights(folder, lambda s: s.update({"model.layers.1.mlp.up_proj.weight": torch.ones(128, 32)}))
-    with pytest.raises(CheckpointError, match=r"up_proj.weight has shape \(128, 32\), the config gives \(128, 64\)"):
-        load_checkpoint(folder, device="cpu")
+    for fp8 in (None, torch.float8_e4m3fn):  # a released linear is checked when its layer is read
+        with pytest.raises(CheckpointError, match=r"up_proj.weight has shape \(128, 32\), the config gives \(128, 64\)"):
+            load_checkpoint(folder, device="cpu", fp8_weights=fp8)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "tied"])  # q/k/v biases beside released weights; a tied head
+@pytest.mark.parametrize("sharded", [False, True])
+def test_fp8_weights_load_layer_by_layer(tmp_path, monkeypatch, kind, sharded):
+    """``from_pretrained(..., fp8_weights=True)`` quantizes each layer as it is read: never two
+    layers' 16-bit linears at once, and the engine equals one over the whole 16-bit load's copies."""
+    folder, _ = _save(tmp_path, kind, max_shard_size="40KB" if sharded else "5GB")
+    whole = LLM(load_checkpoint(folder, dtype=torch.float32, device="cpu"), fp8_weights=True)
+    live, most = set(), []
+    materialize, quantize = DecoderLayer.materialize_linears, DecoderLayer.quantize_weights_fp8
+
+    def materialized(layer):
+        materialize(layer)
+        live.add(id(layer))
+        most.append(len(live))
+
+    def quantized(layer, *args, **kwargs):
+        quantize(layer, *args, **kwargs)
+        if layer.linears_released:
+            live.discard(id(layer))
+
+    monkeypatch.setattr(DecoderLayer, "materialize_linears", materialized)
+    monkeypatch.setattr(DecoderLayer, "quantize_weights_fp8", quantized)
+    llm = LLM.from_pretrained(folder, dtype=torch.float32, device="cpu", fp8_weights=True)
+    assert most == [1] * COMMON["num_hidden_layers"] and not live
+    assert llm.model.linears_released and llm.model.weight_bytes() < whole.model.weight_bytes()
+    prompts = _prompts(COMMON["vocab_size"], [3, 17])
+    tokens, logits = llm.generate(prompts, max_new_tokens=6, return_logits=True)
+    want_tokens, want = whole.generate(prompts, max_new_tokens=6, return_logits=True)
+    assert tokens == want_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, want))
+    with pytest.raises(ValueError, match="fp8_weights must be None"):
+        load_checkpoint(folder, device="cpu", fp8_weights=torch.bfloat16)
 
 
 def test_saved_inv_freq_and_tied_heads_are_ignored(tmp_path):

@@ -111,13 +111,20 @@ def _build(args, device: torch.device, dtype: torch.dtype):
 
 
 def _peer_model(args, llm, dtype: torch.dtype):
-    """transformers' model of the same weights: the checkpoint's own, or the engine's copied."""
-    if not args.checkpoint:
-        return llm.to_transformers("sdpa")
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the same weights: the checkpoint's own, or the engine's copied
+    (a preset's original 16-bit weights, rebuilt from its seed where the engine freed them)."""
+    if args.checkpoint:
+        from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, local_files_only=True,
-                                                attn_implementation="sdpa").to(llm.model.device).eval()
+        return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, local_files_only=True,
+                                                    attn_implementation="sdpa").to(llm.model.device).eval()
+    if llm.model.linears_released:  # --fp8-weights: the peer, and the accuracy, see what FP8 changed
+        from ..serve import LLM
+        from ..serve.model import DecoderModel
+
+        model = DecoderModel.random(llm.config, dtype=dtype, device=llm.model.device, seed=args.seed)
+        return LLM(model, cuda_graphs=False).to_transformers("sdpa")
+    return llm.to_transformers("sdpa")
 
 
 def _attention_backend() -> str:
@@ -161,7 +168,7 @@ def main(args) -> int:
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "fp8_weights": args.fp8_weights,
-              "cuda_graphs": llm.use_graphs,
+              "cuda_graphs": llm.use_graphs, "weights_bytes": llm.model.weight_bytes(),
               "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
               "peers": [], "accuracy": None}
     result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8 or args.fp8_weights,

@@ -53,6 +53,9 @@ def print_report(console: Console, result: dict) -> None:
     if result.get("accuracy"):
         console.print(accuracy_line(result["accuracy"]))
     console.print(floor_line(e["hbm_floor"], e.get("decode_batch_mean")))
+    if result.get("weights_bytes"):
+        fp8 = " (decoder linears as FP8 copies, their 16-bit weights freed)" if result.get("fp8_weights") else ""
+        console.print(f"weights: {_gb(result['weights_bytes'])}{fp8}")
     if result.get("kv_cache"):
         console.print(kv_cache_line(result["kv_cache"]))
     if e["gpu_memory_bytes"]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import DecoderModel, hf_state_dict
+from .model import DecoderModel, hf_layer_state, hf_state_dict
 
 __all__ = ["ARCHITECTURES", "ROPE_TYPES", "CheckpointError", "load_checkpoint", "read_config", "weight_files"]
 
@@ -150,17 +150,26 @@ def _no_random_init() -> Iterator[None]:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def load_checkpoint(path, *, dtype: torch.dtype | None = None, device=None) -> DecoderModel:
+def load_checkpoint(path, *, dtype: torch.dtype | None = None, device=None,
+                    fp8_weights: torch.dtype | None = None) -> DecoderModel:
     """The :class:`DecoderModel` of the local folder ``path``, its weights in ``dtype`` (default
-    the checkpoint's, else bfloat16) on ``device`` (default CUDA when available)."""
+    the checkpoint's, else bfloat16) on ``device`` (default CUDA when available).
+
+    ``fp8_weights`` (``torch.float8_e4m3fn`` / ``float8_e5m2``): the decoder linears keep only
+    FP8 copies (``quantize_weights_fp8(release=True)``), made layer by layer as the layer is
+    read, so the device never holds more than one layer's 16-bit linears: a model whose 16-bit
+    weights would not fit loads when its FP8 ones do."""
+    if fp8_weights not in (None, torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"fp8_weights must be None, torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_weights!r}")
     config, hf_config = read_config(path)
     files = weight_files(path)
     dtype = _default_dtype(hf_config) if dtype is None else dtype
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     inv_freq, scale = _rotary(hf_config)
     with _no_random_init():
-        model = DecoderModel(config, dtype=dtype, device=device, inv_freq=inv_freq, rope_scaling=scale)
-    targets = hf_state_dict(model)  # views into the model's (fused) parameters, under transformers' names
+        model = DecoderModel(config, dtype=dtype, device=device, inv_freq=inv_freq, rope_scaling=scale,
+                             linears_released=fp8_weights is not None)
+    targets = hf_state_dict(model, raw=True)  # views into the (fused) parameters, under transformers' names
     ignored = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         ignored.add("lm_head.weight")  # transformers ties it to the embedding too
@@ -171,7 +180,13 @@ def load_checkpoint(path, *, dtype: torch.dtype | None = None, device=None) -> D
     missing = sorted(set(targets) - set(files))
     if missing:
         raise CheckpointError(f"{Path(path)}: the checkpoint lacks {_listed(missing)}")
-    _copy_tensors(targets, files)
+    released = {n for n, t in targets.items() if t.is_meta}  # the linears of an fp8_weights load
+    with _reader(files) as copy:
+        copy({n: t for n, t in targets.items() if n not in released})
+        for i, layer in enumerate(model.layers if released else ()):
+            layer.materialize_linears()
+            copy({n: t for n, t in hf_layer_state(layer, f"model.layers.{i}.", raw=True).items() if n in released})
+            layer.quantize_weights_fp8(fp8_weights, release=True)
     return model.eval().requires_grad_(False)
 
 
@@ -180,19 +195,22 @@ def _listed(names: list[str], most: int = 5) -> str:
     return ", ".join(names[:most]) + more
 
 
-def _copy_tensors(targets: dict[str, torch.Tensor], files: dict[str, Path]) -> None:
-    """Each target filled from its file, file by file, one tensor in host memory at a time."""
+@contextlib.contextmanager
+def _reader(files: dict[str, Path]) -> Iterator:
+    """``copy(targets)``: each target filled from its file, one tensor in host memory at a time
+    (every file open for the block's length)."""
     from safetensors import safe_open
 
-    by_file: dict[Path, list[str]] = {}
-    for name in targets:
-        by_file.setdefault(files[name], []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name in names:
-                    tensor, target = f.get_tensor(name), targets[name]
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(files.values())}
+
+        def copy(targets: dict[str, torch.Tensor]) -> None:
+            with torch.no_grad():
+                for name in sorted(targets, key=lambda n: str(files[n])):  # file by file
+                    tensor, target = opened[files[name]].get_tensor(name), targets[name]
                     if tensor.shape != target.shape:
-                        raise CheckpointError(f"{file}: {name} has shape {tuple(tensor.shape)}, the config "
+                        raise CheckpointError(f"{files[name]}: {name} has shape {tuple(tensor.shape)}, the config "
                                               f"gives {tuple(target.shape)}")
                     target.copy_(tensor)
+
+        yield copy

@@ -32,7 +32,7 @@ from ..extension import (DynamicScaling, PagedKVCache, apply_rotary_emb_qk, atte
                          fp8_weight_linear, fused_add_rms_norm, quantize_weight, rms_norm, silu_and_mul)
 from .config import ModelConfig
 
-__all__ = ["DecoderModel", "add_rms_norm", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
+__all__ = ["DecoderModel", "add_rms_norm", "hf_layer_state", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -46,7 +46,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device) -> None:
+    LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device,
+                 linears_released: bool = False) -> None:
         super().__init__()
         c = config
         self.config = c
@@ -61,6 +64,40 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
         # FP8 copies of the linears' weights, (w, w_scale) by name (DecoderModel.quantize_weights_fp8)
         self.fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if linears_released:
+            self._set_linear_weights("meta")
+
+    @property
+    def linears_released(self) -> bool:
+        """Whether the linears' 16-bit weights are gone (shape and dtype kept on the meta device)."""
+        return self.qkv.weight.is_meta
+
+    def _set_linear_weights(self, device) -> None:
+        """The linears' weights as new uninitialised tensors on ``device`` ("meta": released)."""
+        for name in self.LINEARS:
+            linear = getattr(self, name)
+            linear.weight = nn.Parameter(torch.empty_like(linear.weight, device=device), requires_grad=False)
+
+    def materialize_linears(self) -> None:
+        """Uninitialised 16-bit weights for released linears, on the layer's device (for a loader)."""
+        self._set_linear_weights(self.attn_norm.device)
+
+    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn, *, release: bool = False) -> None:
+        """FP8 copies of the linears' weights (see :meth:`DecoderModel.quantize_weights_fp8`)."""
+        with torch.no_grad():
+            self.fp8_weights = {name: quantize_weight(getattr(self, name).weight, dtype) for name in self.LINEARS}
+        if release:
+            self._set_linear_weights("meta")
+
+    def linear_weight(self, name: str) -> torch.Tensor:
+        """The 16-bit weight of the linear ``name``: its own, or its FP8 copy dequantized once released."""
+        weight = getattr(self, name).weight
+        if not weight.is_meta:
+            return weight
+        if name not in self.fp8_weights:
+            raise RuntimeError(f"layer {self.layer_id}'s {name} weight is released and has no FP8 copy")
+        w, w_scale = self.fp8_weights[name]
+        return (w.float() * w_scale[:, None]).to(weight.dtype)
 
     def project(self, name: str, x: torch.Tensor, fp8_weights: bool = False) -> torch.Tensor:
         """The linear ``name`` of ``x``; with ``fp8_weights``, over its FP8 weight copy."""
@@ -98,13 +135,17 @@ class DecoderModel(nn.Module):
     """Embedding, ``num_layers`` decoder layers, final norm and LM head (inference only)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device=None,
-                 inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0) -> None:
+                 inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0,
+                 linears_released: bool = False) -> None:
+        """``linears_released``: the decoder linears start without 16-bit weights, for a loader
+        that fills and quantizes them layer by layer (:func:`~astrai.serve.checkpoint.load_checkpoint`)."""
         super().__init__()
         c = config
         self.config = c
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, linears_released)
+                                    for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw))
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
         if c.tie_word_embeddings:
@@ -156,6 +197,9 @@ class DecoderModel(nn.Module):
         ``fp8_weights``: the decoder layers' linears read their FP8 weight copies
         (:meth:`quantize_weights_fp8`, made first) through ``fp8_weight_linear``.
         """
+        if not fp8_weights and self.linears_released:
+            raise RuntimeError("the decoder linears' 16-bit weights were released (quantize_weights_fp8(release=True)): "
+                               "only forward(..., fp8_weights=True) can run this model")
         x, residual = self.embed(tokens), None
         rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():
@@ -165,15 +209,25 @@ class DecoderModel(nn.Module):
             x, residual = x[logit_rows], None if residual is None else residual[logit_rows]
         return self.lm_head(add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0])
 
-    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn, *, release: bool = False) -> None:
         """Give the decoder layers' four linears FP8 copies of their weights, one scale per output
         channel (``quantize_weight``), which ``forward(..., fp8_weights=True)`` reads through
-        ``fp8_weight_linear`` (one byte a weight at decode). The 16-bit weights stay
-        (``hf_state_dict``, the LM head, a forward without ``fp8_weights``)."""
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.fp8_weights = {name: quantize_weight(getattr(layer, name).weight, dtype)
-                                     for name in ("qkv", "o", "gate_up", "down")}
+        ``fp8_weight_linear`` (one byte a weight at decode). The 16-bit weights stay (the LM head,
+        a forward without ``fp8_weights``) unless ``release``: then they are freed, ``forward``
+        needs ``fp8_weights=True``, and :func:`hf_state_dict` gives the copies dequantized."""
+        for layer in self.layers:
+            layer.quantize_weights_fp8(dtype, release=release)
+
+    @property
+    def linears_released(self) -> bool:
+        """Whether the decoder linears' 16-bit weights were released (only their FP8 copies remain)."""
+        return any(layer.linears_released for layer in self.layers)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on their device: parameters (released ones count nothing) and FP8 copies."""
+        own = sum(p.nbytes for p in self.parameters() if not p.is_meta)  # a tied head counted once
+        copies = sum(w.nbytes + s.nbytes for layer in self.layers for w, s in layer.fp8_weights.values())
+        return own + copies
 
     def hidden_linears(self) -> list[nn.Linear]:
         """The linears of the decoder layers (those ``fp8_autocast`` runs in FP8; not the LM head)."""
@@ -212,25 +266,36 @@ def load_hf_state_dict(model: DecoderModel, state: dict[str, torch.Tensor]) -> N
             layer.mlp_norm.copy_(get(p + "post_attention_layernorm.weight"))
 
 
-def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
-    """``model``'s weights under transformers' names (the inverse of :func:`load_hf_state_dict`)."""
+def hf_state_dict(model: DecoderModel, *, raw: bool = False) -> dict[str, torch.Tensor]:
+    """``model``'s weights under transformers' names (the inverse of :func:`load_hf_state_dict`);
+    released linears give their FP8 copies dequantized (see :func:`hf_layer_state` for ``raw``)."""
     c = model.config
     out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.qkv.weight.split([c.q_size, c.kv_size, c.kv_size])
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
-        out[p + "self_attn.v_proj.weight"] = v
-        if c.qkv_bias:
-            qb, kb, vb = layer.qkv.bias.split([c.q_size, c.kv_size, c.kv_size])
-            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = qb, kb
-            out[p + "self_attn.v_proj.bias"] = vb
-        out[p + "self_attn.o_proj.weight"] = layer.o.weight
-        gate, up = layer.gate_up.weight.chunk(2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = layer.down.weight
-        out[p + "input_layernorm.weight"] = layer.attn_norm
-        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm
+        out.update(hf_layer_state(layer, f"model.layers.{i}.", raw=raw))
     return {k: v.detach() for k, v in out.items()}
+
+
+def hf_layer_state(layer: DecoderLayer, prefix: str, *, raw: bool = False) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights under transformers' names starting with ``prefix``: views into
+    its (fused) parameters, the linears' FP8 copies dequantized where released; ``raw``: the
+    parameters even where released (meta tensors: the names and shapes a loader fills)."""
+    c = layer.config
+    weight = (lambda name: getattr(layer, name).weight) if raw else layer.linear_weight
+    out = {}
+    q, k, v = weight("qkv").split([c.q_size, c.kv_size, c.kv_size])
+    out[prefix + "self_attn.q_proj.weight"], out[prefix + "self_attn.k_proj.weight"] = q, k
+    out[prefix + "self_attn.v_proj.weight"] = v
+    if c.qkv_bias:
+        qb, kb, vb = layer.qkv.bias.split([c.q_size, c.kv_size, c.kv_size])
+        out[prefix + "self_attn.q_proj.bias"], out[prefix + "self_attn.k_proj.bias"] = qb, kb
+        out[prefix + "self_attn.v_proj.bias"] = vb
+    out[prefix + "self_attn.o_proj.weight"] = weight("o")
+    gate, up = weight("gate_up").chunk(2)
+    out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+    out[prefix + "mlp.down_proj.weight"] = weight("down")
+    out[prefix + "input_layernorm.weight"] = layer.attn_norm
+    out[prefix + "post_attention_layernorm.weight"] = layer.mlp_norm
+    return out
