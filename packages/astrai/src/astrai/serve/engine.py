@@ -36,14 +36,6 @@ __all__ = ["LLM"]
 _PAD_SEQ = "__pad__"
 
 
-def _own_fp8_weights(model: DecoderModel, options: dict) -> DecoderModel:
-    """The engine's own ``model`` with only FP8 copies of its decoder linears when ``options``
-    asks for ``fp8_weights`` (nobody else reads its 16-bit weights); unchanged otherwise."""
-    if options.get("fp8_weights") and not model.linears_released:
-        model.quantize_weights_fp8(release=True)
-    return model
-
-
 @contextlib.contextmanager
 def _released_on_failure(cache: PagedKVCache, requests: list[Request]):
     """A ``generate`` that raises frees its requests' sequences (``kv_cache.step`` rolled its
@@ -89,10 +81,8 @@ class LLM:
         fp8: run the decoder layers' linears in FP8 (``fp8_autocast``: FP8 weights and activations).
         fp8_weights: give the decoder layers' linears FP8 weight copies, one scale per output
             channel, read by ``fp8_weight_linear`` (activations stay 16-bit: what pays at decode
-            sizes). Not with ``fp8``. The model passed in keeps its 16-bit weights (another
-            engine may share it); :meth:`from_pretrained`, :meth:`from_preset` and
-            :meth:`from_transformers` build the engine's own model and free them (only the FP8
-            copies stay: the memory goes to the KV cache).
+            sizes). Not with ``fp8``. A model passed in keeps its 16-bit weights; the ``from_*``
+            constructors' own models free them (the memory goes to the KV cache).
         memory_fraction: share of the free GPU memory the KV cache may take.
         overlap: plan and launch each decode step before the previous one's tokens reach the
             host (while no request waits for a slot); False waits for every step.
@@ -121,8 +111,7 @@ class LLM:
         if fp8 and fp8_weights:
             raise ValueError("fp8 (FP8 weights and activations) and fp8_weights (FP8 weights only) exclude each other")
         if model.linears_released and not fp8_weights:
-            raise ValueError("the model's decoder linears hold only FP8 copies (quantize_weights_fp8(release=True)): "
-                             "pass fp8_weights=True")
+            raise ValueError("the model's decoder linears hold only FP8 copies: pass fp8_weights=True")
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, model.dtype)
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1)):
@@ -162,7 +151,7 @@ class LLM:
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         model = DecoderModel(config, dtype=dtype, device=device, inv_freq=inv_freq, rope_scaling=scaling)
         load_hf_state_dict(model, hf_model.state_dict())
-        return cls(_own_fp8_weights(model, kwargs), **kwargs)
+        return cls(model.quantize_weights_fp8(release=True) if kwargs.get("fp8_weights") else model, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> LLM:
@@ -183,7 +172,7 @@ class LLM:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = DecoderModel.random(preset(name, num_layers), dtype=dtype, device=torch.device(device), seed=seed)
-        return cls(_own_fp8_weights(model, kwargs), **kwargs)
+        return cls(model.quantize_weights_fp8(release=True) if kwargs.get("fp8_weights") else model, **kwargs)
 
     def to_transformers(self, attn_implementation: str = "sdpa"):
         """The same weights as a transformers model (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``)."""

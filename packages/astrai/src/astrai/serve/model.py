@@ -209,14 +209,16 @@ class DecoderModel(nn.Module):
             x, residual = x[logit_rows], None if residual is None else residual[logit_rows]
         return self.lm_head(add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0])
 
-    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn, *, release: bool = False) -> None:
+    def quantize_weights_fp8(self, dtype: torch.dtype = torch.float8_e4m3fn, *,
+                             release: bool = False) -> DecoderModel:
         """Give the decoder layers' four linears FP8 copies of their weights, one scale per output
         channel (``quantize_weight``), which ``forward(..., fp8_weights=True)`` reads through
         ``fp8_weight_linear`` (one byte a weight at decode). The 16-bit weights stay (the LM head,
         a forward without ``fp8_weights``) unless ``release``: then they are freed, ``forward``
-        needs ``fp8_weights=True``, and :func:`hf_state_dict` gives the copies dequantized."""
+        needs ``fp8_weights=True``, and :func:`hf_state_dict` gives the copies dequantized. Returns the model."""
         for layer in self.layers:
             layer.quantize_weights_fp8(dtype, release=release)
+        return self
 
     @property
     def linears_released(self) -> bool:
