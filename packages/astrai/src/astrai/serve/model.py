@@ -198,8 +198,8 @@ class DecoderModel(nn.Module):
         (:meth:`quantize_weights_fp8`, made first) through ``fp8_weight_linear``.
         """
         if not fp8_weights and self.linears_released:
-            raise RuntimeError("the decoder linears' 16-bit weights were released (quantize_weights_fp8(release=True)): "
-                               "only forward(..., fp8_weights=True) can run this model")
+            raise RuntimeError("the decoder linears' 16-bit weights were released (quantize_weights_fp8(release="
+                               "True)): only forward(..., fp8_weights=True) can run this model")
         x, residual = self.embed(tokens), None
         rope = (self.rope_cos, self.rope_sin, positions)
         with fp8_autocast(recipe=DynamicScaling(), cache_weights=True) if fp8 else contextlib.nullcontext():

@@ -11,6 +11,9 @@ count from the plugin's C++ planner, workspaces, converted page table), by the f
 call and, from then on, by ``PagedKVCache.plan`` through a preparer this backend registers
 on the cache; every layer's call then only launches.
 
+A long prefill over FP8 pages runs the 16-bit kernels over the step's pages dequantized first
+(:mod:`.fp8_widen`); shorter ones read the FP8 pages in the kernel.
+
 Variants (window, soft-cap, sinks, scale) run in the kernels where the op's manifest states
 them (``variants``); the values reach the launch beside the call.
 
@@ -37,6 +40,7 @@ from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
+from .fp8_widen import WidenedPrefill, widen_pays
 from .variant import PLAIN, missing_features
 
 __all__ = ["CudaBackend"]
@@ -187,6 +191,9 @@ class CudaBackend(AttentionBackend):
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
                                               plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal),
                                               k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
+        elif scales is not None and widen_pays(kv_cache, plan, variant.window_left):
+            widened = WidenedPrefill.of(kv_cache, plan)
+            out = widened.launch(q_rows, *widened.pages(kv_cache, layer_id, scales), bool(is_causal), variant=variant)
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal),
                                                                        variant=variant, kv_scales=scales)
