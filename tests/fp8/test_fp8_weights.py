@@ -107,7 +107,12 @@ def test_the_kernel_runs_where_it_can_take_the_call(monkeypatch):
         fp8_weight_linear(rand(1, 512, dtype=torch.bfloat16), w, w_scale)
         fp8_weight_linear(rand(4, 16, 512, dtype=torch.float16), w, w_scale)  # 64 rows: still the kernel
         assert calls == [(1, 512), (64, 512)]
-        fp8_weight_linear(rand(65, 512, dtype=torch.bfloat16), w, w_scale)  # more rows than the kernel takes
+        x = rand(2, 100, 512, dtype=torch.bfloat16)  # 200 rows: launches of 64 rows, stitched in order
+        torch.testing.assert_close(fp8_weight_linear(x, w, w_scale), fp8_weights._torch_path(x.view(200, 512), w,
+                                   w_scale).view(2, 100, 32), rtol=0, atol=0)
+        assert calls[2:] == [(64, 512), (64, 512), (64, 512), (8, 512)]
+        del calls[2:]
+        fp8_weight_linear(rand(257, 512, dtype=torch.bfloat16), w, w_scale)  # more rows than the kernel serves
         fp8_weight_linear(rand(2, 512), w, w_scale)  # float32 x
         w2, s2 = quantize_weight(rand(32, 320))
         fp8_weight_linear(rand(2, 320, dtype=torch.bfloat16), w2, s2)  # K not a multiple of 256

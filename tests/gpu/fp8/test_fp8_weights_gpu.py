@@ -13,7 +13,8 @@ from astrai.extension.ops import fp8_weights as ops_fp8_weights
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(1, 6144, 4096), (1, 4096, 14336), (16, 28672, 4096), (64, 4096, 4096), (33, 1000, 512), (5, 16, 256)]
+SHAPES = [(1, 6144, 4096), (1, 4096, 14336), (16, 28672, 4096), (64, 4096, 4096), (33, 1000, 512), (5, 16, 256),
+          (200, 4096, 4096)]  # 200 rows: four launches of <= 64
 
 
 def rand(*shape, seed=0, scale=1.0, dtype=torch.float32):

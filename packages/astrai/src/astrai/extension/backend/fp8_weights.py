@@ -9,8 +9,8 @@ w * w_scale[:, None]`` with FP8's relative rounding (2^-4 for e4m3, 2^-3 for e5m
 for ``x [..., K]`` bfloat16 / float16 / float32, ``y`` in ``x``'s dtype. The activations stay
 in their dtype: a decode step reads every weight once for a few tokens, so the weights' one byte
 is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
-of at most 64 rows it can take (16-bit ``x``, K a multiple of 256, 16-byte aligned rows, no
-gradient wanted); otherwise the torch path: float32 products of the dequantized weights, summed
+of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256, 16-byte
+aligned rows, no gradient wanted); otherwise the torch path: float32 products of the dequantized weights, summed
 in float32 and rounded once, as the kernel does (16-bit CUDA calls, a prefill's, multiply in
 their dtype: ``_torch_path``). Decisions go through the resolver once per
 (device, dtype, K) (``explain("fp8_weight_gemm")``). Built, waiting for a GPU: the kernel has not
@@ -29,6 +29,9 @@ from .rotary import choose, fall_back
 __all__ = ["fp8_weight_linear", "quantize_weight"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# rows of x the kernel serves, in launches of ops_fp8_weights.MAX_ROWS: a decode step of up to 256
+# requests (the torch path's dequantized copy moves about 5 bytes a weight, a launch 1)
+MAX_CHUNKED_ROWS = 4 * ops_fp8_weights.MAX_ROWS
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -76,11 +79,22 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _kernel_takes(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool) -> bool:
-    if x2.dtype == torch.float32 or x2.shape[0] > ops_fp8_weights.MAX_ROWS or x2.shape[0] == 0:
+    if x2.dtype == torch.float32 or x2.shape[0] > MAX_CHUNKED_ROWS or x2.shape[0] == 0:
         return False
     if x2.shape[1] % ops_fp8_weights.K_MULTIPLE or not (_aligned(x2) and _aligned(w) and w_scale.is_contiguous()):
         return False
     return choose(x2, needs_grad, FP8_WEIGHT_GEMM) == "cuda" and not needs_grad
+
+
+def _kernel(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The kernel over ``x2``'s rows, in launches of at most ``MAX_ROWS``: each reads the
+    weights' bytes once, still fewer than the torch path's dequantized copy (written, then read
+    in 16 bits) up to ``MAX_CHUNKED_ROWS``."""
+    rows = ops_fp8_weights.MAX_ROWS
+    if x2.shape[0] <= rows:
+        return ops_fp8_weights.fp8_weight_gemm_unchecked(x2, w, w_scale)
+    return torch.cat([ops_fp8_weights.fp8_weight_gemm_unchecked(x2[i:i + rows], w, w_scale)
+                      for i in range(0, x2.shape[0], rows)])
 
 
 def _torch_path(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -101,7 +115,7 @@ def fp8_weight_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_scale.requires_grad)
     if _kernel_takes(x2, w, w_scale, needs_grad):
         try:
-            y = ops_fp8_weights.fp8_weight_gemm_unchecked(x2, w, w_scale)
+            y = _kernel(x2, w, w_scale)
         except RuntimeError:
             y = fall_back(x.device, lambda: _torch_path(x2, w, w_scale), FP8_WEIGHT_GEMM)
     else:
