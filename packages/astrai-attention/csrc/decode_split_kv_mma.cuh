@@ -40,6 +40,15 @@
 #include "kv_fp8.cuh"
 #include "variant.cuh"
 
+// With PDL (the ops' pdl=True), wait for the previous kernel after reading kv_lens and the
+// first page ids instead of before (the two dependent round trips ahead of the first K/V byte
+// then overlap that kernel's tail). Built, waiting for a GPU: off until an interleaved A/B
+// (bench/bench_decode_latency.py, its PDL rows) says it wins; a caller must then not write the
+// page table or kv_lens in the kernel right before a PDL decode.
+#ifndef ASTRAI_DECODE_PDL_EARLY_WAIT
+#define ASTRAI_DECODE_PDL_EARLY_WAIT 0
+#endif
+
 namespace astrai::attn {
 
 // KvBytes: bytes per K/V value in the pages (2: the compute dtype, 1: fp8, kv_fp8.cuh).
@@ -267,6 +276,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
     constexpr bool kFp8 = KvFmt::kBytes == 1;
+    constexpr bool kPdlEarlyWait = ASTRAI_DECODE_PDL_EARLY_WAIT != 0;
     static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
     using C = DecodeMmaConfig<D, KvFmt::kBytes, kSwapAB ? kSwapStages : 0>;
     using Tile = SwizzledTile<D>;
@@ -283,12 +293,17 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     const int b = unit / (p.head_groups * p.kv_heads);
     const int head0 = kvh * p.group + hgrp * C::kHeads;
     const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q,
     // the cache, the page table, kv_lens) is read, and nothing it reads is written, before
-    // that grid has completed.
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // that grid has completed. With ASTRAI_DECODE_PDL_EARLY_WAIT the wait moves behind the
+    // reads of kv_lens and the first page ids (below), which the previous kernel must then
+    // not write (a model's decode: the QKV projection or the rope + append before it).
+    auto pdl_wait = [] {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    };
+    if constexpr (!kPdlEarlyWait) pdl_wait();
 
     const int kv_len = KV::kv_len(p, b);
     // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
@@ -304,13 +319,16 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     // The in-kernel append's position (the header explains the scheme); -1 matches none.
     const int new_pos = KV::kPaged && !kFp8 && p.k_new != nullptr ? kv_len - 1 : -1;
 
-    const T* q = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b;
-    for (int i = tid; i < C::kHeads * Tile::kChunks; i += C::kThreads) {
-        const int r = i / Tile::kChunks, c = i % Tile::kChunks;
-        const bool ok = r < nh;
-        cp_async_16(sQ + Tile::offset(r, c), ok ? q + int64_t(head0 + r) * p.q_stride_h + c * 8 : q, ok);
-    }
-    cp_async_commit();
+    auto copy_q = [&] {
+        const T* q = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b;
+        for (int i = tid; i < C::kHeads * Tile::kChunks; i += C::kThreads) {
+            const int r = i / Tile::kChunks, c = i % Tile::kChunks;
+            const bool ok = r < nh;
+            cp_async_16(sQ + Tile::offset(r, c), ok ? q + int64_t(head0 + r) * p.q_stride_h + c * 8 : q, ok);
+        }
+        cp_async_commit();
+    };
+    if constexpr (!kPdlEarlyWait) copy_q();
 
     const KvT* kg = static_cast<const KvT*>(p.k);
     const KvT* vg = static_cast<const KvT*>(p.v);
@@ -371,6 +389,10 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     if (my_tiles > 0) fetch_tile(t_begin, hnd);
     if constexpr (kAhead) {
         if (my_tiles > 1) fetch_tile(t_begin + 1, hnd_ahead);
+    }
+    if constexpr (kPdlEarlyWait) {  // the page ids are on their way; q and the new token are not read yet
+        pdl_wait();
+        copy_q();
     }
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
