@@ -130,3 +130,16 @@ def test_the_threshold_counts_query_rows_per_key(monkeypatch):
     assert not fp8_widen.widen_pays(cache, plan, 50)  # a window
     monkeypatch.setattr(fp8_widen, "WIDEN_MIN_ROWS", 12)
     assert not fp8_widen.widen_pays(cache, plan, -1)
+
+
+def test_explain_says_where_fp8_prefills_widen(monkeypatch):
+    cache = fp8_cache({"a": 3})
+    call = AttentionCall(cache.device, cache.dtype, D, HQ, HKV, "prefill", None, True, 0, True, PAGE, False,
+                         kv_dtype=cache.kv_dtype)
+    monkeypatch.setattr(fp8_widen, "WIDEN_MIN_ROWS", 300)
+    why = CudaBackend().why_capable(call)
+    assert "float8_e4m3fn pages" in why and ">= 300 query rows" in why and "dequantized" in why
+    monkeypatch.setattr(fp8_widen, "WIDEN_MIN_ROWS", None)
+    assert CudaBackend().why_capable(call) == "attn_paged_prefill reads the float8_e4m3fn pages in the kernel"
+    assert CudaBackend().why_capable(call._replace(mode="decode")) is None  # decode reads them in the kernel
+    assert CudaBackend().why_capable(call._replace(kv_dtype=None)) is None  # 16-bit pages

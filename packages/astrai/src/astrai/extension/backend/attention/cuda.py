@@ -40,6 +40,7 @@ from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
+from . import fp8_widen
 from .fp8_widen import WidenedPrefill, widen_pays
 from .variant import PLAIN, missing_features
 
@@ -78,6 +79,12 @@ class CudaBackend(AttentionBackend):
         return None if verdict.plugin_faster else f"attn_prefill: {verdict.reason}"
 
     def why_capable(self, call: AttentionCall) -> str | None:
+        if call.paged and call.mode != "decode" and call.kv_dtype not in (None, call.dtype):
+            rows, kv = fp8_widen.WIDEN_MIN_ROWS, str(call.kv_dtype).removeprefix("torch.")
+            if rows is None:
+                return f"attn_paged_prefill reads the {kv} pages in the kernel"
+            return (f"attn_paged_prefill over {kv} pages: a step whose keys are each read by >= {rows} query rows "
+                    "runs on them dequantized to 16 bits first (fp8_widen), a shorter one reads them in the kernel")
         if not call.paged and _beyond_scale(call):
             return f"attn_prefill: {', '.join(call.features)} (torch runs them unfused)"
         verdict = None if call.paged else self._measured(call)
