@@ -4,7 +4,7 @@ bench/graph_timing.py) and the eager per-call time of the public op; cuDNN runs 
 contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the faster is reported).
 "GB/s" is the K/V bytes the call must read over its graph time. ``--prefill`` times the paged
 prefill instead (causal, q = kv per request: the Hopper kernel over bf16 pages, the mma.sync
-kernel over FP8 pages, and "e4m3 w": e4m3 pages dequantized into consecutive bf16 pages, then the
+kernel over FP8 pages, and "e4m3 g": e4m3 pages dequantized into consecutive bf16 pages, then the
 Hopper kernel, as the CUDA backend runs a long prefill over FP8 pages), with TFLOP/s counting the
 causal half, and the eager per-call time of the public op beside the graph time.
 
@@ -28,13 +28,13 @@ from bench_variants import cudnn_us  # noqa: E402
 from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
 
 from astrai.extension.abi import stream_handle  # noqa: E402
-from astrai.extension.backend.attention.fp8_widen import dequantize_pages, widened_table  # noqa: E402
+from astrai.extension.backend.attention.ordered_pages import dequantize_pages, gathered_table  # noqa: E402
 from astrai.extension.kv_quant import calibrated_scale, quantize  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 32768), (1, 4096), (16, 4096), (64, 4096), (128, 2048), (8, 8192)]
-PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384), (32, 512), (64, 256)]  # last two: widening pays?
+PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384), (32, 512), (64, 256)]  # last two: gathering pays?
 PAGES = {"bf16": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -106,16 +106,16 @@ def prefill_rows_for(batch: int, length: int) -> list[dict]:
         graph = graph_time_ms(direct, calls=5, rounds=7) * 1e3
         rows.append(dict(shape=f"{batch}x{length}", pages=name, graph_us=graph, eager_us=eager_time_ms(public) * 1e3,
                          tflops=flops / graph / 1e6, cudnn_us=peer, vs_cudnn=peer / graph))
-    rows.append(widened_row(batch, length, q, cache16, (qo, tb, ti), flops, peer))
+    rows.append(gathered_row(batch, length, q, cache16, (qo, tb, ti), flops, peer))
     return rows
 
 
-def widened_row(batch, length, q, cache16, table, flops, peer) -> dict:
+def gathered_row(batch, length, q, cache16, table, flops, peer) -> dict:
     """e4m3 pages dequantized into consecutive bf16 pages first, then the 16-bit kernel (what the
-    CUDA backend runs for a long prefill over FP8 pages: backend/attention/fp8_widen.py), the
+    CUDA backend runs for a long prefill over FP8 pages: backend/attention/ordered_pages.py), the
     dequantization inside both timed calls (its eager column: the same calls, not attention())."""
     pages, _, scales = fp8_pages((cache16.k_cache, cache16.v_cache), torch.float8_e4m3fn)
-    source, indptr, indices = widened_table(cache16.kv_indptr, cache16.kv_indices, cache16.kv_lens,
+    source, indptr, indices = gathered_table(cache16.kv_indptr, cache16.kv_indices, cache16.kv_lens,
                                             tuple(cache16.kv_lens_host), cache16.page)
     shape = (len(indices), *pages[0].shape[1:])
     scratch = torch.empty(shape, dtype=torch.uint8, device="cuda")
@@ -123,14 +123,14 @@ def widened_row(batch, length, q, cache16, table, flops, peer) -> dict:
     mod, out = module("attn_paged_prefill"), torch.empty_like(q)
     qo, tb, ti = table
 
-    def widened():
+    def gathered():
         dequantize_pages(pages[0], source, scales["k_scale"], k16, scratch)
         dequantize_pages(pages[1], source, scales["v_scale"], v16, scratch)
         mod.attn_paged_prefill(abi(q), abi(k16), abi(v16), abi(out), abi(qo), abi(indptr), abi(indices),
                                abi(cache16.kv_lens), abi(tb), abi(ti), True, stream_handle(q.device))
 
-    graph = graph_time_ms(widened, calls=5, rounds=7) * 1e3
-    return dict(shape=f"{batch}x{length}", pages="e4m3 w", graph_us=graph, eager_us=eager_time_ms(widened) * 1e3,
+    graph = graph_time_ms(gathered, calls=5, rounds=7) * 1e3
+    return dict(shape=f"{batch}x{length}", pages="e4m3 g", graph_us=graph, eager_us=eager_time_ms(gathered) * 1e3,
                 tflops=flops / graph / 1e6, cudnn_us=peer, vs_cudnn=peer / graph)
 
 

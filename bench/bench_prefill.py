@@ -1,5 +1,6 @@
 """Prefill benchmark: the astrai-attention prefill (contiguous K/V, and a paged cache with its
-pages in order as a fresh cache hands them out and shuffled) side by side with cuDNN and
+pages in order as a fresh cache hands them out, shuffled, and shuffled but gathered in order by a
+copy first, timed with it, as the CUDA backend runs a long step) side by side with cuDNN and
 FlashAttention-2 through torch SDPA, in one run, for head dims 64 / 128 / 256, causal and
 not, at 4x4096, 1x16384, 16x1024 and a ragged batch of 64 requests of 128-1024 tokens (GQA
 32/8 unless ``--heads`` says otherwise, bf16). Each peer gets its best case: SDPA is timed on contiguous
@@ -40,6 +41,7 @@ from attention_cases import Paged, ragged_plan  # noqa: E402
 from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 
 from astrai.extension import ATTN_BACKEND, attention, attn_backend, batch_plan  # noqa: E402
+from astrai.extension.backend.attention.ordered_pages import gathered_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DT = torch.bfloat16
@@ -83,6 +85,22 @@ def fa2_varlen(q, k, v, cu, max_len, causal):
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)
 
 
+def gathered_prefill(ops, q, cache, table, causal):
+    """The paged prefill over ``cache``'s pages copied into consecutive ones first (the copy timed
+    with it: backend/attention/ordered_pages.py)."""
+    source, indptr, indices = gathered_table(cache.kv_indptr, cache.kv_indices, cache.kv_lens,
+                                             tuple(cache.kv_lens_host), cache.page)
+    k, v = cache.k_cache[source], cache.v_cache[source]
+    qo, tb, ti = table
+
+    def call():
+        torch.index_select(cache.k_cache, 0, source, out=k)
+        torch.index_select(cache.v_cache, 0, source, out=v)
+        return ops.attn_paged_prefill(q, k, v, qo, indptr, indices, cache.kv_lens, tb, ti, causal)
+
+    return call
+
+
 def flops(lens, d, causal, hq) -> float:
     return sum(4.0 * hq * d * n * ((n + 1) / 2 if causal else n) for n in lens)
 
@@ -97,6 +115,8 @@ def bench_shape(rows, name, lens, d, causal, ops, heads):
         cache = Paged(lens, 16, hkv, d, DT, spare_pages=0, order=order)
         res[impl] = time_us(lambda: ops.attn_paged_prefill(
             q, cache.k_cache, cache.v_cache, qo, cache.kv_indptr, cache.kv_indices, cache.kv_lens, tb, ti, causal))
+        if order == "shuffled":  # what the CUDA backend runs for a long step: the pages gathered in order first
+            res[f"{impl} gathered"] = time_us(gathered_prefill(ops, q, cache, (qo, tb, ti), causal))
         del cache
     uniform = len(set(lens)) == 1
     eager = {}  # impl -> eager us per call, for the calls users make

@@ -289,36 +289,3 @@ def test_attention_decodes_fp8_caches_on_the_cuda_backend(kv_dtype, granularity)
             with attn_backend(ATTN_BACKEND.TORCH_NATIVE):
                 want = attention(q, k, v, kv_cache=cache, layer_id=layer)  # rewrites the same bytes
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("variant", ["plain", "softcap-sinks-scale"])
-@pytest.mark.parametrize("granularity", ["tensor", "head"])
-@pytest.mark.parametrize("widen", [True, False], ids=["widened", "fp8-kernel"])
-def test_attention_prefills_fp8_caches_both_ways(widen, granularity, variant, monkeypatch):
-    """A prefill over FP8 pages on the CUDA backend, over the step's pages dequantized into 16-bit
-    scratch pages (backend/attention/fp8_widen.py) or read as FP8 by the kernel, against the torch
-    path over the same cache: a chunk after a shuffled history, ragged, GQA 32/8 d128."""
-    from astrai.extension import ATTN_BACKEND, attention, attn_backend
-    from astrai.extension.backend.attention import fp8_widen
-    from astrai.extension.kv_cache import PagedKVCache
-
-    monkeypatch.setattr(fp8_widen, "WIDEN_MIN_ROWS", 1 if widen else None)
-    hq, hkv, d = 32, 8, 128
-    cache = PagedKVCache(2, 128, 16, hkv, d, dtype=BF16, device="cuda", kv_dtype=torch.float8_e4m3fn,
-                         kv_scale_granularity=granularity)
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(BF16)  # noqa: E731
-    sinks = torch.randn(hq, device="cuda", generator=gen)
-    kw = {} if variant == "plain" else dict(logits_soft_cap=30.0, sinks=sinks, scale=0.1)
-    for s in ("a", "b", "c"):
-        cache.add_sequence(s)
-    for seqs, lens in ((["b"], [40]), (["a"], [75]), (["b", "c"], [33, 200]), (["a", "b", "c"], [130, 1, 300])):
-        plan = cache.plan(seqs, lens)  # the last step: a chunk over each request's shuffled pages
-        total = sum(lens)
-        for layer in range(2):
-            q, k, v = rand(1, total, hq, d), rand(1, total, hkv, d), rand(1, total, hkv, d)
-            got = attention(q, k, v, kv_cache=cache, layer_id=layer, is_causal=True, **kw)
-            with attn_backend(ATTN_BACKEND.TORCH_NATIVE):
-                want = attention(q, k, v, kv_cache=cache, layer_id=layer, is_causal=True, **kw)
-            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-        assert (("cuda", "prefill-widened") in plan.launches) == (widen and not plan.is_decode)

@@ -11,8 +11,9 @@ count from the plugin's C++ planner, workspaces, converted page table), by the f
 call and, from then on, by ``PagedKVCache.plan`` through a preparer this backend registers
 on the cache; every layer's call then only launches.
 
-A long prefill over FP8 pages runs the 16-bit kernels over the step's pages dequantized first
-(:mod:`.fp8_widen`); shorter ones read the FP8 pages in the kernel.
+A long prefill over FP8 pages, or over pages scattered through the cache, runs the 16-bit
+kernels over the step's pages gathered in order (and dequantized) first (:mod:`.ordered_pages`);
+shorter ones read the pages in place.
 
 Variants (window, soft-cap, sinks, scale) run in the kernels where the op's manifest states
 them (``variants``); the values reach the launch beside the call.
@@ -40,8 +41,8 @@ from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from .base import AttentionBackend, AttentionCall
-from . import fp8_widen
-from .fp8_widen import WidenedPrefill, widen_pays
+from . import ordered_pages
+from .ordered_pages import GatheredPrefill, gather_pays
 from .variant import PLAIN, missing_features
 
 __all__ = ["CudaBackend"]
@@ -80,11 +81,12 @@ class CudaBackend(AttentionBackend):
 
     def why_capable(self, call: AttentionCall) -> str | None:
         if call.paged and call.mode != "decode" and call.kv_dtype not in (None, call.dtype):
-            rows, kv = fp8_widen.WIDEN_MIN_ROWS, str(call.kv_dtype).removeprefix("torch.")
+            rows, kv = ordered_pages.FP8_MIN_ROWS, str(call.kv_dtype).removeprefix("torch.")
             if rows is None:
                 return f"attn_paged_prefill reads the {kv} pages in the kernel"
             return (f"attn_paged_prefill over {kv} pages: a step whose keys are each read by >= {rows} query rows "
-                    "runs on them dequantized to 16 bits first (fp8_widen), a shorter one reads them in the kernel")
+                    "runs on them dequantized to 16 bits first (ordered_pages), a shorter one reads them in the "
+                    "kernel")
         if not call.paged and _beyond_scale(call):
             return f"attn_prefill: {', '.join(call.features)} (torch runs them unfused)"
         verdict = None if call.paged else self._measured(call)
@@ -198,9 +200,10 @@ class CudaBackend(AttentionBackend):
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
                                               plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal),
                                               k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
-        elif scales is not None and widen_pays(kv_cache, plan, variant.window_left):
-            widened = WidenedPrefill.of(kv_cache, plan)
-            out = widened.launch(q_rows, *widened.pages(kv_cache, layer_id, scales), bool(is_causal), variant=variant)
+        elif gather_pays(kv_cache, plan, variant.window_left):  # FP8 or scattered pages, a long step
+            gathered = GatheredPrefill.of(kv_cache, plan)
+            out = gathered.launch(q_rows, *gathered.pages(kv_cache, layer_id, scales), bool(is_causal),
+                                  variant=variant)
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[1], False)(q_rows, k_pages, v_pages, bool(is_causal),
                                                                        variant=variant, kv_scales=scales)

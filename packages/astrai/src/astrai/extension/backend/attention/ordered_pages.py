@@ -1,0 +1,132 @@
+"""A long prefill over FP8 or scattered pages, run over its pages gathered in order first.
+
+The Hopper prefill reads 16-bit pages only, and reads a K/V tile as one TMA box per panel only
+where the tile's pages have consecutive ids (else a box per page). Over FP8 pages the paged
+prefill runs the mma.sync kernel instead (about 0.35x cuDNN bf16 at long prompts); over pages
+handed out in no order (a cache after some churn) the Hopper kernel runs at 0.75-0.8x of its
+in-order speed. Where a step's attention is long enough for the difference to pay for a copy,
+the CUDA backend gathers the step's pages (each request's ``ceil(kv_len / page_size)`` pages,
+requests in order) into a scratch of the cache's compute dtype and runs the 16-bit kernel over
+it with a page table that counts up. FP8 pages are dequantized on the way as the torch path's
+gathers do (:func:`~astrai.extension.kv_quant.dequantize`: ``stored * scale`` in float32, one
+rounding), so the attention reads the torch path's values.
+
+The gather costs about 9 bytes of traffic per K / V value over FP8 pages (one byte read and one
+written by the byte gather, one read and two written by the widening, four by the scaling in
+place) and 4 over 16-bit pages, against an attention whose work grows with query rows times
+keys: it runs where the step's keys are each read by at least :data:`FP8_MIN_ROWS` /
+:data:`SCATTERED_MIN_ROWS` query rows on average (``sum(q_len * kv_len) / sum(kv_len)``), and
+over 16-bit pages only where at least :data:`SCATTERED_MIN_BREAKS` of the steps from one page to
+the next are not to the next id. Never with a window (its pages would be gathered for nothing)
+or a cache that releases pages left of one.
+
+Built, waiting for a GPU: the thresholds are estimates (H200: mma.sync ~210 TFLOP/s over FP8
+pages, the Hopper kernel ~600 over in-order pages and ~480 over shuffled ones at 4 x 4096 d128,
+the gather at ~3.5 TB/s); the next GPU run sets them from ``bench/bench_kv_fp8.py --prefill``
+(rows ``e4m3 g``) and ``bench/bench_prefill.py`` (rows ``shuffled, gathered``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...batch_plan import BatchPlan
+from ...kv_cache import PagedKVCache
+from ...ops import attention as attn_ops
+from ...ops.attention_plan import plan_paged_prefill
+
+__all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "dequantize_pages",
+           "gather_pays", "gathered_table", "scattered"]
+
+# Query rows per key (on average over the step) from which the gather pays; None: never.
+FP8_MIN_ROWS: int | None = 512  # FP8 pages: the Hopper kernel instead of the mma.sync one
+SCATTERED_MIN_ROWS: int | None = 2048  # 16-bit pages: one box per panel instead of one per page
+SCATTERED_MIN_BREAKS = 1 / 16  # share of page-to-page steps that are not to the next id
+
+
+def gather_pays(kv_cache: PagedKVCache, plan: BatchPlan, window_left: int) -> bool:
+    """Whether a prefill over ``kv_cache``'s pages runs on the step's pages gathered in order."""
+    fp8 = kv_cache.kv_dtype != kv_cache.dtype
+    rows = FP8_MIN_ROWS if fp8 else SCATTERED_MIN_ROWS
+    if rows is None or window_left >= 0 or kv_cache.window is not None:
+        return False
+    keys = plan.total_kv
+    work = sum(q * kv for q, kv in zip(plan.q_lens_host, plan.kv_lens_host))
+    if keys == 0 or work < rows * keys:
+        return False
+    return fp8 or scattered(kv_cache, plan) >= SCATTERED_MIN_BREAKS
+
+
+def scattered(kv_cache: PagedKVCache, plan: BatchPlan) -> float:
+    """The share of steps from one page of a request to its next that are not to the next page
+    id (0 for a fresh cache's requests, about 1 for shuffled pages), from the host page tables."""
+    page, steps, breaks = kv_cache.page_size, 0, 0
+    for seq, n in zip(plan.seq_ids, plan.kv_lens_host):
+        pages = kv_cache.page_table(seq)[: -(-n // page)]
+        steps += max(len(pages) - 1, 0)
+        breaks += sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+    return breaks / steps if steps else 0.0
+
+
+def gathered_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+                   kv_lens_host: tuple[int, ...], page_size: int) -> tuple[torch.Tensor, ...]:
+    """``(source, kv_indptr, kv_indices)`` of the pages in use (each request's first
+    ``ceil(kv_len / page_size)``) laid out consecutively, requests in order: the cache page of
+    each scratch page (int64), and the scratch's page table (int32; ``kv_indices`` counts up)."""
+    device = kv_lens.device
+    pages = (kv_lens.long() + page_size - 1) // page_size
+    total = sum(-(-n // page_size) for n in kv_lens_host)
+    seq = torch.repeat_interleave(torch.arange(len(kv_lens_host), device=device), pages, output_size=total)
+    first = torch.cumsum(pages, 0) - pages  # each request's first page in the scratch
+    column = torch.arange(total, device=device) - first[seq]
+    source = kv_indices.long()[kv_indptr.long()[seq] + column]
+    indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
+    return source, indptr, torch.arange(total, dtype=torch.int32, device=device)
+
+
+def dequantize_pages(pages: torch.Tensor, source: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                     scratch: torch.Tensor) -> torch.Tensor:
+    """``out[i] = pages[source[i]] * scale`` (FP8 pages, float32 ``[1]`` / ``[kv_heads]`` scale,
+    ``out`` 16-bit), as ``kv_quant.dequantize``; ``scratch``: uint8 of ``out``'s shape."""
+    torch.index_select(pages.view(torch.uint8), 0, source, out=scratch)
+    out.copy_(scratch.view(pages.dtype))  # FP8 values are exact in both 16-bit formats
+    return torch.mul(out, scale.view(-1, 1), out=out)  # in float32 (the scale's dtype), rounded once
+
+
+class GatheredPrefill:
+    """One batch's prefill over its pages gathered into consecutive 16-bit pages: the launch
+    over them and the scratch they are written into (one layer's worth, reused by every layer
+    of the batch, in stream order)."""
+
+    def __init__(self, kv_cache: PagedKVCache, plan: BatchPlan) -> None:
+        page = kv_cache.page_size
+        device = plan.kv_lens.device
+        self.source, kv_indptr, kv_indices = gathered_table(plan.kv_indptr, plan.kv_indices, plan.kv_lens,
+                                                            plan.kv_lens_host, page)
+        tiles = plan.q_tiles(attn_ops.q_tile_rows(device))
+        self.launch = plan_paged_prefill(plan.qo_indptr, kv_indptr, kv_indices, plan.kv_lens, *tiles,
+                                         total_q=plan.total_q, page_size=page, num_pages=max(len(kv_indices), 1))
+        shape = (len(kv_indices), *kv_cache.k_cache(0).shape[1:])
+        fp8 = kv_cache.kv_dtype != kv_cache.dtype
+        self._bytes = torch.empty(shape, dtype=torch.uint8, device=device) if fp8 else None
+        self.k = torch.empty(shape, dtype=kv_cache.dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    def pages(self, kv_cache: PagedKVCache, layer_id: int, scales: tuple[torch.Tensor, torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pages of the batch in the scratch (FP8 ones dequantized with ``scales``)."""
+        for pages, out, i in ((kv_cache.k_cache(layer_id), self.k, 0), (kv_cache.v_cache(layer_id), self.v, 1)):
+            if scales is None:
+                torch.index_select(pages, 0, self.source, out=out)
+            else:
+                dequantize_pages(pages, self.source, scales[i], out, self._bytes)
+        return self.k, self.v
+
+    @classmethod
+    def of(cls, kv_cache: PagedKVCache, plan: BatchPlan) -> GatheredPrefill:
+        """The batch's instance, built by the first layer that needs it."""
+        key = ("cuda", "prefill-gathered")
+        found = plan.launches.get(key)
+        if found is None:
+            found = plan.launches[key] = cls(kv_cache, plan)
+        return found
