@@ -131,19 +131,30 @@ def test_the_thresholds_count_query_rows_per_key_and_scattered_pages(monkeypatch
     monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 11)
     cache = cache_with({"a": 0, "b": 80})
     plan = cache.plan(["a", "b"], [20, 10])  # (20 * 20 + 10 * 90) / 110 = 11.8 rows a key
-    assert ordered_pages.gather_pays(cache, plan, -1)
-    assert not ordered_pages.gather_pays(cache, plan, 50)  # a window
+    assert ordered_pages._pays(cache, plan)
     monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 12)
-    assert not ordered_pages.gather_pays(cache, plan, -1)
+    assert not ordered_pages._pays(cache, plan)
     # 16-bit pages: a is in order (5 pages), b's 20 from history + 3 new ones break once: 1 / 26 steps
     monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_ROWS", 11)
     cache = cache_with({"a": 0, "b": 80}, torch.bfloat16)
     plan = cache.plan(["a", "b"], [20, 10])
     assert ordered_pages.scattered(cache, plan) == pytest.approx(1 / 26)
     monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 26)
-    assert ordered_pages.gather_pays(cache, plan, -1)
+    assert ordered_pages._pays(cache, plan)
     monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 25)
-    assert not ordered_pages.gather_pays(cache, plan, -1)
+    assert not ordered_pages._pays(cache, plan)
+
+
+def test_the_decision_is_made_once_per_plan_and_never_for_a_window(monkeypatch):
+    monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 1)
+    cache = cache_with({"a": 10})
+    plan = cache.plan(["a"], [20])
+    assert not ordered_pages.gather_pays(cache, plan, 50)  # a window: its pages would be gathered for nothing
+    assert ordered_pages.gather_pays(cache, plan, -1)
+    monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", None)
+    monkeypatch.setattr(ordered_pages, "scattered", lambda *a: pytest.fail("asked again"))
+    assert ordered_pages.gather_pays(cache, plan, -1)  # every layer of the step: the first answer
+    assert not ordered_pages.gather_pays(cache, cache.plan(["a"], [20]), -1)  # the next step decides anew
 
 
 def test_explain_says_where_fp8_prefills_are_gathered(monkeypatch):

@@ -45,10 +45,21 @@ SCATTERED_MIN_BREAKS = 1 / 16  # share of page-to-page steps that are not to the
 
 
 def gather_pays(kv_cache: PagedKVCache, plan: BatchPlan, window_left: int) -> bool:
-    """Whether a prefill over ``kv_cache``'s pages runs on the step's pages gathered in order."""
+    """Whether a prefill over ``kv_cache``'s pages runs on the step's pages gathered in order
+    (decided once per plan: every layer of the step asks)."""
+    if window_left >= 0 or kv_cache.window is not None:
+        return False
+    key = ("cuda", "prefill-gather-pays")
+    found = plan.launches.get(key)
+    if found is None:
+        found = plan.launches[key] = _pays(kv_cache, plan)
+    return found
+
+
+def _pays(kv_cache: PagedKVCache, plan: BatchPlan) -> bool:
     fp8 = kv_cache.kv_dtype != kv_cache.dtype
     rows = FP8_MIN_ROWS if fp8 else SCATTERED_MIN_ROWS
-    if rows is None or window_left >= 0 or kv_cache.window is not None:
+    if rows is None:
         return False
     keys = plan.total_kv
     work = sum(q * kv for q, kv in zip(plan.q_lens_host, plan.kv_lens_host))
