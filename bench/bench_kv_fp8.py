@@ -28,13 +28,13 @@ from bench_variants import cudnn_us  # noqa: E402
 from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
 
 from astrai.extension.abi import stream_handle  # noqa: E402
-from astrai.extension.backend.attention.ordered_pages import dequantize_pages, gathered_table  # noqa: E402
+from astrai.extension.backend.attention.ordered_pages import gather_pages, gathered_table  # noqa: E402
 from astrai.extension.kv_quant import calibrated_scale, quantize  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 32768), (1, 4096), (16, 4096), (64, 4096), (128, 2048), (8, 8192)]
-PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384), (32, 512), (64, 256)]  # last two: gathering pays?
+PREFILL_SHAPES = [(4, 4096), (16, 1024), (1, 16384), (32, 512), (64, 256), (128, 128)]  # last three: gathering pays?
 PAGES = {"bf16": None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -118,14 +118,12 @@ def gathered_row(batch, length, q, cache16, table, flops, peer) -> dict:
     source, indptr, indices = gathered_table(cache16.kv_indptr, cache16.kv_indices, cache16.kv_lens,
                                             tuple(cache16.kv_lens_host), cache16.page)
     shape = (len(indices), *pages[0].shape[1:])
-    scratch = torch.empty(shape, dtype=torch.uint8, device="cuda")
     k16, v16 = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     mod, out = module("attn_paged_prefill"), torch.empty_like(q)
     qo, tb, ti = table
 
     def gathered():
-        dequantize_pages(pages[0], source, scales["k_scale"], k16, scratch)
-        dequantize_pages(pages[1], source, scales["v_scale"], v16, scratch)
+        gather_pages(pages[0], pages[1], source, k16, v16, (scales["k_scale"], scales["v_scale"]))
         mod.attn_paged_prefill(abi(q), abi(k16), abi(v16), abi(out), abi(qo), abi(indptr), abi(indices),
                                abi(cache16.kv_lens), abi(tb), abi(ti), True, stream_handle(q.device))
 

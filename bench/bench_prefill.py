@@ -41,7 +41,7 @@ from attention_cases import Paged, ragged_plan  # noqa: E402
 from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 
 from astrai.extension import ATTN_BACKEND, attention, attn_backend, batch_plan  # noqa: E402
-from astrai.extension.backend.attention.ordered_pages import gathered_table  # noqa: E402
+from astrai.extension.backend.attention.ordered_pages import gather_pages, gathered_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DT = torch.bfloat16
@@ -94,8 +94,7 @@ def gathered_prefill(ops, q, cache, table, causal):
     qo, tb, ti = table
 
     def call():
-        torch.index_select(cache.k_cache, 0, source, out=k)
-        torch.index_select(cache.v_cache, 0, source, out=v)
+        gather_pages(cache.k_cache, cache.v_cache, source, k, v)
         return ops.attn_paged_prefill(q, k, v, qo, indptr, indices, cache.kv_lens, tb, ti, causal)
 
     return call

@@ -398,6 +398,26 @@ def test_validation_names_the_argument(build):
                                         _t(P, [3], dtype=5), _t(P, [10], dtype=5), _t(P, [2], dtype=5),
                                         k_new=_t(P, [2, 8, 128]), v_new=_t(P, [2, 8, 64]), append_last=True),
          r"v_new: expected bfloat16 \[2, 8, 128\]"),
+        # gather_pages: a step's pages copied in order (FP8 ones dequantized), before a long prefill
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128], dtype=3), _t(P, [10, 16, 8, 128], dtype=3),
+                                   _t(P, [4], dtype=6), _t(P, [4, 16, 8, 128]), _t(P, [4, 16, 8, 128]), 0),
+         r"kv_scales: a float8_e4m3fn cache needs the layer's \(k_scale, v_scale\)"),
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), _t(P, [4], dtype=5),
+                                   _t(P, [4, 16, 8, 128]), _t(P, [4, 16, 8, 128]), 0), r"source: expected dtype int64"),
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), _t(P, [4], dtype=6),
+                                   _t(P, [3, 16, 8, 128]), _t(P, [4, 16, 8, 128]), 0),
+         r"k_out: expected shape \[len\(source\), page_size, Hkv, D\]"),
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128]), _t(P, [4], dtype=6),
+                                   _t(P, [4, 16, 8, 128], dtype=1), _t(P, [4, 16, 8, 128], dtype=1), 0),
+         r"k_out: dtype float16 differs"),
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128]), _t(P, [10, 16, 8, 128], strides=[16 * 8 * 256, 8 * 256,
+                                                                                              128, 1]),
+                                   _t(P, [4], dtype=6), _t(P, [4, 16, 8, 128]), _t(P, [4, 16, 8, 128]), 0),
+         r"k_cache: each page must be contiguous and v_cache laid out alike"),
+        (lambda: ppre.gather_pages(_t(P, [10, 16, 8, 128], dtype=4), _t(P, [10, 16, 8, 128], dtype=4),
+                                   _t(P, [4], dtype=6), _t(P, [4, 16, 8, 128]), _t(P, [4, 16, 8, 128]), 0,
+                                   kv_scales=(_t(P, [3], dtype=0), _t(P, [3], dtype=0))),
+         r"k_scale: expected float32 \[1\] \(per tensor\) or \[kv_heads\] = \[8\]"),
     ]
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

@@ -166,3 +166,26 @@ def test_explain_says_where_fp8_prefills_are_gathered(monkeypatch):
     assert CudaBackend().why_capable(call) == "attn_paged_prefill reads the float8_e4m3fn pages in the kernel"
     assert CudaBackend().why_capable(call._replace(mode="decode")) is None  # decode reads them in the kernel
     assert CudaBackend().why_capable(call._replace(kv_dtype=None)) is None  # 16-bit pages
+
+
+@pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
+def test_the_plugins_gather_kernel_runs_where_the_module_has_it(module, monkeypatch, kv_dtype):
+    calls = []
+    module.gather_pages = lambda *args, **kwargs: calls.append((args, kwargs))
+    monkeypatch.setattr(ordered_pages, "launch", lambda device, entry, *args, **kwargs: entry(*args, 0, **kwargs))
+    monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 1)
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_ROWS", 1)
+    cache = cache_with({"a": 5, "b": 13}, kv_dtype)
+    plan = prefill(cache, {"a": 11, "b": 20}, layer=1)
+    gathered = plan.launches[GATHERED]
+    (args, kwargs), = calls
+    pointers = [a[0] for a in args[:5]]
+    assert pointers == [cache.k_cache(1).data_ptr(), cache.v_cache(1).data_ptr(), gathered.source.data_ptr(),
+                        gathered.k.data_ptr(), gathered.v.data_ptr()] and args[5] == 0  # the stream
+    assert args[0][3] == (3 if kv_dtype == FP8 else 2)  # the pages' dtype code: the kernel dequantizes e4m3
+    if kv_dtype == FP8:
+        k_scale, v_scale = cache.kv_scales(1)
+        assert [s[0] for s in kwargs["kv_scales"]] == [k_scale.data_ptr(), v_scale.data_ptr()]
+    else:
+        assert kwargs == {}
+    assert module.launches[-1][1][0] == gathered.k.data_ptr()  # then the prefill over the scratch

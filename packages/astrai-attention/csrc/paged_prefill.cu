@@ -10,6 +10,9 @@
 //   kv_scales: with fp8 caches (KV_DTYPES), the layer's (k_scale, v_scale), float32 [1] or [Hkv]
 //     each (as attn_paged_decode's); the kernel reads stored * scale rounded to q's dtype
 //   prefill_plan(q_heads, kv_heads, head_dim) -> (head_block, head_groups, warps, blocks_per_tile)
+//   gather_pages(k_cache, v_cache, source, k_out, v_out, stream, kv_scales=None)
+//     k_out / v_out [n, page, Hkv, D] (bfloat16 / float16, contiguous) = the cache pages source[i]
+//     (int64 [n]), fp8 ones dequantized with kv_scales (page_gather.cuh), in one launch
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include "astrai/bind.h"
 #include "dispatchers.cuh"
 #include "entry_utils.h"
+#include "page_gather.cuh"
 
 namespace astrai::attn {
 namespace py = pybind11;
@@ -64,6 +68,72 @@ void attn_paged_prefill(py::handle q_a, py::handle k_a, py::handle v_a, py::hand
     dispatch_prefill<PackedQSchedule, PagedKV>(p, q.dtype, int(D), unsigned(tb.size(0)), 1u, stream, k.dtype);
 }
 
+void gather_pages(py::handle k_a, py::handle v_a, py::handle source_a, py::handle k_out_a, py::handle v_out_a,
+                  py::handle stream_a, py::handle kv_scales_a) {
+    const auto [k, v, source, k_out, v_out] = bind::tensor_args({"k_cache", "v_cache", "source", "k_out", "v_out"},
+                                                                 {k_a, v_a, source_a, k_out_a, v_out_a});
+    const cudaStream_t stream = bind::stream_arg(stream_a);
+    const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
+    if (fp8) {
+        check_fp8_pages(k, k.dtype);
+        check_fp8_pages(v, k.dtype);
+    } else {
+        check_operand(k, 4, k.dtype);
+        check_operand(v, 4, k.dtype);
+    }
+    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
+                 shape_str(k.shape));
+    check_head_dim(k);
+    const int64_t page = k.size(1), Hkv = k.size(2), D = k.size(3);
+    ASTRAI_CHECK(k.stride(2) == D && k.stride(1) == Hkv * D && v.strides == k.strides, "k_cache: each page must be "
+                 "contiguous and v_cache laid out alike, got strides ", shape_str(k.strides), " and ",
+                 shape_str(v.strides));
+    const std::optional<KvScales> scales = kv_scales_arg(kv_scales_a, k.dtype, Hkv);
+    expect_ndim(source, 1);
+    expect_dtype(source, DType::Int64);
+    ASTRAI_CHECK(source.size(0) <= 1 || source.stride(0) == 1, "source: must be contiguous");
+    expect_data(source, 8);
+    const int64_t n = source.size(0);
+    for (const TensorArg* out : {&k_out, &v_out}) {
+        expect_ndim(*out, 4);
+        const DType want = fp8 ? k_out.dtype : k.dtype;  // fp8 pages: either 16-bit dtype, both outputs alike
+        ASTRAI_CHECK(out->dtype == DType::BFloat16 || out->dtype == DType::Float16, out->name,
+                     ": dtype must be bfloat16 or float16, got ", dtype_name(out->dtype));
+        ASTRAI_CHECK(out->dtype == want, out->name, ": dtype ", dtype_name(out->dtype), " differs from ",
+                     fp8 ? "k_out" : "k_cache", "'s ", dtype_name(want));
+        expect_shape(*out, {n, page, Hkv, D}, "[len(source), page_size, Hkv, D] of the cache");
+        expect_contiguous(*out);
+        expect_data(*out, 16);
+    }
+    PageGatherParams p;
+    p.src[0] = k.data<const void>();
+    p.src[1] = v.data<const void>();
+    p.dst[0] = k_out.data<void>();
+    p.dst[1] = v_out.data<void>();
+    p.source = source.data<const int64_t>();
+    p.n = n;
+    p.num_pages = k.size(0);
+    p.page_stride = k.stride(0);
+    ASTRAI_CHECK(page * Hkv * D / 8 <= INT32_MAX && 2 * n <= INT32_MAX, "k_cache: pages of ", page * Hkv * D,
+                 " values, or ", n, " of them, are more than one launch covers");
+    p.vectors_per_page = int(page * Hkv * D / 8);
+    p.head_dim = int(D);
+    p.kv_heads = int(Hkv);
+    if (scales) {
+        p.scale[0] = scales->k;
+        p.scale[1] = scales->v;
+        p.scale_stride = scales->stride;
+    }
+    const bool half = k_out.dtype == DType::Float16;
+    if (k.dtype == DType::Float8E4M3) {
+        half ? launch_page_gather<__half, KvE4M3>(p, stream) : launch_page_gather<__nv_bfloat16, KvE4M3>(p, stream);
+    } else if (k.dtype == DType::Float8E5M2) {
+        half ? launch_page_gather<__half, KvE5M2>(p, stream) : launch_page_gather<__nv_bfloat16, KvE5M2>(p, stream);
+    } else {
+        half ? launch_page_gather<__half, Kv16>(p, stream) : launch_page_gather<__nv_bfloat16, Kv16>(p, stream);
+    }
+}
+
 }  // namespace astrai::attn
 
 PYBIND11_MODULE(_attn_paged_prefill, m) {
@@ -76,6 +146,10 @@ PYBIND11_MODULE(_attn_paged_prefill, m) {
           "Ragged prefill attention over a paged KV cache into out (fp8 pages with kv_scales).");
     m.def("prefill_plan", &astrai::attn::prefill_plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
           "(head_block, head_groups, warps, blocks_per_tile) of an mma prefill launch.");
+    m.def("gather_pages", &astrai::attn::gather_pages, py::arg("k_cache"), py::arg("v_cache"), py::arg("source"),
+          py::arg("k_out"), py::arg("v_out"), py::arg("stream"), py::arg("kv_scales") = py::none(),
+          "Copy the cache pages source[i] into k_out / v_out [n, page, Hkv, D] in one launch (fp8 pages\n"
+          "dequantized with kv_scales into the outputs' 16-bit dtype).");
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
     // page dtypes read besides q's (with kv_scales)

@@ -11,18 +11,20 @@ it with a page table that counts up. FP8 pages are dequantized on the way as the
 gathers do (:func:`~astrai.extension.kv_quant.dequantize`: ``stored * scale`` in float32, one
 rounding), so the attention reads the torch path's values.
 
-The gather costs about 9 bytes of traffic per K / V value over FP8 pages (one byte read and one
-written by the byte gather, one read and two written by the widening, four by the scaling in
-place) and 4 over 16-bit pages, against an attention whose work grows with query rows times
-keys: it runs where the step's keys are each read by at least :data:`FP8_MIN_ROWS` /
-:data:`SCATTERED_MIN_ROWS` query rows on average (``sum(q_len * kv_len) / sum(kv_len)``), and
+The gather (the plugin's ``gather_pages`` kernel, K and V in one launch; torch ops with a module
+built before it) moves 3 bytes per K / V value over FP8 pages and 4 over 16-bit ones (about 9
+over FP8 pages through torch ops: a byte gather, the widening, the scaling in place), against an
+attention whose work grows with query rows times keys: it runs where the step's keys are each
+read by at least :data:`FP8_MIN_ROWS` / :data:`SCATTERED_MIN_ROWS` query rows on average
+(``sum(q_len * kv_len) / sum(kv_len)``), and
 over 16-bit pages only where at least :data:`SCATTERED_MIN_BREAKS` of the steps from one page to
 the next are not to the next id. Never with a window (its pages would be gathered for nothing)
 or a cache that releases pages left of one.
 
-Built, waiting for a GPU: the thresholds are estimates (H200: mma.sync ~210 TFLOP/s over FP8
-pages, the Hopper kernel ~600 over in-order pages and ~480 over shuffled ones at 4 x 4096 d128,
-the gather at ~3.5 TB/s); the next GPU run sets them from ``bench/bench_kv_fp8.py --prefill``
+Built, waiting for a GPU: the thresholds are estimates (H200, d128 GQA 32/8: mma.sync ~210 TFLOP/s
+over FP8 pages, the Hopper kernel ~600 over in-order pages and ~480 over shuffled ones, the gather
+at ~3.5 TB/s: even at about 90 rows a key over FP8 pages, 700 over scattered 16-bit ones, before
+the launches' fixed costs); the next GPU run sets them from ``bench/bench_kv_fp8.py --prefill``
 (rows ``e4m3 g``) and ``bench/bench_prefill.py`` (rows ``shuffled, gathered``).
 """
 
@@ -30,16 +32,19 @@ from __future__ import annotations
 
 import torch
 
+from ...abi import launch, tensor_arg
 from ...batch_plan import BatchPlan
 from ...kv_cache import PagedKVCache
+from ...op_names import ATTN_PAGED_PREFILL
+from ...ops import _plugin
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_prefill
 
-__all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "dequantize_pages",
+__all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "gather_pages",
            "gather_pays", "gathered_table", "scattered"]
 
 # Query rows per key (on average over the step) from which the gather pays; None: never.
-FP8_MIN_ROWS: int | None = 512  # FP8 pages: the Hopper kernel instead of the mma.sync one
+FP8_MIN_ROWS: int | None = 256  # FP8 pages: the Hopper kernel instead of the mma.sync one
 SCATTERED_MIN_ROWS: int | None = 2048  # 16-bit pages: one box per panel instead of one per page
 SCATTERED_MIN_BREAKS = 1 / 16  # share of page-to-page steps that are not to the next id
 
@@ -95,13 +100,24 @@ def gathered_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: t
     return source, indptr, torch.arange(total, dtype=torch.int32, device=device)
 
 
-def dequantize_pages(pages: torch.Tensor, source: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                     scratch: torch.Tensor) -> torch.Tensor:
-    """``out[i] = pages[source[i]] * scale`` (FP8 pages, float32 ``[1]`` / ``[kv_heads]`` scale,
-    ``out`` 16-bit), as ``kv_quant.dequantize``; ``scratch``: uint8 of ``out``'s shape."""
-    torch.index_select(pages.view(torch.uint8), 0, source, out=scratch)
-    out.copy_(scratch.view(pages.dtype))  # FP8 values are exact in both 16-bit formats
-    return torch.mul(out, scale.view(-1, 1), out=out)  # in float32 (the scale's dtype), rounded once
+def gather_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, source: torch.Tensor, k_out: torch.Tensor,
+                 v_out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``k_out[i] = k_pages[source[i]]`` and ``v_out`` alike, FP8 pages dequantized with
+    ``scales`` (float32 ``[1]`` / ``[kv_heads]`` each) as ``kv_quant.dequantize`` does: the
+    plugin's ``gather_pages`` kernel (one launch) where the module has it, else torch ops."""
+    entry = getattr(_plugin.require(ATTN_PAGED_PREFILL, k_out.device), "gather_pages", None)
+    if entry is not None:
+        launch(k_out.device, entry, tensor_arg(k_pages), tensor_arg(v_pages), tensor_arg(source), tensor_arg(k_out),
+               tensor_arg(v_out), **attn_ops.kv_scales_arg(*(scales or (None, None))))
+        return
+    scratch = None if scales is None else torch.empty(k_out.shape, dtype=torch.uint8, device=k_out.device)
+    for i, (pages, out) in enumerate(((k_pages, k_out), (v_pages, v_out))):
+        if scratch is None:
+            torch.index_select(pages, 0, source, out=out)
+        else:
+            torch.index_select(pages.view(torch.uint8), 0, source, out=scratch)
+            out.copy_(scratch.view(pages.dtype))  # FP8 values are exact in both 16-bit formats
+            torch.mul(out, scales[i].view(-1, 1), out=out)  # in float32 (the scale's dtype), rounded once
 
 
 class GatheredPrefill:
@@ -118,19 +134,13 @@ class GatheredPrefill:
         self.launch = plan_paged_prefill(plan.qo_indptr, kv_indptr, kv_indices, plan.kv_lens, *tiles,
                                          total_q=plan.total_q, page_size=page, num_pages=max(len(kv_indices), 1))
         shape = (len(kv_indices), *kv_cache.k_cache(0).shape[1:])
-        fp8 = kv_cache.kv_dtype != kv_cache.dtype
-        self._bytes = torch.empty(shape, dtype=torch.uint8, device=device) if fp8 else None
         self.k = torch.empty(shape, dtype=kv_cache.dtype, device=device)
         self.v = torch.empty_like(self.k)
 
     def pages(self, kv_cache: PagedKVCache, layer_id: int, scales: tuple[torch.Tensor, torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V pages of the batch in the scratch (FP8 ones dequantized with ``scales``)."""
-        for pages, out, i in ((kv_cache.k_cache(layer_id), self.k, 0), (kv_cache.v_cache(layer_id), self.v, 1)):
-            if scales is None:
-                torch.index_select(pages, 0, self.source, out=out)
-            else:
-                dequantize_pages(pages, self.source, scales[i], out, self._bytes)
+        gather_pages(kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id), self.source, self.k, self.v, scales)
         return self.k, self.v
 
     @classmethod
