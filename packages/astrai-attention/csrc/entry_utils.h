@@ -233,23 +233,29 @@ inline void check_fp8_pages(const TensorArg& t, DType dtype) {
     check_rows16(t);
 }
 
-// A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads), of
-// q's dtype, or fp8 where `fp8_ok` (the paged decode).
-inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const TensorArg& q, int64_t q_heads,
-                              bool fp8_ok = false) {
+// A paged K/V cache pair's storage: 16-bit pages of `dtype`, or fp8 ones (both alike) where
+// `fp8_ok`; 4-D, of one shape.
+inline void check_cache_pages(const TensorArg& k, const TensorArg& v, DType dtype, bool fp8_ok) {
     const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
-    ASTRAI_CHECK(!fp8 || fp8_ok, "k_cache: this kernel reads ", dtype_name(q.dtype), " pages, not ",
+    ASTRAI_CHECK(!fp8 || fp8_ok, "k_cache: this kernel reads ", dtype_name(dtype), " pages, not ",
                  dtype_name(k.dtype));
     if (fp8) {
         check_fp8_pages(k, k.dtype);
         check_fp8_pages(v, k.dtype);
     } else {
-        check_operand(k, 4, q.dtype);
-        check_operand(v, 4, q.dtype);
+        check_operand(k, 4, dtype);
+        check_operand(v, 4, dtype);
     }
-    expect_shape(k, {-1, -1, -1, q.size(-1)}, "[num_pages, page_size, Hkv, D] with q's head_dim");
     ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
                  shape_str(k.shape));
+}
+
+// A paged K/V cache pair [num_pages, page_size, Hkv, D] for q (head_dim D, q_heads heads), of
+// q's dtype, or fp8 where `fp8_ok` (the paged decode).
+inline void check_paged_cache(const TensorArg& k, const TensorArg& v, const TensorArg& q, int64_t q_heads,
+                              bool fp8_ok = false) {
+    check_cache_pages(k, v, q.dtype, fp8_ok);
+    expect_shape(k, {-1, -1, -1, q.size(-1)}, "[num_pages, page_size, Hkv, D] with q's head_dim");
     ASTRAI_CHECK(k.size(1) >= 1, "k_cache: page_size must be >= 1");
     check_heads(q_heads, k.size(2));
 }

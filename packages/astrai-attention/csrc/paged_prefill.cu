@@ -74,15 +74,7 @@ void gather_pages(py::handle k_a, py::handle v_a, py::handle source_a, py::handl
                                                                  {k_a, v_a, source_a, k_out_a, v_out_a});
     const cudaStream_t stream = bind::stream_arg(stream_a);
     const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
-    if (fp8) {
-        check_fp8_pages(k, k.dtype);
-        check_fp8_pages(v, k.dtype);
-    } else {
-        check_operand(k, 4, k.dtype);
-        check_operand(v, 4, k.dtype);
-    }
-    ASTRAI_CHECK(v.shape == k.shape, "v_cache: shape ", shape_str(v.shape), " differs from k_cache's ",
-                 shape_str(k.shape));
+    check_cache_pages(k, v, k.dtype, /*fp8_ok=*/true);
     check_head_dim(k);
     const int64_t page = k.size(1), Hkv = k.size(2), D = k.size(3);
     ASTRAI_CHECK(k.stride(2) == D && k.stride(1) == Hkv * D && v.strides == k.strides, "k_cache: each page must be "
