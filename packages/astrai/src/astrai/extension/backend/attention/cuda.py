@@ -40,8 +40,8 @@ from .. import prefer
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
-from .base import AttentionBackend, AttentionCall
 from . import ordered_pages
+from .base import AttentionBackend, AttentionCall
 from .ordered_pages import GatheredPrefill, gather_pays
 from .variant import PLAIN, missing_features
 
