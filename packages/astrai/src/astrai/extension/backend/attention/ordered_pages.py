@@ -25,7 +25,7 @@ Built, waiting for a GPU: the thresholds are estimates (H200, d128 GQA 32/8: mma
 over FP8 pages, the Hopper kernel ~600 over in-order pages and ~480 over shuffled ones, the gather
 at ~3.5 TB/s: even at about 90 rows a key over FP8 pages, 700 over scattered 16-bit ones, before
 the launches' fixed costs); the next GPU run sets them from ``bench/bench_kv_fp8.py --prefill``
-(rows ``e4m3 g``) and ``bench/bench_prefill.py`` (rows ``shuffled, gathered``).
+(rows ``e4m3 g``) and ``bench/bench_prefill.py`` (rows ``astrai paged p16 shuf gathered``).
 """
 
 from __future__ import annotations
