@@ -140,3 +140,46 @@ def test_a_remembered_cuda_decode_call_is_validated_and_follows_the_batch_plan(m
     policy(q, k, v, kv_cache=cache, layer_id=1)
     assert module.launches[-1][6][0] == step.kv_lens.data_ptr()
     assert module.launches[-1][4][0] == step.kv_indptr.data_ptr()
+
+
+class _Fp8AppendingModule(_AppendingModule):
+    """Records each decode launch's keywords too (the FP8 layer's kv_scales)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keywords = []
+        record = self.attn_paged_decode
+
+        def attn_paged_decode(*args, **kwargs):
+            self.keywords.append(kwargs)
+            record(*args, **kwargs)
+
+        self.attn_paged_decode = attn_paged_decode
+
+
+def test_a_remembered_fp8_decode_call_passes_each_layers_scales(monkeypatch):
+    """The eager runner serves FP8 caches too: each call passes its layer's scales, calibrated by
+    the layer's first append as append() calibrates them."""
+    from astrai.extension.kv_cache import PagedKVCache
+
+    module = fake_module(monkeypatch, _Fp8AppendingModule())
+    policy = AttentionPolicy([_CudaOnTheCpu()])
+    cache = PagedKVCache(3, 16, 4, HKV, D, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                         kv_scale_granularity="head")
+    cache.add_sequence(0)
+    cache.plan([0], [1])  # the first token
+    plan = cache.plan([0], [1])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 1, HQ, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, HKV, D, generator=g).bfloat16() * 3 for _ in range(2))
+    cache.set_kv_scales(2, torch.full((HKV,), 0.5), torch.full((HKV,), 0.25))
+    for layer in (0, 1, 2):
+        assert (cache.kv_scales(layer) is None) == (layer < 2)
+        policy(q, k, v, kv_cache=cache, layer_id=layer)
+        k_scale, v_scale = cache.kv_scales(layer)
+        assert [s[0] for s in module.keywords[-1]["kv_scales"]] == [k_scale.data_ptr(), v_scale.data_ptr()]
+        assert module.launches[-1][1][0] == cache.k_cache(layer).data_ptr()
+    torch.testing.assert_close(cache.kv_scales(0)[0], k.float().abs().amax(dim=(0, 1, 3)) / 448)  # calibrated on k
+    assert cache.kv_scales(2)[0].tolist() == [0.5] * HKV  # set before: kept
+    described = [d for key, d in plan.launches.items() if key[0] == "described"]
+    assert len(described) == 1 and described[0].selection[2] is not None  # the eager runner ran them

@@ -124,10 +124,10 @@ class PagedDecodeLaunch:
 
     def runner(self, q: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None):
         """``run_eager`` reduced to its launch for a caller's per-shape plan: ``run(q, cache_args,
-        k_new, v_new)`` for plain tensors of these shapes, strides and dtypes (``k_new`` /
-        ``v_new`` given here only where :attr:`appends`; None in a call: no append); only
-        the data pointers are read per call. None when ``q``'s layout always needs a copy
-        (``run_eager`` makes it)."""
+        k_new, v_new, kv_scales=None)`` for plain tensors of these shapes, strides and dtypes
+        (``k_new`` / ``v_new`` given here only where :attr:`appends`; None in a call: no append;
+        ``kv_scales``: an FP8 cache's layer scales); only the data pointers are read per call.
+        None when ``q``'s layout always needs a copy (``run_eager`` makes it)."""
         if not _rows_layout_ok(q):  # the pointer's alignment is checked per call
             return None
         shape, strides = tuple(q.shape), tuple(q.stride())
@@ -140,21 +140,22 @@ class PagedDecodeLaunch:
         index, table, tail, append = self._device_index, self._table_args, self._tail_args, self._append_args
 
         def run(q: torch.Tensor, cache_args: tuple, k_new: torch.Tensor | None,
-                v_new: torch.Tensor | None) -> torch.Tensor:
+                v_new: torch.Tensor | None, kv_scales: tuple | None = None) -> torch.Tensor:
             ptr = q.data_ptr()
             current = current_device()
             if ptr % 16 or current != index:  # rows to copy, or another device current: run_eager does both
-                return self.run_eager(q, cache_args, k_new, v_new)
+                return self.run_eager(q, cache_args, k_new, v_new, kv_scales=kv_scales)
             out = empty(shape, out_strides, dtype)
             k_cache, v_cache = cache_args
+            scales = {} if kv_scales is None else kv_scales_arg(*kv_scales)
             try:
                 if k_new is None:
                     entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
-                          *table, current_stream(current), *tail)
+                          *table, current_stream(current), *tail, **scales)
                 else:
                     entry((ptr, shape, strides, code), k_cache, v_cache, (out.data_ptr(), shape, out_strides, code),
                           *table, current_stream(current), *tail, (k_new.data_ptr(), *k_meta),
-                          (v_new.data_ptr(), *v_meta), *append)
+                          (v_new.data_ptr(), *v_meta), *append, **scales)
             except BaseException as exc:
                 failed(exc)
             return out

@@ -148,8 +148,7 @@ class CudaBackend(AttentionBackend):
         arguments but the data pointers converted once (``PagedDecodeLaunch.runner``)."""
         if kv_cache is None or call.mode != "decode" or q.shape[1] != 1:  # packed [1, B] queries: forward
             return None
-        if kv_cache.kv_dtype != kv_cache.dtype:  # FP8 pages: _decode_step passes the layer's scales
-            return None
+        fp8 = kv_cache.kv_dtype != kv_cache.dtype  # FP8 pages: each call passes its layer's scales
         plan = kv_cache.active_plan
         launch = self._launch(kv_cache, plan, q.shape[2], True)
         bound = launch.runner(q, k, v) if launch.appends else launch.runner(q)
@@ -161,13 +160,13 @@ class CudaBackend(AttentionBackend):
         def run(q, k, v, kv_cache: PagedKVCache, layer_id: int, appended: bool) -> torch.Tensor:
             cache_args = layers.get(layer_id) or _layer_args(kv_cache, layer_id)
             if appended:
-                return bound(q, cache_args, None, None)
-            if appends:
-                out = bound(q, cache_args, k, v)
+                return bound(q, cache_args, None, None, kv_cache.kv_scales(layer_id) if fp8 else None)
+            if appends:  # an FP8 layer's scales are calibrated on its first append, as append() does
+                out = bound(q, cache_args, k, v, kv_cache.scales_for_append(layer_id, k, v) if fp8 else None)
                 kv_cache.mark_written(layer_id, plan)
                 return out
             kv_cache.append(layer_id, k, v, kv_cache.active_plan, checked=True)
-            return bound(q, cache_args, None, None)
+            return bound(q, cache_args, None, None, kv_cache.kv_scales(layer_id) if fp8 else None)
 
         return run
 
