@@ -157,15 +157,19 @@ def test_the_decision_is_made_once_per_plan_and_never_for_a_window(monkeypatch):
     assert not ordered_pages.gather_pays(cache, cache.plan(["a"], [20]), -1)  # the next step decides anew
 
 
-def test_explain_says_where_fp8_prefills_are_gathered(monkeypatch):
+def test_explain_says_where_prefills_are_gathered(monkeypatch):
     call = call_of(cache_with({"a": 3}))
     monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 300)
     why = CudaBackend().why_capable(call)
     assert "float8_e4m3fn pages" in why and ">= 300 query rows" in why and "dequantized" in why
     monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", None)
-    assert CudaBackend().why_capable(call) == "attn_paged_prefill reads the float8_e4m3fn pages in the kernel"
+    assert CudaBackend().why_capable(call) == "attn_paged_prefill reads the float8_e4m3fn pages in place"
     assert CudaBackend().why_capable(call._replace(mode="decode")) is None  # decode reads them in the kernel
-    assert CudaBackend().why_capable(call._replace(kv_dtype=None)) is None  # 16-bit pages
+    why = CudaBackend().why_capable(call._replace(kv_dtype=None))  # 16-bit pages
+    assert ">= 2048 query rows over pages out of order" in why and "copied in order" in why
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_ROWS", None)
+    why = CudaBackend().why_capable(call._replace(kv_dtype=None))
+    assert why == "attn_paged_prefill reads the bfloat16 pages in place"
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])

@@ -148,7 +148,8 @@ def test_unknown_missing_and_misshapen_weights_are_named(tmp_path):
         load_checkpoint(folder, device="cpu")
     _rewrite_weights(folder, lambda s: s.update({"model.layers.1.mlp.up_proj.weight": torch.ones(128, 32)}))
     for fp8 in (None, torch.float8_e4m3fn):  # a released linear is checked when its layer is read
-        with pytest.raises(CheckpointError, match=r"up_proj.weight has shape \(128, 32\), the config gives \(128, 64\)"):
+        with pytest.raises(CheckpointError, match=r"up_proj.weight has shape \(128, 32\), the config gives "
+                                                  r"\(128, 64\)"):
             load_checkpoint(folder, device="cpu", fp8_weights=fp8)
 
 
@@ -233,3 +234,21 @@ def test_cli_refuses_an_unsupported_checkpoint_before_loading(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(folder)]) == 2
     err = capsys.readouterr().err
     assert "LlamaForTokenClassification" in err and str(folder) in err and "Traceback" not in err
+
+
+def test_cli_serves_a_checkpoint_with_fp8_weights_loaded_layer_by_layer(tmp_path, capsys):
+    from astrai.cli.main import main
+
+    folder, _ = _save(tmp_path, "llama", max_shard_size="40KB")
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--checkpoint", str(folder), "--requests", "2", "--prompt-len", "3", "9",
+            "--max-new-tokens", "3", "--dtype", "float32", "--json", str(out)]
+    assert main(argv) == 0
+    full = json.loads(out.read_text())["weights_bytes"]
+    assert main(argv + ["--fp8-weights"]) == 0
+    result = json.loads(out.read_text())
+    assert "their 16-bit weights freed" in capsys.readouterr().out
+    # per layer: qkv 128 x 64, o 64 x 64, gate_up 256 x 64, down 64 x 128 weights; 512 output channels
+    weights, channels = COMMON["num_hidden_layers"] * 36864, COMMON["num_hidden_layers"] * 512
+    # float32 weights (4 bytes) became one byte each and a float32 scale per output channel
+    assert result["fp8_weights"] is True and full - result["weights_bytes"] == 3 * weights - 4 * channels

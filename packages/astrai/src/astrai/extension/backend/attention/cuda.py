@@ -80,13 +80,8 @@ class CudaBackend(AttentionBackend):
         return None if verdict.plugin_faster else f"attn_prefill: {verdict.reason}"
 
     def why_capable(self, call: AttentionCall) -> str | None:
-        if call.paged and call.mode != "decode" and call.kv_dtype not in (None, call.dtype):
-            rows, kv = ordered_pages.FP8_MIN_ROWS, str(call.kv_dtype).removeprefix("torch.")
-            if rows is None:
-                return f"attn_paged_prefill reads the {kv} pages in the kernel"
-            return (f"attn_paged_prefill over {kv} pages: a step whose keys are each read by >= {rows} query rows "
-                    "runs on them dequantized to 16 bits first (ordered_pages), a shorter one reads them in the "
-                    "kernel")
+        if call.paged and call.mode != "decode":
+            return ordered_pages.explain(call.kv_dtype not in (None, call.dtype), call.kv_dtype or call.dtype)
         if not call.paged and _beyond_scale(call):
             return f"attn_prefill: {', '.join(call.features)} (torch runs them unfused)"
         verdict = None if call.paged else self._measured(call)

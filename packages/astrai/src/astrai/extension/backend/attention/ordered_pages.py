@@ -40,8 +40,8 @@ from ...ops import _plugin
 from ...ops import attention as attn_ops
 from ...ops.attention_plan import plan_paged_prefill
 
-__all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "gather_pages",
-           "gather_pays", "gathered_table", "scattered"]
+__all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "explain",
+           "gather_pages", "gather_pays", "gathered_table", "scattered"]
 
 # Query rows per key (on average over the step) from which the gather pays; None: never.
 FP8_MIN_ROWS: int | None = 256  # FP8 pages: the Hopper kernel instead of the mma.sync one
@@ -71,6 +71,19 @@ def _pays(kv_cache: PagedKVCache, plan: BatchPlan) -> bool:
     if keys == 0 or work < rows * keys:
         return False
     return fp8 or scattered(kv_cache, plan) >= SCATTERED_MIN_BREAKS
+
+
+def explain(fp8: bool, kv_dtype: torch.dtype) -> str:
+    """What a paged prefill over pages of ``kv_dtype`` reads, for ``explain()``."""
+    kv = str(kv_dtype).removeprefix("torch.")
+    rows = FP8_MIN_ROWS if fp8 else SCATTERED_MIN_ROWS
+    if rows is None:
+        return f"attn_paged_prefill reads the {kv} pages in place"
+    if fp8:
+        return (f"attn_paged_prefill over {kv} pages: a step whose keys are each read by >= {rows} query rows "
+                "runs on them dequantized to 16 bits first (ordered_pages), a shorter one reads them in place")
+    return (f"attn_paged_prefill: a step whose keys are each read by >= {rows} query rows over pages out of "
+            "order runs on them copied in order first (ordered_pages), others read them in place")
 
 
 def scattered(kv_cache: PagedKVCache, plan: BatchPlan) -> float:
