@@ -5,9 +5,11 @@ pages dequantized), its page table, and what explain() says."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from fakes import FakeDecodeModule
+from fakes import H200, FakeDecodeModule
 
 from astrai.extension.backend.attention import ordered_pages
 from astrai.extension.backend.attention.base import AttentionCall
@@ -17,9 +19,15 @@ from astrai.extension.kv_cache import PagedKVCache
 from astrai.extension.ops import attention as attn_ops
 from astrai.extension.ops import attention_plan
 
-HQ, HKV, D, PAGE = 4, 2, 64, 4
+HQ, HKV, D, PAGE = 4, 2, 64, 8  # pages of 8: the Hopper prefill boxes them per panel
 GATHERED = ("cuda", "prefill-gathered")
 FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    """The caches' device says H200 (sm_90: the Hopper prefill reads gathered pages)."""
+    monkeypatch.setattr(ordered_pages, "probe_device", lambda device=None: H200)
 
 
 @pytest.fixture
@@ -84,14 +92,14 @@ def test_a_long_prefill_reads_the_pages_gathered_in_order(module, monkeypatch, k
     args, keywords = module.launches[-1], module.keywords[-1]
     assert args[1][0] == gathered.k.data_ptr() and args[2][0] == gathered.v.data_ptr()
     assert "kv_scales" not in keywords  # FP8 pages: the scales are in the values
-    pages = [-(-n // PAGE) for n in plan.kv_lens_host]  # 4, 3, 9
+    pages = [-(-n // PAGE) for n in plan.kv_lens_host]  # 2, 2, 5
     assert gathered.k.shape == (sum(pages), PAGE, HKV, D) and gathered.k.dtype == torch.bfloat16
     kv_indptr, kv_indices = gathered.launch.kv_indptr, gathered.launch.kv_indices
-    assert kv_indptr.tolist() == [0, 4, 7, 16] and kv_indices.tolist() == list(range(16))
+    assert kv_indptr.tolist() == [0, 2, 4, 9] and kv_indices.tolist() == list(range(9))
     assert args[5][0] == kv_indptr.data_ptr() and args[6][0] == kv_indices.data_ptr()
     # every key and value the torch path attends to, at its place in the scratch pages
     k_ref, v_ref = cache.gather_flat(1, plan)
-    slots = torch.cat([torch.arange(n) + first * PAGE for n, first in zip(plan.kv_lens_host, [0, 4, 7])])
+    slots = torch.cat([torch.arange(n) + first * PAGE for n, first in zip(plan.kv_lens_host, [0, 2, 4])])
     assert torch.equal(gathered.k.reshape(-1, HKV, D)[slots], k_ref)
     assert torch.equal(gathered.v.reshape(-1, HKV, D)[slots], v_ref)
     expected = [p for s in ("a", "b", "c") for p in cache.page_table(s)[: -(-cache.seq_len(s) // PAGE)]]
@@ -134,15 +142,29 @@ def test_the_thresholds_count_query_rows_per_key_and_scattered_pages(monkeypatch
     assert ordered_pages._pays(cache, plan)
     monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 12)
     assert not ordered_pages._pays(cache, plan)
-    # 16-bit pages: a is in order (5 pages), b's 20 from history + 3 new ones break once: 1 / 26 steps
+    # 16-bit pages: a is in order (3 pages), b's 10 from history + 2 new ones break once: 1 / 13 steps
     monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_ROWS", 11)
     cache = cache_with({"a": 0, "b": 80}, torch.bfloat16)
     plan = cache.plan(["a", "b"], [20, 10])
-    assert ordered_pages.scattered(cache, plan) == pytest.approx(1 / 26)
-    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 26)
+    assert ordered_pages.scattered(cache, plan) == pytest.approx(1 / 13)
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 13)
     assert ordered_pages._pays(cache, plan)
-    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 25)
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 1 / 12)
     assert not ordered_pages._pays(cache, plan)
+
+
+@pytest.mark.parametrize(("sm", "page", "kv_dtype", "gathers"), [
+    ((9, 0), 4, FP8, True), ((8, 0), 4, FP8, False), ((10, 0), 4, FP8, False),  # the Hopper prefill only
+    ((9, 0), 8, torch.bfloat16, True), ((9, 0), 4, torch.bfloat16, False),  # 16-bit: pages it boxes per panel
+    ((9, 0), 256, torch.bfloat16, True), ((9, 0), 3, FP8, True)])
+def test_pages_are_gathered_only_for_the_hopper_prefill(monkeypatch, sm, page, kv_dtype, gathers):
+    monkeypatch.setattr(ordered_pages, "probe_device", lambda device=None: dataclasses.replace(H200, capability=sm))
+    monkeypatch.setattr(ordered_pages, "FP8_MIN_ROWS", 1)
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_ROWS", 1)
+    monkeypatch.setattr(ordered_pages, "SCATTERED_MIN_BREAKS", 0.0)
+    cache = PagedKVCache(1, 8, page, HKV, D, dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    cache.add_sequence("a")
+    assert ordered_pages.gather_pays(cache, cache.plan(["a"], [page + 1]), -1) == gathers
 
 
 def test_the_decision_is_made_once_per_plan_and_never_for_a_window(monkeypatch):

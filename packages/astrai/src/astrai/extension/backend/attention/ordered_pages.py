@@ -18,8 +18,9 @@ attention whose work grows with query rows times keys: it runs where the step's 
 read by at least :data:`FP8_MIN_ROWS` / :data:`SCATTERED_MIN_ROWS` query rows on average
 (``sum(q_len * kv_len) / sum(kv_len)``), and
 over 16-bit pages only where at least :data:`SCATTERED_MIN_BREAKS` of the steps from one page to
-the next are not to the next id. Never with a window (its pages would be gathered for nothing)
-or a cache that releases pages left of one.
+the next are not to the next id. Only on sm_90, where the Hopper prefill reads the gathered pages
+(elsewhere the mma.sync kernel reads every page alike); never with a window (its pages would be
+gathered for nothing) or a cache that releases pages left of one.
 
 Built, waiting for a GPU: the thresholds are estimates (H200, d128 GQA 32/8: mma.sync ~210 TFLOP/s
 over FP8 pages, the Hopper kernel ~600 over in-order pages and ~480 over shuffled ones, the gather
@@ -34,6 +35,7 @@ import torch
 
 from ...abi import launch, tensor_arg
 from ...batch_plan import BatchPlan
+from ...device import probe_device
 from ...kv_cache import PagedKVCache
 from ...op_names import ATTN_PAGED_PREFILL
 from ...ops import _plugin
@@ -64,13 +66,23 @@ def gather_pays(kv_cache: PagedKVCache, plan: BatchPlan, window_left: int) -> bo
 def _pays(kv_cache: PagedKVCache, plan: BatchPlan) -> bool:
     fp8 = kv_cache.kv_dtype != kv_cache.dtype
     rows = FP8_MIN_ROWS if fp8 else SCATTERED_MIN_ROWS
-    if rows is None:
+    if rows is None or not _hopper_reads(kv_cache, fp8):
         return False
     keys = plan.total_kv
     work = sum(q * kv for q, kv in zip(plan.q_lens_host, plan.kv_lens_host))
     if keys == 0 or work < rows * keys:
         return False
     return fp8 or scattered(kv_cache, plan) >= SCATTERED_MIN_BREAKS
+
+
+def _hopper_reads(kv_cache: PagedKVCache, fp8: bool) -> bool:
+    """Whether the gathered pages would be read by the Hopper prefill (sm_90 only; elsewhere the
+    mma.sync kernel reads FP8 and scattered pages as fast as 16-bit and in-order ones), a box
+    per panel for 16-bit pages (page sizes of 8 rows that divide 128 or that 128 divides)."""
+    if probe_device(kv_cache.device).sm != 90:
+        return False
+    page = kv_cache.page_size
+    return fp8 or (page % 8 == 0 and (128 % page == 0 or page % 128 == 0))
 
 
 def explain(fp8: bool, kv_dtype: torch.dtype) -> str:
