@@ -1,7 +1,8 @@
 // A batch's K/V pages copied in page-table order into consecutive pages of the compute dtype,
 // FP8 pages dequantized on the way: what the core runs before a long prefill over FP8 or
 // scattered pages (backend/attention/ordered_pages.py), so the Hopper prefill reads 16-bit pages
-// a box per panel. One launch for K and V: a block per page of each, 16 bytes a thread and pass.
+// a box per panel. One launch for K and V: a block per page of each, 8 values (16 output bytes)
+// a thread, two at a time.
 //
 // out[i] = pages[source[i]] (16-bit pages), or T(float(stored) * scale[head]) (fp8 pages):
 // the byte pair widened exactly to float16 by the hardware, the product rounded once in IEEE
@@ -81,16 +82,27 @@ __global__ void __launch_bounds__(256) page_gather_kernel(const PageGatherParams
             reinterpret_cast<uint4*>(dst)[v] = make_uint4(nan, nan, nan, nan);
         return;
     }
-    for (int v = threadIdx.x; v < p.vectors_per_page; v += blockDim.x) {
-        if constexpr (KvFmt::kBytes == 2) {
-            const T* page = static_cast<const T*>(src) + from * p.page_stride;
-            reinterpret_cast<uint4*>(dst)[v] = __ldcs(reinterpret_cast<const uint4*>(page) + v);
-        } else {
-            const uint8_t* page = static_cast<const uint8_t*>(src) + from * p.page_stride;
-            const uint2 bytes = __ldcs(reinterpret_cast<const uint2*>(page) + v);
-            const float s = __ldg(scale + ((v * 8) / p.head_dim % p.kv_heads) * p.scale_stride);
-            const uint2 lo = dequantize4<T, KvFmt>(bytes.x, s), hi = dequantize4<T, KvFmt>(bytes.y, s);
-            reinterpret_cast<uint4*>(dst)[v] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    // two vectors a pass, both loads issued before either store (twice the bytes in flight)
+    using Load = std::conditional_t<KvFmt::kBytes == 2, uint4, uint2>;
+    const Load* page = reinterpret_cast<const Load*>(static_cast<const uint8_t*>(src) +
+                                                     from * p.page_stride * KvFmt::kBytes);
+    for (int v0 = threadIdx.x; v0 < p.vectors_per_page; v0 += 2 * blockDim.x) {
+        const int v1 = v0 + blockDim.x;
+        const bool second = v1 < p.vectors_per_page;
+        const Load a = __ldcs(page + v0);
+        const Load b = second ? __ldcs(page + v1) : a;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int v = k ? v1 : v0;
+            if (k && !second) break;
+            const Load x = k ? b : a;
+            if constexpr (KvFmt::kBytes == 2) {
+                reinterpret_cast<uint4*>(dst)[v] = x;
+            } else {
+                const float sc = __ldg(scale + ((v * 8) / p.head_dim % p.kv_heads) * p.scale_stride);
+                const uint2 lo = dequantize4<T, KvFmt>(x.x, sc), hi = dequantize4<T, KvFmt>(x.y, sc);
+                reinterpret_cast<uint4*>(dst)[v] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+            }
         }
     }
 }
