@@ -7,8 +7,8 @@ program compute-sanitizer runs.
     done
 
 Shapes are chosen to hit partial tiles (lengths not multiples of 64, 16 or the page
-size), GQA, masks, causal bottom-right alignment, paged prefill + decode, FP8 tails and
-both transposes. Exits non-zero on a wrong result; prints one line per kernel.
+size), GQA, masks, causal bottom-right alignment, paged prefill + decode (also over the pages
+gathered in order first), FP8 tails and both transposes. Exits non-zero on a wrong result; prints one line per kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fp8_reference import encode, gemm_reference  # noqa: E402
 from reference import attention_ref, rotary_ref, rotary_tables, tolerance  # noqa: E402
 
 from astrai.extension import ATTN_BACKEND, PagedKVCache, attention, attn_backend  # noqa: E402
+from astrai.extension.backend.attention import ordered_pages  # noqa: E402
 from astrai.extension.ops import attention as attn_ops  # noqa: E402
 from astrai.extension.ops import fp8 as fp8_ops  # noqa: E402
 from astrai.extension.ops import rope_paged as rope_paged_ops  # noqa: E402
@@ -81,9 +82,17 @@ def dense_attention() -> None:
 def paged_attention() -> None:
     for kv_dtype in (None, torch.float8_e4m3fn):
         paged_steps(kv_dtype)
+    # the prefill over the step's pages gathered in order first (ordered_pages: the gather kernel)
+    saved = ordered_pages.FP8_MIN_ROWS, ordered_pages.SCATTERED_MIN_ROWS, ordered_pages.SCATTERED_MIN_BREAKS
+    ordered_pages.FP8_MIN_ROWS, ordered_pages.SCATTERED_MIN_ROWS, ordered_pages.SCATTERED_MIN_BREAKS = 1, 1, 0.0
+    try:
+        for kv_dtype in (None, torch.float8_e4m3fn):
+            paged_steps(kv_dtype, "gathered ")
+    finally:
+        ordered_pages.FP8_MIN_ROWS, ordered_pages.SCATTERED_MIN_ROWS, ordered_pages.SCATTERED_MIN_BREAKS = saved
 
 
-def paged_steps(kv_dtype) -> None:
+def paged_steps(kv_dtype, route: str = "") -> None:
     """Three steps (chunked prefill, then two decode steps) through attention() over one cache;
     FP8 pages are checked against the 16-bit reference with FP8's error (scales calibrated on the
     first append)."""
@@ -111,7 +120,7 @@ def paged_steps(kv_dtype) -> None:
                 torch.testing.assert_close(out[:, start:start + n].double().cpu(),
                                            attention_ref(q[:, start:start + n], ks, vs, is_causal=True), **tol)
                 start += n
-            print(f"ok paged attention {kv_dtype or dtype} q_lens={q_lens}", flush=True)
+            print(f"ok {route}paged attention {kv_dtype or dtype} q_lens={q_lens}", flush=True)
 
 
 def fp8() -> None:
