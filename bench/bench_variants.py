@@ -1,7 +1,8 @@
 """What the attention variants cost, beside cuDNN in the same run: paged decode (pages
 shuffled, page 16) and dense prefill, bf16 GQA 32/8 d128, plain against a soft-cap of 50,
-sinks, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the CUDA-graph time (median of
-graph replays, bench/graph_timing.py) and the eager per-call time of the public op;
+sinks, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the
+CUDA-graph time (median of graph replays, bench/graph_timing.py) and the eager per-call time
+of the public op;
 cuDNN runs on contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the
 faster is reported), plain causal (it has no soft-cap or sinks; for the window rows it runs
 the full context, the work the window saves). Decode rows also time the binding alone, eager
