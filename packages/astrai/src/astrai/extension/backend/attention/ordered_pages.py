@@ -130,7 +130,16 @@ def gather_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, source: torch.Ten
     """``k_out[i] = k_pages[source[i]]`` and ``v_out`` alike, FP8 pages dequantized with
     ``scales`` (float32 ``[1]`` / ``[kv_heads]`` each) as ``kv_quant.dequantize`` does: the
     plugin's ``gather_pages`` kernel (one launch) where the module has it, else torch ops."""
-    entry = getattr(_plugin.require(ATTN_PAGED_PREFILL, k_out.device), "gather_pages", None)
+    _gather(_gather_entry(k_out.device), k_pages, v_pages, source, k_out, v_out, scales)
+
+
+def _gather_entry(device: torch.device):
+    """The compiled ``gather_pages`` entry point, or None (a module built before it)."""
+    return getattr(_plugin.require(ATTN_PAGED_PREFILL, device), "gather_pages", None)
+
+
+def _gather(entry, k_pages: torch.Tensor, v_pages: torch.Tensor, source: torch.Tensor, k_out: torch.Tensor,
+            v_out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     if entry is not None:
         launch(k_out.device, entry, tensor_arg(k_pages), tensor_arg(v_pages), tensor_arg(source), tensor_arg(k_out),
                tensor_arg(v_out), **attn_ops.kv_scales_arg(*(scales or (None, None))))
@@ -161,11 +170,13 @@ class GatheredPrefill:
         shape = (len(kv_indices), *kv_cache.k_cache(0).shape[1:])
         self.k = torch.empty(shape, dtype=kv_cache.dtype, device=device)
         self.v = torch.empty_like(self.k)
+        self._entry = _gather_entry(device)  # looked up once for every layer of the batch
 
     def pages(self, kv_cache: PagedKVCache, layer_id: int, scales: tuple[torch.Tensor, torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V pages of the batch in the scratch (FP8 ones dequantized with ``scales``)."""
-        gather_pages(kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id), self.source, self.k, self.v, scales)
+        _gather(self._entry, kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id), self.source, self.k, self.v,
+                scales)
         return self.k, self.v
 
     @classmethod
