@@ -233,7 +233,7 @@ class DecoderModel(nn.Module):
 
     def hidden_linears(self) -> list[nn.Linear]:
         """The linears of the decoder layers (those ``fp8_autocast`` runs in FP8; not the LM head)."""
-        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [getattr(layer, name) for layer in self.layers for name in DecoderLayer.LINEARS]
 
 
 # -- transformers' weight names --------------------------------------------------------------

@@ -9,10 +9,10 @@ w * w_scale[:, None]`` with FP8's relative rounding (2^-4 for e4m3, 2^-3 for e5m
 for ``x [..., K]`` bfloat16 / float16 / float32, ``y`` in ``x``'s dtype. The activations stay
 in their dtype: a decode step reads every weight once for a few tokens, so the weights' one byte
 is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
-of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256, 16-byte
-aligned rows, no gradient wanted); otherwise the torch path: float32 products of the dequantized weights, summed
-in float32 and rounded once, as the kernel does (16-bit CUDA calls, a prefill's, multiply in
-their dtype: ``_torch_path``). Decisions go through the resolver once per
+of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256,
+16-byte aligned rows, no gradient wanted); otherwise the torch path: float32 products of the
+dequantized weights, summed in float32 and rounded once, as the kernel does (16-bit CUDA calls, a
+prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the resolver once per
 (device, dtype, K) (``explain("fp8_weight_gemm")``). Built, waiting for a GPU: the kernel has not
 run on one yet (docs/fp8.md, "FP8 weights at decode").
 """
