@@ -1,5 +1,5 @@
 """What the attention variants cost, beside cuDNN in the same run: paged decode (pages
-shuffled, page 16) and dense prefill, bf16 GQA 32/8 d128, plain against a soft-cap of 50,
+shuffled, page 16) and dense prefill, bf16 GQA 32/8 d128 (--dims: others), plain against a soft-cap of 50,
 sinks, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the
 CUDA-graph time (median of graph replays, bench/graph_timing.py) and the eager per-call time
 of the public op;
@@ -8,7 +8,8 @@ faster is reported), plain causal (it has no soft-cap or sinks; for the window r
 the full context, the work the window saves). Decode rows also time the binding alone, eager
 ("binding us": the host path below the op wrapper).
 
-    python bench/bench_variants.py [--quick] [--plain] [--only decode|prefill] [--json out.json]
+    python bench/bench_variants.py [--quick] [--plain] [--only decode|prefill] [--dims 64 128 256]
+                                   [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+HQ, HKV = 32, 8
 
 
 PLAIN_ONLY = False  # --plain: the plain rows alone (an A/B against a build without variants)
@@ -62,7 +63,7 @@ def cudnn_us(q, k, v, causal: bool) -> float:
     return best
 
 
-def decode_rows(batch: int, kv_len: int) -> list[dict]:
+def decode_rows(batch: int, kv_len: int, D: int) -> list[dict]:
     cache = Paged([kv_len] * batch, 16, HKV, D, torch.bfloat16, order="shuffled", seed=1)
     q = torch.randn(batch, 1, HQ, D, device="cuda").to(torch.bfloat16)
     mod = module("attn_paged_decode")
@@ -85,13 +86,13 @@ def decode_rows(batch: int, kv_len: int) -> list[dict]:
             return ops.attn_paged_decode(q, cache.k_cache, cache.v_cache, cache.kv_indptr, cache.kv_indices,
                                          cache.kv_lens, num_splits=splits, **kw)
         graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
-        rows.append(dict(kind="paged decode", shape=f"B={batch} kv={kv_len}", variant=name, graph_us=graph,
+        rows.append(dict(kind="paged decode", d=D, shape=f"B={batch} kv={kv_len}", variant=name, graph_us=graph,
                          eager_us=eager_time_ms(public) * 1e3, binding_us=eager_time_ms(direct) * 1e3,
                          cudnn_us=peer, vs_cudnn=peer / graph))
     return rows
 
 
-def prefill_rows(seq: int) -> list[dict]:
+def prefill_rows(seq: int, D: int) -> list[dict]:
     q = torch.randn(1, seq, HQ, D, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(1, seq, HKV, D, device="cuda").to(torch.bfloat16) for _ in range(2))
     peer = cudnn_us(q, k, v, True)
@@ -104,7 +105,7 @@ def prefill_rows(seq: int) -> list[dict]:
         def public():
             return ops.attn_prefill(q, k, v, None, True, **kw)
         graph = graph_time_ms(public, calls=3, rounds=7) * 1e3
-        rows.append(dict(kind="prefill causal", shape=f"1x{seq}", variant=name, graph_us=graph,
+        rows.append(dict(kind="prefill causal", d=D, shape=f"1x{seq}", variant=name, graph_us=graph,
                          eager_us=eager_time_ms(public, calls=3) * 1e3, cudnn_us=peer, vs_cudnn=peer / graph,
                          tflops=flops / graph / 1e6))
     return rows
@@ -115,20 +116,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--plain", action="store_true", help="plain attention only (A/B against an older build)")
     ap.add_argument("--only", choices=("decode", "prefill"), help="one kind of row")
+    ap.add_argument("--dims", type=int, nargs="+", default=[128], choices=(64, 128, 256), help="head dims")
     ap.add_argument("--json")
     args = ap.parse_args()
     global PLAIN_ONLY
     PLAIN_ONLY = args.plain
     rows = []
-    if args.only != "prefill":
-        rows += decode_rows(1, 32768) + decode_rows(16, 4096) + decode_rows(1, 4096)
-        # the window at a batch that is bound by bandwidth (at B=1 a 4096-key decode is the latency floor)
-        rows += [] if args.quick else decode_rows(16, 32768)
-    if args.only != "decode":
-        rows += prefill_rows(8192) + ([] if args.quick else prefill_rows(32768))
-    print_rows(f"{'kind':16} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
+    for d in args.dims:
+        if args.only != "prefill":
+            rows += decode_rows(1, 32768, d) + decode_rows(16, 4096, d) + decode_rows(1, 4096, d)
+            # the window at a batch that is bound by bandwidth (at B=1 a 4096-key decode is the latency floor)
+            rows += [] if args.quick else decode_rows(16, 32768, d)
+        if args.only != "decode":
+            rows += prefill_rows(8192, d) + ([] if args.quick else prefill_rows(32768, d))
+    print_rows(f"{'kind':16} {'d':>3} {'shape':14} {'variant':12} {'graph us':>9} {'eager us':>9} {'binding us':>10} "
                f"{'cuDNN us':>9} {'cuDNN/ours':>10}",
-               rows, lambda r: f"{r['kind']:16} {r['shape']:14} {r['variant']:12} {r['graph_us']:9.1f} "
+               rows, lambda r: f"{r['kind']:16} {r['d']:3} {r['shape']:14} {r['variant']:12} {r['graph_us']:9.1f} "
                                f"{r['eager_us']:9.1f} {r.get('binding_us', float('nan')):10.1f} {r['cudnn_us']:9.1f} "
                                f"{r['vs_cudnn']:10.2f}", args.json)
 

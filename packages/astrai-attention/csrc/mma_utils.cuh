@@ -60,7 +60,9 @@ struct RowState {
 // the special-function unit (EMU = 0: all of them).
 template <int EMU>
 __device__ __forceinline__ float tile_exp2(int j, float x) {
-    if (EMU > 0 && j % EMU == EMU - 1) return exp2_fma(x);
+    if constexpr (EMU > 0) {
+        if (j % EMU == EMU - 1) return exp2_fma(x);
+    }
     return exp2f(x);
 }
 

@@ -24,6 +24,8 @@
 // descriptors describe (PanelTile).
 #pragma once
 
+#include <type_traits>
+
 #include "astrai/sm90.cuh"
 #include "prefill_tensor_maps.h"
 #include "prefill_parts.cuh"
@@ -112,6 +114,18 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_EXP2_EMULATE
 #define ASTRAI_PREFILL_EXP2_EMULATE 0
 #endif
+// k > 0: the same for the tiles of calls with a logit soft-cap (the variant instantiation),
+// whose tanh takes the special-function unit too: ex2 + tanh then need twice the tensor cores'
+// cycles per tile at d64, as many at d128 and half at d256. Not at d128, whose consumers spill
+// with a second softmax's registers (stop 36: 160 bytes even at 208). 0: capped tiles as the
+// others (ASTRAI_PREFILL_EXP2_EMULATE). Off until an A/B decides (predicted with k = 3: the
+// soft-cap's cost at d64 down by ~10 % of the plain kernel's time, at d256 about none).
+#ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
+#define ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE 0
+#endif
+template <int D>
+constexpr int kSoftCapExp2Emulate =
+    ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE == 0 || D == 128 ? ASTRAI_PREFILL_EXP2_EMULATE : ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE;
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -505,18 +519,28 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         if (wg == 1) your_turn();  // warpgroup 0 issues first
         float s[NT][4];
         // Whether O needs the rescale by alpha (always, unless ASTRAI_PREFILL_LAZY_RESCALE).
-        auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            if constexpr (C::kVariant) {
-                if (has_soft_cap(p)) soft_cap_tile(s, p);
-            }
-            const int col0 = (sp.t_begin + t) * C::kBN;
-            if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
-                mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
-            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
+        // emu: std::integral_constant of the exponents' FMA share (tile_exp2).
+        auto softmax_rows = [&](auto emu, float (&alpha)[2]) {
+            constexpr int kEmu = decltype(emu)::value;
             if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
                 return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
             online_softmax<NT, kEmu>(st, s, p.scale_log2, alpha);
             return true;
+        };
+        auto softmax_tile = [&](int t, float (&alpha)[2]) {
+            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE, kCapEmu = kSoftCapExp2Emulate<C::D>;
+            bool capped = false;
+            if constexpr (C::kVariant) {
+                capped = has_soft_cap(p);
+                if (capped) soft_cap_tile(s, p);
+            }
+            const int col0 = (sp.t_begin + t) * C::kBN;
+            if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
+                mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
+            if constexpr (C::kVariant && kCapEmu != kEmu) {
+                if (capped) return softmax_rows(std::integral_constant<int, kCapEmu>{}, alpha);
+            }
+            return softmax_rows(std::integral_constant<int, kEmu>{}, alpha);
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
         auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };
