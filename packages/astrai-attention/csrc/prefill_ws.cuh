@@ -117,7 +117,7 @@ struct PanelTile {
 // k > 0: the same for the tiles of calls with a logit soft-cap (the variant instantiation),
 // whose tanh takes the special-function unit too: ex2 + tanh then need twice the tensor cores'
 // cycles per tile at d64, as many at d128 and half at d256. Not at d128, whose consumers spill
-// with a second softmax's registers (stop 36: 160 bytes even at 208). 0: capped tiles as the
+// with a second softmax's registers (160 bytes of spills even with 208 registers). 0: capped tiles as the
 // others (ASTRAI_PREFILL_EXP2_EMULATE). Off until an A/B decides (predicted with k = 3: the
 // soft-cap's cost at d64 down by ~10 % of the plain kernel's time, at d256 about none).
 #ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
