@@ -8,7 +8,7 @@ shared by every layer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,12 +98,17 @@ class BatchPlan:
     def max_kv_len(self) -> int:
         return max(self.kv_lens_host)
 
+    def memo(self, key: Hashable, build: Callable[[], object]) -> object:
+        """``launches[key]``, built by ``build()`` the first time a layer of the batch asks."""
+        found = self.launches.get(key)
+        if found is None:
+            found = self.launches[key] = build()
+        return found
+
     def q_tiles(self, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 ``(q_tile_to_batch, q_tile_to_index)`` of ``tile_rows``-row Q tiles, on the
         plan's device; built once per plan and tile size (one host->device copy)."""
-        key = ("q_tiles", tile_rows)
-        found = self.launches.get(key)
-        if found is None:
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows, self.kv_lens_host)
             flat = torch.tensor(to_batch + to_index, dtype=torch.int32)
             device = self.qo_indptr.device
@@ -111,8 +116,8 @@ class BatchPlan:
                 flat = flat.pin_memory().to(device, non_blocking=True)
             elif device.type == "cuda":  # a traced graph holds the copy as a constant (no pinning there)
                 flat = flat.to(device)
-            found = self.launches[key] = (flat[: len(to_batch)], flat[len(to_batch):])
-        return found
+            return flat[: len(to_batch)], flat[len(to_batch):]
+        return self.memo(("q_tiles", tile_rows), build)
 
     @functools.cached_property
     def is_decode(self) -> bool:

@@ -56,11 +56,7 @@ def gather_pays(kv_cache: PagedKVCache, plan: BatchPlan, window_left: int) -> bo
     (decided once per plan: every layer of the step asks)."""
     if window_left >= 0 or kv_cache.window is not None:
         return False
-    key = ("cuda", "prefill-gather-pays")
-    found = plan.launches.get(key)
-    if found is None:
-        found = plan.launches[key] = _pays(kv_cache, plan)
-    return found
+    return plan.memo(("cuda", "prefill-gather-pays"), lambda: _pays(kv_cache, plan))
 
 
 def _pays(kv_cache: PagedKVCache, plan: BatchPlan) -> bool:
@@ -182,8 +178,4 @@ class GatheredPrefill:
     @classmethod
     def of(cls, kv_cache: PagedKVCache, plan: BatchPlan) -> GatheredPrefill:
         """The batch's instance, built by the first layer that needs it."""
-        key = ("cuda", "prefill-gathered")
-        found = plan.launches.get(key)
-        if found is None:
-            found = plan.launches[key] = cls(kv_cache, plan)
-        return found
+        return plan.memo(("cuda", "prefill-gathered"), lambda: cls(kv_cache, plan))
