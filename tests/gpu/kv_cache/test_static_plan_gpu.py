@@ -31,6 +31,23 @@ def twin_caches():
     return caches
 
 
+def capture(cache, static, ids, run):
+    """``run`` captured over a decode step of ``ids`` planned into ``static`` and prepared
+    outside the graph, after a warm-up step on a side stream: ``(graph, output, the step's plan)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cache.prepare(cache.plan(ids, [1] * len(ids), into=static))
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    plan = cache.plan(ids, [1] * len(ids), into=static)
+    cache.prepare(plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out, plan
+
+
 def test_static_steps_on_the_gpu_equal_ordinary_plans():
     cache = twin_caches()[0]
     static = cache.static_decode_plan(8, 40, "pad")
@@ -47,12 +64,11 @@ def test_a_graph_over_a_static_plan_decodes_like_eager():
     cos, sin = (t.cuda() for t in rope_tables(max_pages * PAGE, D))
     ids = ["a", "b", "c", "d"]
     g = torch.Generator(device="cuda").manual_seed(1)
-    for cache in (graphed, eager):
-        for s, n in zip(ids, [15, 40, 3, 77]):
+    for s, n in zip(ids, [15, 40, 3, 77]):
+        k = torch.randn(1, n, HKV, D, dtype=BF16, device="cuda", generator=g)  # the same prompt keys in both caches
+        for cache in (graphed, eager):
             cache.add_sequence(s)
-            plan = cache.plan([s], [n])
-            k = torch.randn(1, n, HKV, D, dtype=BF16, device="cuda", generator=g)
-            cache.append(0, k, k.flip(-1), plan)
+            cache.append(0, k, k.flip(-1), cache.plan([s], [n]))
     q_in = torch.randn(1, size, HQ, D, dtype=BF16, device="cuda")
     k_in = torch.randn(1, size, HKV, D, dtype=BF16, device="cuda")
     v_in = torch.randn(1, size, HKV, D, dtype=BF16, device="cuda")
@@ -62,16 +78,7 @@ def test_a_graph_over_a_static_plan_decodes_like_eager():
         graphed.add_sequence(s)
         graphed.plan([s], [max_pages * PAGE - 2])  # a reservation (no layer writes): zeros
     run = lambda: attention(q_in, k_in, v_in, kv_cache=graphed, layer_id=0, rope=(cos, sin))  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graphed.prepare(graphed.plan(capture_ids, [1] * size, into=static))
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphed.prepare(graphed.plan(capture_ids, [1] * size, into=static))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out, _ = capture(graphed, static, capture_ids, run)
     for s in capture_ids:
         graphed.release(s)
     for step, batch in enumerate([ids, ids, ids[:3], ids[1:3], ids, ids[2:]] * 3):  # pad rows, page crossings
@@ -90,3 +97,41 @@ def test_a_graph_over_a_static_plan_decodes_like_eager():
         torch.testing.assert_close(out[:, :n].float(), want.float(), **tolerance(BF16), msg=f"step {step}")
         for got, cached in zip(graphed.gather_flat(0, plan), eager.gather_flat(0, eager_plan)):
             assert torch.equal(got, cached)  # every request's keys and values, this step's rotated key included
+
+
+SENTINEL = 1.5e38
+
+
+def _sentinels(numels: list[int], copies: int = 4) -> list[torch.Tensor]:
+    """Float32 tensors of each size in ``numels`` (the caching allocator hands a freed block
+    of the same size back first), filled with a value no kernel writes."""
+    return [torch.full((n,), SENTINEL, device="cuda") for n in numels for _ in range(copies)]
+
+
+def test_a_replay_writes_no_memory_handed_out_after_its_capture():
+    """A graph over a static step with more than one split: once the capture's plan and
+    requests are gone, tensors allocated in their place (of the workspaces' very sizes) keep
+    their values through a replay. The split-K partials belong to the static plan."""
+    cache = twin_caches()[0]
+    size, max_pages = 4, 12
+    static = cache.static_decode_plan(size, max_pages, "pad")
+    capture_ids = [("capture", b) for b in range(size)]
+    for s in capture_ids:
+        cache.add_sequence(s)
+        cache.plan([s], [max_pages * PAGE - 2])
+    q, k = (torch.randn(1, size, h, D, dtype=BF16, device="cuda") for h in (HQ, HKV))
+    run = lambda: attention(q, k, k, kv_cache=cache, layer_id=0)  # noqa: E731
+    graph, _, plan = capture(cache, static, capture_ids, run)
+    launch = plan.launches[("cuda", "decode", HQ)]
+    assert launch.num_splits > 1, "the capture must split the keys for this test to mean anything"
+    numels = [launch.ws_o.numel(), launch.ws_lse.numel()]
+    for s in capture_ids:
+        cache.release(s)
+    cache.plan(["pad"], [1])  # a new active plan: nothing holds the capture's plan now
+    del plan, launch
+    torch.cuda.synchronize()
+    sentinels = _sentinels(numels)
+    graph.replay()
+    torch.cuda.synchronize()
+    overwritten = sum(not bool((t == SENTINEL).all()) for t in sentinels)
+    assert overwritten == 0, f"{overwritten} of {len(sentinels)} tensors allocated after the capture were overwritten"

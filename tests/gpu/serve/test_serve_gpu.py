@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,6 +57,29 @@ def test_graph_decode_matches_eager_decode(llm):
     assert llm.graphs.replays - replays == llm.last_stats.decode_steps >= 23
     want, want_logits = eager.generate(prompts, max_new_tokens=24, return_logits=True)
     _assert_graph_agrees_with_eager(got, want, got_logits, want_logits)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_graphs_on_and_off_give_the_same_tokens_as_batches_grow_and_shrink(llm, kv_dtype):
+    """The engine's default decode path (CUDA graphs over static plans) against eager steps:
+    ragged prompts, long ones prefilled in chunks while short ones decode (the decode batch
+    grows), and an EOS that stops requests at different steps (it shrinks). The greedy tokens
+    are identical, and so are the logits within bf16 rounding, at every step."""
+    engines = [LLM(llm.model, max_batch_size=16, max_batch_tokens=512, kv_cache_dtype=kv_dtype, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    prompts = _prompts(7, [3, 40, 900, 17, 2100, 260, 5, 1300], llm.config.vocab_size)
+    probe = engines[1].generate(prompts, max_new_tokens=24)
+    eos = probe[1][5]  # request 1 stops at its sixth token, the others where (if ever) they meet it
+    for engine in engines:
+        engine.config = dataclasses.replace(engine.config, eos_token_ids=(eos,))
+    (got, got_logits), (want, want_logits) = (e.generate(prompts, max_new_tokens=24, return_logits=True) for e in engines)
+    graphed = engines[0].graphs
+    assert graphed is not None and graphed.replays > 0, engines[0].graphs_off_reason
+    lengths = [len(w) for w in want]
+    assert min(lengths) <= 6 < max(lengths) == 24, lengths  # the batch shrank
+    assert got == want
+    for gl, wl in zip(got_logits, want_logits):
+        assert float(_rel(gl, wl).max()) < 2e-2
 
 
 def test_overlapped_graph_decode_equals_step_by_step(llm):
@@ -148,3 +173,22 @@ def test_fused_rope_matches_rotary_then_attention(llm):
     for g, w, gl, wl in zip(got, want, got_logits, want_logits):
         n = _first_divergence(g, w) + 1
         assert float(_rel(gl[:n], wl[:n]).max()) < 2e-2
+
+
+def test_decode_graph_replays_write_no_memory_handed_out_after_the_capture(llm):
+    """The engine's DecodeGraphs, captured with long reservations (split-KV launches): tensors
+    of every size a split launch's partials could have, allocated after the capture, keep
+    their values through a replay of every bucket."""
+    engine = LLM(llm.model, max_batch_size=8)
+    engine.reserve(_prompts(3, [1500] * 8, llm.config.vocab_size), 64)
+    config, graphs = llm.config, engine.graphs
+    assert graphs is not None, engine.graphs_off_reason
+    torch.cuda.synchronize()
+    sentinel = 1.5e38
+    numels = {s * b * config.num_heads * n for b in graphs.sizes for s in range(2, 33) for n in (config.head_dim, 1)}
+    sentinels = [torch.full((n,), sentinel, device="cuda") for n in sorted(numels) for _ in range(2)]
+    for size in graphs.sizes:
+        graphs._graphs[size].graph.replay()
+    torch.cuda.synchronize()
+    overwritten = sum(not bool((t == sentinel).all()) for t in sentinels)
+    assert overwritten == 0, f"{overwritten} of {len(sentinels)} tensors allocated after the capture were overwritten"

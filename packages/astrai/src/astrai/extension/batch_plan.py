@@ -66,6 +66,10 @@ class BatchPlan:
     ``launches``: what backends built for this batch and reuse in every layer (a kernel
     launch plan: split count, workspaces, converted arguments), by the backend's key; filled
     by :meth:`PagedKVCache.plan` through the cache's preparers, or by a layer's first call.
+
+    ``static``: the :class:`~.static_plan.StaticDecodePlan` whose buffers this plan's tensors
+    view (a step planned ``into=`` it), which also owns the memory its launches write (a
+    graph captured over the step outlives the plan); None: the plan owns its tensors.
     """
 
     seq_ids: tuple[Hashable, ...]
@@ -77,6 +81,7 @@ class BatchPlan:
     q_lens_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
     launches: dict[Hashable, object] = field(default_factory=dict, repr=False)
+    static: object = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def batch_size(self) -> int:

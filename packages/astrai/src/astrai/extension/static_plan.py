@@ -14,10 +14,19 @@ Three launches a step, where refilling a captured plan from an ordinary one took
 Rows past the step's requests (the graph's bucket is larger) read and write one token of
 the pad sequence's first page. The page table is laid out as the cache's own plans are
 (``kv_indptr[b] = b * max_pages``); ``qo_indptr`` is ``0 .. size`` for every decode step.
+
+Ownership: a graph captured over a step replays long after that step's :class:`BatchPlan`
+is gone, so everything the graph reads or writes must outlive the plan. The static plan owns
+it all: the metadata buffers above, and the split-KV workspaces of the decode launches made
+over its steps (:meth:`split_workspaces`, kept for the static plan's life, never handed back
+to the allocator while a graph may write them). A step's plan owns nothing a replay touches.
+:meth:`check_graph_safe` says so of a plan's launches before and after a capture, and raises
+naming the tensor where a launch holds memory of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from array import array
 from collections.abc import Hashable
@@ -56,6 +65,42 @@ class StaticDecodePlan:
         self.write_index, self.token_positions = wide[:size], wide[size:]
         self._deltas_at = deltas_at
         self.kv_indices = torch.zeros(size * max_pages, dtype=torch.int32, device=device)
+        self._workspaces: list[tuple[torch.Tensor, torch.Tensor]] = []  # every pair handed out, newest last
+
+    def split_workspaces(self, splits: int, batch: int, q_heads: int, head_dim: int,
+                         device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(ws_o, ws_lse)``: the float32 split-KV partials of a decode launch over a step of
+        this plan (``_split_workspaces``' sizes), as views of buffers this plan keeps; (None,
+        None) without a split. A larger need allocates a larger pair and keeps the older ones
+        too: a graph captured earlier still writes them."""
+        if splits <= 1:
+            return None, None
+        o_size, lse_size = splits * batch * q_heads * head_dim, splits * batch * q_heads
+        if not self._workspaces or self._workspaces[-1][0].numel() < o_size \
+                or self._workspaces[-1][1].numel() < lse_size:
+            grown = max(o_size, self._workspaces[-1][0].numel() if self._workspaces else 0)
+            grown_lse = max(lse_size, self._workspaces[-1][1].numel() if self._workspaces else 0)
+            self._workspaces.append((torch.empty(grown, dtype=torch.float32, device=device),
+                                     torch.empty(grown_lse, dtype=torch.float32, device=device)))
+        ws_o, ws_lse = self._workspaces[-1]
+        return ws_o[:o_size], ws_lse[:lse_size]
+
+    def check_graph_safe(self, plan: BatchPlan) -> None:
+        """Raise ``RuntimeError`` where a launch of ``plan`` (a step of this static plan) holds
+        device memory that this static plan does not own: a graph captured over the step
+        would replay into it after the plan, and with it that memory, is gone."""
+        if plan.static is not self:
+            raise ValueError("plan is not a step of this static plan: plan it with kv_cache.plan(..., into=static)")
+        owned = {t.untyped_storage().data_ptr() for t in (self._words, self.kv_indices)}
+        owned.update(t.untyped_storage().data_ptr() for pair in self._workspaces for t in pair)
+        for key, launch in plan.launches.items():
+            for name, t in _device_tensors(launch):
+                if t.untyped_storage().data_ptr() not in owned:
+                    raise RuntimeError(
+                        f"the launch {key!r} of a static decode step holds its own {name} "
+                        f"({t.numel() * t.element_size()} bytes): a CUDA graph captured over the step would "
+                        "write it after the step's plan has freed it; the launch must take it from the "
+                        "StaticDecodePlan (split_workspaces)")
 
     def stage(self, table: DevicePageTable, seq_ids: tuple[Hashable, ...], kv_lens: tuple[int, ...],
               slots: list[int], pad_slot: int) -> BatchPlan:
@@ -99,7 +144,20 @@ class StaticDecodePlan:
         n = len(seq_ids)
         plan = BatchPlan(seq_ids=seq_ids, page_size=self.page_size, qo_indptr=self.qo_indptr[:n + 1],
                          kv_indptr=self.kv_indptr[:n + 1], kv_indices=self.kv_indices[:n * self.max_pages],
-                         kv_lens=self.kv_lens[:n], q_lens_host=(1,) * n, kv_lens_host=kv_lens)
+                         kv_lens=self.kv_lens[:n], q_lens_host=(1,) * n, kv_lens_host=kv_lens, static=self)
         plan.__dict__["write_index"] = self.write_index[:n]
         plan.__dict__["token_positions"] = self.token_positions[:n]
         return plan
+
+
+def _device_tensors(launch) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a launch object holds, by field name: a dataclass's tensor fields, a
+    tensor, or a tuple of tensors (what backends keep in ``BatchPlan.launches``)."""
+    if isinstance(launch, torch.Tensor):
+        return [("tensor", launch)]
+    if isinstance(launch, tuple):
+        return [(f"[{i}]", t) for i, t in enumerate(launch) if isinstance(t, torch.Tensor)]
+    if dataclasses.is_dataclass(launch):
+        return [(f.name, v) for f in dataclasses.fields(launch)
+                if isinstance(v := getattr(launch, f.name), torch.Tensor)]
+    return []

@@ -18,6 +18,12 @@ step's page table counts the released columns too (they point at the null page),
 throw-away sequences grow to ``max_seq_pages`` columns a page per plan, releasing as they
 go: each holds only the pages of ``W`` keys and a page at once.
 
+Ownership: whatever a graph reads or writes lives as long as the graph. The :class:`_Graph`
+that replays it holds its tokens and outputs and the bucket's static plan; the static plan
+owns the step metadata and the decode launch's split-K workspaces (a capture step's
+``BatchPlan`` is dropped once captured). Each capture is checked before and after
+(``StaticDecodePlan.check_graph_safe``): a launch holding memory of its own raises.
+
 An FP8 cache's scales must be set (or calibrated) on every layer before a capture
 (:func:`require_kv_scales`): the capture's warm-up step would calibrate them on its filler
 tokens, and a graph captured over a layer without scales would replay its calibration. A
@@ -174,10 +180,12 @@ class DecodeGraphs:
             _require_graph_safe_attention(cache)
             plan = cache.plan(ids, [1] * size, into=static)  # a fresh plan of the same buffers
             cache.prepare(plan)  # the decode launch (split count, workspaces), made outside the graph
+            static.check_graph_safe(plan)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward(tokens, plan.token_positions)
                 next_tokens = greedy_tokens(logits)
+            static.check_graph_safe(plan)  # launches first built inside the capture too
         finally:
             for s in ids:
                 cache.release(s)

@@ -207,7 +207,8 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
                       q_heads: int, kv_heads: int, head_dim: int, max_kv_len: int, page_size: int,
                       num_pages: int, in_kernel_merge: bool = False, pdl: bool = False,
                       slots: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-                      append_last: bool = False, kv_bytes: int = 2) -> PagedDecodeLaunch:
+                      append_last: bool = False, kv_bytes: int = 2,
+                      workspaces: Callable[..., tuple] = _split_workspaces) -> PagedDecodeLaunch:
     """Plan a batch's paged decode (see the module docstring).
 
     ``max_kv_len``: the batch's longest request (tokens), which bounds the critical path of
@@ -223,6 +224,11 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     CUDA graph replay writes its own step's rows). Otherwise, or with a module built before
     that, ``slots``: the plan's ``write_index`` (int64 ``[B]``), or a callable returning it,
     called only when the launch needs it.
+
+    ``workspaces(splits, batch, q_heads, head_dim, device) -> (ws_o, ws_lse)``: where the
+    split-K partials live; by default the launch allocates (and owns) them. A step of a
+    static plan passes ``StaticDecodePlan.split_workspaces``, so a graph captured over the
+    step writes memory that outlives the step.
     """
     batch = kv_lens.shape[0] if isinstance(kv_lens, torch.Tensor) and kv_lens.dim() == 1 else 0
     check_decode_table(ATTN_PAGED_DECODE, batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
@@ -234,7 +240,7 @@ def plan_paged_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens
     module = _plugin.require(ATTN_PAGED_DECODE, torch.device("cuda", index))
     splits = module.decode_plan(batch, kv_heads, q_heads // kv_heads, head_dim, max(max_kv_len, 1),
                                 _num_sms(torch.device("cuda", index)), **fp8_plan_arg(kv_bytes)) if batch > 0 else 1
-    ws_o, ws_lse = _split_workspaces(splits, batch, q_heads, head_dim, device)
+    ws_o, ws_lse = workspaces(splits, batch, q_heads, head_dim, device)
     # One counter per (request, kv head, group of query heads): q_heads per request bounds it.
     ws_count = (torch.zeros(batch * q_heads, dtype=torch.int32, device=device)
                 if in_kernel_merge and splits > 1 else None)

@@ -281,7 +281,8 @@ def _plan_launch(kv_cache: PagedKVCache, plan: BatchPlan, q_heads: int, decode: 
                                  kv_heads=kv_cache.kv_heads, head_dim=kv_cache.head_dim, max_kv_len=plan.max_kv_len,
                                  page_size=kv_cache.page_size, num_pages=kv_cache.num_pages,
                                  append_last=plan.is_decode, slots=lambda: plan.write_index,
-                                 kv_bytes=kv_cache.k_cache(0).element_size())
+                                 kv_bytes=kv_cache.k_cache(0).element_size(),
+                                 **({} if plan.static is None else {"workspaces": plan.static.split_workspaces}))
     tiles = plan.q_tiles(attn_ops.q_tile_rows(kv_cache.device))
     return plan_paged_prefill(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, *tiles,
                               total_q=plan.total_q, page_size=kv_cache.page_size, num_pages=kv_cache.num_pages)
