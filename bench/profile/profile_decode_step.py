@@ -7,7 +7,7 @@ Each batch size runs ``generate`` twice under the torch profiler, with 1 + STEPS
 steps, so the prefill drops out (a one-token run schedules its prefill differently).
 
     PYTHONPATH=packages/astrai/src python3 bench/profile/profile_decode_step.py [--layers 8]
-        [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8] [--sites]
+        [--batch-sizes 1,64] [--context 1024] [--kv-cache-dtype fp8_e4m3] [--fp8 | --fp8-weights] [--sites]
 
 ``--sites``: one more eager decode (CUDA graphs off) profiled with Python stacks, listing for
 each small kernel (element-wise and other) the source line of the engine that launched it.
@@ -65,17 +65,20 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto")
-    ap.add_argument("--fp8", action="store_true", help="FP8 linears")
+    linears = ap.add_mutually_exclusive_group()
+    linears.add_argument("--fp8", action="store_true", help="FP8 linears")
+    linears.add_argument("--fp8-weights", action="store_true", help="decoder linears as FP8 weight copies")
     ap.add_argument("--top", type=int, default=12, help="the longest kernels per step to list")
     ap.add_argument("--sites", action="store_true", help="where each small kernel is launched from (an eager run)")
     a = ap.parse_args()
     rng = random.Random(0)
     llm = LLM.from_preset("llama3-8b", num_layers=a.layers, dtype=torch.bfloat16, device="cuda", seed=0,
-                          max_batch_size=64, fp8=a.fp8, kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
+                          max_batch_size=64, fp8=a.fp8, fp8_weights=a.fp8_weights,
+                          kv_cache_dtype=KV_CACHE_DTYPES[a.kv_cache_dtype])
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     llm.reserve([[0] * a.context] * max(sizes), 2 * STEPS + 2)
     print(f"decode step, {a.layers} layers of Llama-3-8B shape, context {a.context}, "
-          f"KV {a.kv_cache_dtype}, linears {'fp8' if a.fp8 else 'bf16'}: GPU us per step by kind (kernels per step)")
+          f"KV {a.kv_cache_dtype}, linears {'fp8' if a.fp8 else 'fp8 weights' if a.fp8_weights else 'bf16'}: GPU us per step by kind (kernels per step)")
     for b in sizes:
         prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(a.context)] for _ in range(b)]
         llm.generate(prompts, max_new_tokens=STEPS + 1)  # graphs captured, kernels loaded
