@@ -9,7 +9,9 @@ the KV cache in FP8. ``--compare hf`` runs the same weights and prompts through
 transformers (``generate`` with sdpa, and ``generate_batch`` where it runs) and prints the
 ratios of the peers that ran (a peer that fails is shown failed, with its error), and the
 accuracy: the teacher-forced error of the logits against a float32 reference, the engine's
-beside transformers' in the same dtype (:mod:`astrai.serve.accuracy`).
+beside transformers' in the same dtype (:mod:`astrai.serve.accuracy`). ``--accuracy`` sets the
+precision modes side by side on the same weights (16-bit, FP8 weights, FP8 linears, FP8 KV):
+each one's error against float32, as a multiple of the model dtype's, and its top-1 agreement.
 Without a CUDA device everything runs on the CPU through AstrAI's torch fallbacks.
 """
 
@@ -51,6 +53,9 @@ def add_arguments(parser) -> None:
                         help="the KV cache's storage: auto (the model's dtype) or FP8 with per-layer scales")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--compare", choices=["hf"], help="also run the same weights in transformers")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="also the teacher-forced error of each precision mode (16-bit, FP8 weights, FP8 linears, "
+                             "FP8 KV) against float32, side by side (needs transformers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of decode tokens/s and TTFT (astrai[plot])")
@@ -92,6 +97,8 @@ def _check(args) -> None:
             raise UsageError(f"--checkpoint: {exc}") from None
     if args.compare == "hf":
         require("transformers", "transformers", "--compare hf")
+    if args.accuracy:
+        require("transformers", "transformers", "--accuracy")
     writable(args.json, "--json")
     writable(args.plot, "--plot")
     if args.plot:
@@ -120,11 +127,36 @@ def _peer_model(args, llm, dtype: torch.dtype):
                                                     attn_implementation="sdpa").to(llm.model.device).eval()
     if llm.model.linears_released:  # --fp8-weights: the peer, and the accuracy, see what FP8 changed
         from ..serve import LLM
-        from ..serve.model import DecoderModel
 
-        model = DecoderModel.random(llm.config, dtype=dtype, device=llm.model.device, seed=args.seed)
-        return LLM(model, cuda_graphs=False).to_transformers("sdpa")
+        return LLM(_sixteen_bit_model(args, llm, dtype), cuda_graphs=False).to_transformers("sdpa")
     return llm.to_transformers("sdpa")
+
+
+def _sixteen_bit_model(args, llm, dtype: torch.dtype):
+    """The engine's model with its 16-bit weights: its own, or rebuilt where ``--fp8-weights`` freed them."""
+    if not llm.model.linears_released:
+        return llm.model
+    from ..serve import LLM
+    from ..serve.model import DecoderModel
+
+    if args.checkpoint:
+        return LLM.from_pretrained(args.checkpoint, dtype=dtype, device=llm.model.device, cuda_graphs=False).model
+    return DecoderModel.random(llm.config, dtype=dtype, device=llm.model.device, seed=args.seed)
+
+
+def _precision_accuracy(args, llm, prompts, new, dtype: torch.dtype) -> dict:
+    """Every precision mode over the same 16-bit weights, teacher-forced against their float32 copy."""
+    from ..serve import LLM
+    from ..serve.accuracy import float32_reference, precision_errors
+
+    try:
+        model = _sixteen_bit_model(args, llm, dtype)
+        reference = float32_reference(LLM(model, cuda_graphs=False).to_transformers("sdpa"))
+        rows = precision_errors(model, reference, prompts, new, cuda_graphs=not args.no_graphs,
+                                max_batch_size=llm.max_batch_size)
+        return {"requests": len(prompts), "new_tokens": new, "dtype": str(dtype).removeprefix("torch."), "modes": rows}
+    except Exception as exc:  # e.g. no memory for the float32 copy: said, and the timings stand
+        return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def _attention_backend() -> str:
@@ -180,6 +212,8 @@ def main(args) -> int:
         result["peers"] = _compare(llm, hf, prompts, new, tokens)
         result["accuracy"] = _accuracy(llm, hf, prompts[:ACCURACY_REQUESTS], new, dtype)
         del hf
+    if args.accuracy:
+        result["precision_accuracy"] = _precision_accuracy(args, llm, prompts[:ACCURACY_REQUESTS], new, dtype)
     print_report(console, result)
     if args.json:
         with open(args.json, "w") as f:

@@ -52,6 +52,8 @@ def print_report(console: Console, result: dict) -> None:
             console.print(line)
     if result.get("accuracy"):
         console.print(accuracy_line(result["accuracy"]))
+    if result.get("precision_accuracy"):
+        print_precision_accuracy(console, result["precision_accuracy"])
     console.print(floor_line(e["hbm_floor"], e.get("decode_batch_mean")))
     if result.get("weights_bytes"):
         fp8 = " (decoder linears as FP8 copies, their 16-bit weights freed)" if result.get("fp8_weights") else ""
@@ -75,6 +77,24 @@ def accuracy_line(acc: dict) -> str:
             figures.append(f"{name} {p['error']:.4g}" + (" (it is the reference)" if p.get("is_reference") else ""))
     return (f"accuracy: relative L2 error of the logits against transformers in float32, teacher-forced on astrai's "
             f"tokens ({acc['requests']} requests, {acc['tokens']} tokens): {', '.join(figures)}")
+
+
+def print_precision_accuracy(console: Console, acc: dict) -> None:
+    """Each precision mode's teacher-forced error against float32, side by side (or why there is none)."""
+    if acc.get("failed"):
+        console.print(f"[red]accuracy by precision: not measured: {escape(acc['failed'])}[/]")
+        return
+    table = Table(title=f"accuracy by precision ({acc['dtype']} weights, {acc['requests']} requests, "
+                        f"{acc['new_tokens']} new tokens, teacher-forced against float32)")
+    for col in ("mode", "relative L2", f"x {acc['modes'][0]['mode']}", "top-1 agreement"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for row in acc["modes"]:
+        if row["failed"] is not None:
+            table.add_row(escape(row["mode"]), f"[red]failed: {escape(row['failed'])}[/]", "-", "-")
+        else:
+            table.add_row(escape(row["mode"]), f"{row['error']:.3g}", _fmt(row["x_base"], ".2f"),
+                          f"{row['top1']:.1%}")
+    console.print(table)
 
 
 def floor_line(floor: dict, batch: float | None = None) -> str:

@@ -20,7 +20,16 @@ import math
 
 import torch
 
-__all__ = ["float32_reference", "logit_errors", "relative_l2", "teacher_forced_logits"]
+__all__ = ["PRECISION_MODES", "float32_reference", "logit_errors", "precision_errors", "relative_l2",
+           "teacher_forced_logits", "top1_agreement"]
+
+# the engine's precision modes, as LLM options: each FP8 mode beside the model's own dtype ("")
+PRECISION_MODES = {
+    "": {},
+    "FP8 weights": {"fp8_weights": True},
+    "FP8 linears": {"fp8": True},
+    "FP8 KV cache (e4m3)": {"kv_cache_dtype": torch.float8_e4m3fn},
+}
 
 
 def relative_l2(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -79,3 +88,39 @@ def logit_errors(llm, peers: dict, reference, prompts: list[list[int]], max_new_
             entry["failed"] = f"{type(exc).__name__}: {exc}"
         result["peers"].append(entry)
     return result
+
+
+def top1_agreement(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The share of rows (positions) whose largest logit is the same token on both sides."""
+    same = total = 0
+    for g, w in zip(got, want):
+        same += int((g.float().argmax(dim=-1) == w.float().argmax(dim=-1)).sum())
+        total += g.shape[0]
+    return same / total if total else math.nan
+
+
+def precision_errors(model, reference, prompts: list[list[int]], max_new_tokens: int,
+                     modes: dict | None = None, **engine_options) -> list[dict]:
+    """Each precision mode of the engine over the same ``model`` (16-bit weights): its logits'
+    relative L2 error and top-1 agreement against ``reference``, teacher-forced on that mode's
+    own tokens, and its error as a multiple of the first mode's (``x_base``: the model's own
+    dtype, named after it). A mode that raises is reported with its error (``failed``), never
+    as a number."""
+    from .engine import LLM
+
+    rows = []
+    for name, options in (modes or PRECISION_MODES).items():
+        row = {"mode": name or str(model.dtype).removeprefix("torch."), "error": None, "top1": None, "failed": None}
+        try:
+            llm = LLM(model, **engine_options, **options)
+            tokens, logits = llm.generate(prompts, max_new_tokens=max_new_tokens, return_logits=True)
+            del llm  # its KV cache, before the next mode's
+            want = [teacher_forced_logits(reference, p, t) for p, t in zip(prompts, tokens)]
+            row["error"], row["top1"] = relative_l2(logits, want), top1_agreement(logits, want)
+        except Exception as exc:  # shown failed; the other modes' figures stand
+            row["failed"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    base = rows[0]["error"] if rows and rows[0]["error"] else None
+    for row in rows:
+        row["x_base"] = row["error"] / base if base and row["error"] is not None else None
+    return rows
