@@ -106,7 +106,8 @@ class AttentionCall(NamedTuple):
 
 class AttentionBackend(ABC):
     """One implementation of attention. Subclasses set ``name`` and implement
-    ``check``, ``fwd_decode`` and ``fwd_prefill``; see the module docstring."""
+    ``check`` and ``fwd_prefill`` (and ``fwd_decode`` where decode has a path of its own); see the
+    module docstring."""
 
     name: str = ""
 
@@ -114,7 +115,6 @@ class AttentionBackend(ABC):
     def check(self, call: AttentionCall) -> str | None:
         """None when this backend can run ``call``; otherwise the reason it can't."""
 
-    @abstractmethod
     def fwd_decode(
         self,
         q: torch.Tensor,
@@ -127,7 +127,10 @@ class AttentionBackend(ABC):
         is_causal: bool,
         variant: AttentionVariant = PLAIN,
     ) -> torch.Tensor:
-        """Attention for one new query token per request."""
+        """Attention for one new query token per request: by default the prefill of that one
+        token (a backend with a kernel of its own for decode overrides it)."""
+        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
+                                variant=variant)
 
     @abstractmethod
     def fwd_prefill(

@@ -67,10 +67,6 @@ class FlashAttnBackend(AttentionBackend):
             return f"flash-attn lacks {', '.join(missing)} (it takes {', '.join(self.variants)})"
         return None
 
-    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
-        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
-                                variant=variant)
-
     def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
         if kv_cache is not None:
             plan = kv_cache.active_plan

@@ -230,10 +230,6 @@ class TorchNativeBackend(AttentionBackend):
 
         return run
 
-    def fwd_decode(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
-        return self.fwd_prefill(q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
-                                variant=variant)
-
     def fwd_prefill(self, q, k, v, *, kv_cache, layer_id, mask, is_causal, variant=PLAIN):
         if kv_cache is not None:
             return paged_sdpa(q, kv_cache, layer_id, is_causal, variant)
