@@ -51,8 +51,12 @@ class Timing:
         return f"{_num(self.median_us)} us (IQR {_num(self.iqr_us)}, {self.how})"
 
     def __format__(self, spec: str) -> str:
-        """``f"{t}"`` is ``str(t)``; with a width (``f"{t:>12}"``), the table cell ``12.3 ±0.4``."""
-        return str(self) if not spec else format(f"{_num(self.median_us)} ±{_num(self.iqr_us)}", spec)
+        """``f"{t}"`` is ``str(t)``; with a width (``f"{t:>12}"``), the :meth:`cell`."""
+        return str(self) if not spec else format(self.cell(), spec)
+
+    def cell(self) -> str:
+        """The table cell ``12.3 ±0.4`` (us, median ±IQR); :func:`legend` says the rest."""
+        return f"{_num(self.median_us)} ±{_num(self.iqr_us)}"
 
     @property
     def how(self) -> str:
