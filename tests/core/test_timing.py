@@ -4,6 +4,7 @@ the figure, a Timing prints as documented, and the graph timers refuse without C
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -63,8 +64,18 @@ def test_a_timing_prints_median_iqr_rounds_calls_and_timer():
     assert t.to_json() == {"median_us": 12.34, "iqr_us": 0.4, "rounds": 50, "calls": 20, "timer": "eager"}
     assert str(timing.Timing(1234.6, 150.2, 9, 20, "graph")) == "1235 us (IQR 150, 9 rounds x 20 calls, graph)"
     g = timing.Timing(3.0, 0.1, 9, 20, "graph")
-    assert timing.legend([t, g, t]) == ("us per call, median ±IQR over 50 rounds x 20 calls, eager; "
+    assert timing.legend([t, g, t]) == ("timers (median per call): 50 rounds x 20 calls, eager; "
                                         "9 rounds x 20 calls, graph")
+
+
+def test_figures_keep_each_timing_and_json_writes_it():
+    e, g = timing.Timing(12.0, 0.5, 5, 400, "eager"), timing.Timing(3.0, 0.1, 9, 20, "graph")
+    row = {"case": "x"} | timing.figures(eager_us=e, graph_us=g)
+    assert (row["eager_us"], row["graph_us"], row["timings"]) == (12.0, 3.0, {"eager_us": e, "graph_us": g})
+    back = json.loads(json.dumps(row, default=timing.jsonable))
+    assert back["timings"]["graph_us"] == {"median_us": 3.0, "iqr_us": 0.1, "rounds": 9, "calls": 20, "timer": "graph"}
+    with pytest.raises(TypeError, match="object is not JSON serializable"):
+        json.dumps({"x": object()}, default=timing.jsonable)
 
 
 @pytest.mark.parametrize("call", [lambda: timing.graph(work), lambda: timing.graphs({"a": work}),

@@ -60,7 +60,7 @@ class Timing:
 
     @property
     def how(self) -> str:
-        return f"{self.rounds} rounds x {self.calls} calls, {self.timer}"
+        return f"{self.rounds} rounds x {self.calls} call{'s' * (self.calls != 1)}, {self.timer}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,9 +68,23 @@ class Timing:
 
 def legend(timings) -> str:
     """One line naming each distinct timer and round count among ``timings``, for under a table
-    whose cells are ``median ±IQR``."""
+    of their figures (medians per call; a cell ``12.3 ±0.4`` adds the rounds' IQR)."""
     hows = dict.fromkeys(t.how for t in timings)
-    return "us per call, median ±IQR over " + "; ".join(hows)
+    return "timers (median per call): " + "; ".join(hows)
+
+
+def figures(**timings: Timing) -> dict:
+    """A result row's figures in us (``graph_us=t``: ``{"graph_us": t.median_us}``), with
+    every one's :class:`Timing` under ``"timings"`` (what a reader needs to weigh the figure;
+    ``json.dump(rows, f, default=timing.jsonable)`` writes them)."""
+    return {name: t.median_us for name, t in timings.items()} | {"timings": timings}
+
+
+def jsonable(obj) -> dict:
+    """``json.dump``'s ``default``: a :class:`Timing` as its fields."""
+    if isinstance(obj, Timing):
+        return obj.to_json()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 def eager(fn: Callable[[], object], calls: int = 10, rounds: int = 7, warmup: int = 3) -> Timing:
@@ -168,4 +182,5 @@ def _between_events(run) -> float:
 
 
 def _num(us: float) -> str:
-    return f"{us:.3g}" if abs(us) < 100 else f"{us:.0f}"
+    """Three significant figures, no exponent: 0.305, 7.00, 12.3, 1235."""
+    return f"{us:.3g}" if abs(us) < 1 else f"{us:.{max(0, 2 - len(str(int(abs(us)))) + 1)}f}"
