@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged  # noqa: E402
-from graph_timing import graph_time_ms  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
 HBM_READ_TBS = 4.6  # measured HBM read limit of the H200 (design anchors)
@@ -30,7 +30,7 @@ HBM_READ_TBS = 4.6  # measured HBM read limit of the H200 (design anchors)
 
 def time_us(fn, reps: int = 20, rounds: int = 7) -> float:
     """Median per-call microseconds of ``fn`` from a CUDA graph of ``reps`` calls (eager if not capturable)."""
-    return graph_time_ms(fn, calls=reps, rounds=rounds, eager_fallback=True) * 1e3
+    return timing.graph(fn, calls=reps, rounds=rounds, eager_fallback=True).median_us
 
 def sdpa(backend, q, k, v, causal):
     with sdpa_kernel(backend):

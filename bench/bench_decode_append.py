@@ -3,10 +3,11 @@
 launches in one binding call) and the decode alone (no append), bf16 GQA 32/8 d128, kv 4096,
 page 16, batch 1 / 8 / 64, at the split count of decode_plan.
 
-Per variant: the GPU time per call (median of CUDA-graph replays of 20 calls,
-bench/graph_timing.py) and the eager time per call of the plan's launch
+Per variant: the GPU time per call (median of 9 CUDA-graph replays of 20 calls,
+``astrai.timing.graph``) and the eager time per call of the plan's launch
 (``PagedDecodeLaunch.run_eager``, what the CUDA backend's decode step calls), wall clock over
-back-to-back calls: the larger of the host path and the kernels.
+5 rounds of back-to-back calls (``astrai.timing.eager``): the larger of the host path and the
+kernels. Each figure prints as median ±IQR; the JSON keeps each one's timing.
 
     python bench/bench_decode_append.py [--quick] [--json out.json]
 """
@@ -15,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,24 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged  # noqa: E402
-from graph_timing import graph_time_ms  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.abi import tensor_arg  # noqa: E402
 from astrai.extension.ops.attention_plan import plan_paged_decode  # noqa: E402
-
-
-def eager_us(fn, calls: int = 2000, rounds: int = 5) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -73,14 +58,17 @@ def main() -> None:
             "decode only": lambda: fused.run_eager(q, cache_args),
         }
         for name, fn in variants.items():
-            rows.append({"batch": B, "variant": name, "splits": fused.num_splits,
-                         "graph_us": graph_time_ms(fn, calls=20, rounds=9) * 1e3, "eager_us": eager_us(fn, calls)})
+            rows.append({"batch": B, "variant": name, "splits": fused.num_splits}
+                        | timing.figures(graph_us=timing.graph(fn, calls=20, rounds=9),
+                                         eager_us=timing.eager(fn, calls, rounds=5, warmup=50)))
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  (kv 4096, GQA 32/8, d128, bf16, page 16)")
-    print(f"{'B':<4} {'variant':<26} {'splits':>6} {'graph us':>9} {'eager us':>9}")
+    print(f"{'B':<4} {'variant':<26} {'splits':>6} {'graph us':>12} {'eager us':>12}")
     for r in rows:
-        print(f"{r['batch']:<4} {r['variant']:<26} {r['splits']:>6} {r['graph_us']:>9.2f} {r['eager_us']:>9.2f}")
+        t = r["timings"]
+        print(f"{r['batch']:<4} {r['variant']:<26} {r['splits']:>6} {t['graph_us']:>12} {t['eager_us']:>12}")
+    print(timing.legend(t for r in rows for t in r["timings"].values()))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1, default=timing.jsonable))
 
 
 if __name__ == "__main__":

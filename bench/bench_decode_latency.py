@@ -1,7 +1,7 @@
 """Decode latency by split count, with the in-kernel split merge and with the separate
 combine kernel, with and without programmatic dependent launch (PDL) of the split grid,
 beside cuDNN / flash SDPA: bf16 GQA 32/8 d128, kv 4096, batch 1 / 16 / 64. Times are
-medians of CUDA-graph replays of 20 calls (bench/graph_timing.py), so with PDL a call's
+medians of CUDA-graph replays of 20 calls (``astrai.timing.graph``), so with PDL a call's
 blocks start while the previous call's last kernel drains. The ops use the "+combine"
 (no PDL) variant at the split count of decode_plan.
 
@@ -22,8 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, abi, module  # noqa: E402
-from graph_timing import graph_time_ms  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
@@ -31,7 +31,7 @@ SPLITS = {1: [16, 32], 16: [1, 2], 64: [1]}
 
 
 def us(fn) -> float:
-    return graph_time_ms(fn, calls=20, rounds=9) * 1e3
+    return timing.graph(fn, calls=20, rounds=9).median_us
 
 
 def direct(kind, q, kv, splits, fused, pdl):

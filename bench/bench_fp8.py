@@ -22,7 +22,7 @@ import json
 import sys
 
 import torch
-from graph_timing import graph_time_ms
+from astrai import timing
 
 LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
 MS = [1, 16, 128, 1024, 4096, 8192]
@@ -45,11 +45,11 @@ def bench_gemm(module, shapes):
         flop = 2.0 * m * n * k
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         args = (_abi(x), _abi(w), _abi(one), None, _abi(out), False, True)
-        ours = graph_time_ms(lambda: module.gemm(*args, torch.cuda.current_stream().cuda_stream,
-                                            mainloop="mma_sync"))
-        cublas = graph_time_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
-                                                   out_dtype=torch.bfloat16))
-        bf16 = graph_time_ms(lambda: torch.mm(xb, wb.t()))
+        ours = timing.graph(lambda: module.gemm(*args, torch.cuda.current_stream().cuda_stream,
+                                           mainloop="mma_sync")).ms
+        cublas = timing.graph(lambda: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
+                                                  out_dtype=torch.bfloat16)).ms
+        bf16 = timing.graph(lambda: torch.mm(xb, wb.t())).ms
         props = torch.cuda.get_device_properties(0)
         smem_sm = props.shared_memory_per_multiprocessor
         smem_block = getattr(props, "shared_memory_per_block_optin", smem_sm - 1024)
@@ -72,14 +72,14 @@ def bench_quantize(ops, shapes):
     for m, k, layout in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         s = torch.tensor(10.0, device="cuda")
-        ours = graph_time_ms(lambda: ops.fp8_quantize(x, s, "e4m3", layout))
+        ours = timing.graph(lambda: ops.fp8_quantize(x, s, "e4m3", layout)).ms
 
         def ref():
             q = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
             amax = x.abs().amax()
             return (q if layout != 1 else q.t().contiguous()), amax
 
-        theirs = graph_time_ms(ref)
+        theirs = timing.graph(ref).ms
         nbytes = m * k * (2 + (2 if layout == 2 else 1))
         row = {"m": m, "k": k, "out_layout": layout, "ours_ms": ours, "torch_ms": theirs,
                "ours_gbps": nbytes / ours / 1e6, "torch_gbps": nbytes / theirs / 1e6,

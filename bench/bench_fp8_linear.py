@@ -12,9 +12,11 @@ Per shape (M tokens x N x K weight): milliseconds and TFLOP/s of
   floor       (training step, CUDA) a Python autograd.Function running only the step's three
               FP8 GEMMs on operands quantized beforehand: the host-cost floor of any FP8
               linear written in Python (where it loses to bf16, so must any)
-and the share of the fp8 time spent outside the GEMM. Times are medians of event-timed
-repetitions over rotating inputs. Where the time goes: ``host`` is the CPU time to issue one
-call (nothing waited for), ``piped`` the time per call of 20 back-to-back calls (the GPU
+and the share of the fp8 time spent outside the GEMM. Times are medians (``astrai.timing``;
+a line under the tables names each timer and its rounds, the JSON keeps each figure's
+timing with its IQR) over rotating inputs: single eager calls, ``--reps`` rounds. Where the
+time goes: ``host`` is the thread CPU time to issue one call (nothing waited for), ``piped``
+the time per call of 3 rounds of 20 back-to-back calls (the GPU
 work when the host keeps ahead, the host time when it does not), and ``graph`` the time per call
 with 10 calls captured into one CUDA graph and replayed (the GPU work alone, no host cost;
 what a user at small M running CUDA graphs gets; the FP8 state advances on every replay,
@@ -28,67 +30,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from astrai import timing
 from astrai.extension.backend import fp8 as backend
 from astrai.extension.device import probe_device
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.runtime import current_runtime
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import eager_time_ms, graph_time_ms
-
 SHAPES_NK = [(8192, 8192), (28672, 8192), (8192, 28672)]
 MS = [1024, 4096, 8192]
 
 
-def timed_ms(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
-    if device != "cpu":
-        return eager_time_ms(fn, calls=1, rounds=reps, warmup=warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def host_ms(fn, device: str, reps: int = 20) -> float:
-    """Median CPU milliseconds to issue one call, the GPU idle before it."""
-    times = []
-    for _ in range(reps):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+def _sync(device: str) -> None:
     if device != "cpu":
         torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def piped_ms(fn, device: str, calls: int = 20) -> float:
-    """Milliseconds per call over ``calls`` back-to-back calls (median of 3 rounds)."""
-    if device == "cpu":
-        return timed_ms(fn, device, reps=3)
-    out = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(calls):
-            fn()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) / calls)
-    return statistics.median(out)
 
 
 def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
@@ -134,7 +91,7 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
     def floor_step():
         floor.apply(x(), lin_train.weight, lin_train.bias).backward(gy)
 
-    res = {"m": m, "n": n, "k": k}
+    res = {"m": m, "n": n, "k": k, "timings": {}}
     fwd_flop, step_flop = 2.0 * m * n * k, 6.0 * m * n * k
     for name, fn, flop in [("bf16_fwd", bf16_fwd, fwd_flop), ("fp8_fwd", fp8_fwd, fwd_flop),
                            ("gemm_fwd", gemm_only, fwd_flop), ("bf16_step", bf16_step, step_flop),
@@ -142,18 +99,21 @@ def bench_shape(m: int, n: int, k: int, device: str, reps: int) -> dict:
                            ("floor_step", floor_step if floor else None, step_flop)]:
         if fn is None:
             continue
-        ms = timed_ms(fn, device, reps)
-        res[name + "_ms"] = ms
-        res[name + "_tflops"] = flop / ms / 1e9
-        res[name + "_host_ms"] = host_ms(fn, device, reps)
-        res[name + "_piped_ms"] = piped_ms(fn, device)
-        res[name + "_graph_ms"] = None
+        timed = {"": timing.eager(fn, calls=1, rounds=reps),
+                 # the CPU time to issue one call, the GPU idle before it
+                 "_host": timing.host(fn, calls=1, rounds=reps, setup=lambda: _sync(device)),
+                 "_piped": timing.eager(fn, calls=20, rounds=3)}
         if device != "cpu":
             try:
-                res[name + "_graph_ms"] = graph_time_ms(fn)
+                timed["_graph"] = timing.graph(fn)
             except Exception as exc:  # noqa: BLE001 - reported, not hidden
                 res[name + "_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize()
+        for kind, t in timed.items():
+            res[f"{name}{kind}_ms"] = t.ms
+            res["timings"][f"{name}{kind}_ms"] = t
+        res.setdefault(name + "_graph_ms", None)
+        res[name + "_tflops"] = flop / res[name + "_ms"] / 1e9
         for p in lin_train.parameters():
             p.grad = None
         for t in xs:
@@ -286,10 +246,11 @@ def main() -> None:
     print("\nloss (20-step means) bf16:", " ".join(f"{v:.4f}" for v in curves["bf16_means"]))
     print("loss (20-step means) fp8: ", " ".join(f"{v:.4f}" for v in curves["fp8_means"]))
     print(f"max relative difference: {curves['max_rel_diff']:.3f}")
+    print(timing.legend(t for r in rows for t in r["timings"].values()))
     if args.json:
         meta = {"device": info.describe(), "torch": torch.__version__, "decisions": decisions}
         with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "shapes": rows, "loss": curves}, fh, indent=1)
+            json.dump({"meta": meta, "shapes": rows, "loss": curves}, fh, indent=1, default=timing.jsonable)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 REPO = Path(__file__).resolve().parents[1]
 import sm90_capi  # noqa: E402
 from astrai_fp8._fp8_ops import sm90 as sm90_planner  # noqa: E402 - the binary's own planner
+from astrai import timing  # noqa: E402
 
 TILE_CONFIGS = sm90_planner.TILE_CONFIGS
-from graph_timing import graph_time_ms as _graph_time_ms  # noqa: E402
-from graph_timing import graph_times_ms  # noqa: E402
 
 PEAK_TFLOPS = 1979.0  # H200 SXM dense FP8 (datasheet)
 HBM_TBPS = 4.8        # H200 HBM3e (datasheet)
@@ -39,14 +38,13 @@ LLM_NK = [(8192, 8192), (28672, 8192), (8192, 28672), (10240, 8192)]
 MS = [1, 16, 64, 128, 1024, 4096, 8192]
 
 
-
 def graph_time_ms(fn) -> float:
-    return _graph_time_ms(fn, calls=10, rounds=15, warmup=2)
+    return timing.graph(fn, calls=10, rounds=15, warmup=2).ms
 
 
 def run_shape(lib, M: int, N: int, K: int, forced: tuple[int, ...] = ()) -> dict:
     """Our planner's choice, cuBLASLt and the ``forced`` tile configs, both accumulation
-    modes, timed in turn (``graph_times_ms``)."""
+    modes, timed in turn (``timing.graphs``)."""
     dev = "cuda"
     a = (torch.randn(M, K, device=dev) * 2).to(torch.float8_e4m3fn)
     b = (torch.randn(N, K, device=dev) * 2).to(torch.float8_e4m3fn)
@@ -83,7 +81,7 @@ def run_shape(lib, M: int, N: int, K: int, forced: tuple[int, ...] = ()) -> dict
             row[f"rel_diff_{accum}"] = ((out - ref.float()).norm() / ref.float().norm()).item()
     for config in forced:
         fns[f"config{config}"] = ours("promote" if TILE_CONFIGS[config].promote else "fast", config)
-    times = graph_times_ms(fns)
+    times = {name: t.ms for name, t in timing.graphs(fns).items()}
     for accum in ("promote", "fast"):
         t_ours, t_ref = times[f"ours_{accum}"], times.get(f"cublas_{accum}")
         row[f"ours_{accum}_ms"] = t_ours
@@ -104,7 +102,7 @@ def time_forced(lib, M: int, N: int, K: int, config: int) -> float:
     b = (torch.randn(N, K, device="cuda") * 2).to(torch.float8_e4m3fn)
     scale = torch.tensor(0.125, device="cuda")
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    return graph_time_ms(lambda: sm90_capi.gemm(lib, a, b, scale, out=out, force_config=config))
+    return timing.graph(lambda: sm90_capi.gemm(lib, a, b, scale, out=out, force_config=config)).ms
 
 
 def cluster_rows(shapes) -> dict:

@@ -1,6 +1,6 @@
 """Paged decode over FP8 pages beside the bf16 pages and cuDNN bf16, in one run: GQA 32/8 d128,
 page 16 shuffled, bf16 q. Each row has the CUDA-graph time (median of graph replays,
-bench/graph_timing.py) and the eager per-call time of the public op; cuDNN runs bf16 on
+``astrai.timing.graph``) and the eager per-call time of the public op; cuDNN runs bf16 on
 contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the faster is reported).
 "GB/s" is the K/V bytes the call must read over its graph time. ``--prefill`` times the paged
 prefill instead (causal, q = kv per request: the Hopper kernel over bf16 pages, the mma.sync
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, abi, module, ragged_plan  # noqa: E402
 from bench_variants import cudnn_us  # noqa: E402
-from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
+from graph_timing import print_rows  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.backend.attention.ordered_pages import gather_pages, gathered_table  # noqa: E402
 from astrai.extension.kv_quant import calibrated_scale, quantize  # noqa: E402
@@ -64,11 +65,11 @@ def rows_for(batch: int, kv_len: int, extra_splits: tuple[int, ...] = ()) -> lis
         def public():
             return ops.attn_paged_decode(q, pages[0], pages[1], cache16.kv_indptr, cache16.kv_indices,
                                          cache16.kv_lens, num_splits=splits, **scales)
-        graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
+        graph = timing.graph(direct, calls=20, rounds=9).median_us
         nbytes = 2 * batch * kv_len * HKV * D * pages[0].element_size()
         rows.append(dict(shape=f"B={batch} kv={kv_len}", pages=name, splits=splits, planned=forced is None,
                          graph_us=graph,
-                         eager_us=eager_time_ms(public) * 1e3, gbps=nbytes / graph / 1e3, cudnn_us=peer,
+                         eager_us=timing.eager(public).median_us, gbps=nbytes / graph / 1e3, cudnn_us=peer,
                          vs_cudnn=peer / graph))
     return rows
 
@@ -103,8 +104,8 @@ def prefill_rows_for(batch: int, length: int) -> list[dict]:
         def public():
             return ops.attn_paged_prefill(q, pages[0], pages[1], qo, cache16.kv_indptr, cache16.kv_indices,
                                           cache16.kv_lens, tb, ti, True, **scales)
-        graph = graph_time_ms(direct, calls=5, rounds=7) * 1e3
-        rows.append(dict(shape=f"{batch}x{length}", pages=name, graph_us=graph, eager_us=eager_time_ms(public) * 1e3,
+        graph = timing.graph(direct, calls=5, rounds=7).median_us
+        rows.append(dict(shape=f"{batch}x{length}", pages=name, graph_us=graph, eager_us=timing.eager(public).median_us,
                          tflops=flops / graph / 1e6, cudnn_us=peer, vs_cudnn=peer / graph))
     rows.append(gathered_row(batch, length, q, cache16, (qo, tb, ti), flops, peer))
     return rows
@@ -127,8 +128,8 @@ def gathered_row(batch, length, q, cache16, table, flops, peer) -> dict:
         mod.attn_paged_prefill(abi(q), abi(k16), abi(v16), abi(out), abi(qo), abi(indptr), abi(indices),
                                abi(cache16.kv_lens), abi(tb), abi(ti), True, stream_handle(q.device))
 
-    graph = graph_time_ms(gathered, calls=5, rounds=7) * 1e3
-    return dict(shape=f"{batch}x{length}", pages="e4m3 g", graph_us=graph, eager_us=eager_time_ms(gathered) * 1e3,
+    graph = timing.graph(gathered, calls=5, rounds=7).median_us
+    return dict(shape=f"{batch}x{length}", pages="e4m3 g", graph_us=graph, eager_us=timing.eager(gathered).median_us,
                 tflops=flops / graph / 1e6, cudnn_us=peer, vs_cudnn=peer / graph)
 
 

@@ -11,7 +11,7 @@ the decode step ran before them (bf16, Llama-3-8B: hidden 4096, intermediate 143
 
 At the decode step's row counts (1, 16, 64 tokens) and at prefill's (4096). Times are
 medians of CUDA-graph replays, the candidates of a case replayed in turn
-(graph_timing.graph_times_ms), so the launch gaps of the torch sequence are measured as
+(``astrai.timing.graphs``), so the launch gaps of the torch sequence are measured as
 the step's graph pays them. GB/s counts the bytes each call must move (reads and writes of
 the activations and the weight).
 
@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_times_ms, quick_json_args  # noqa: E402
+from graph_timing import quick_json_args  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.backend.norm_torch import rms_norm_torch, silu_and_mul_torch  # noqa: E402
 from astrai.extension.ops import norm as ops_norm  # noqa: E402
 
@@ -86,7 +87,7 @@ def main() -> int:
     results = []
     for rows in rows_list:
         for name, (nbytes, fns) in cases(rows).items():
-            ms = graph_times_ms(fns, calls=20, rounds=7 if args.quick else 15)
+            ms = {name: t.ms for name, t in timing.graphs(fns, calls=20, rounds=7 if args.quick else 15).items()}
             results.append({"case": name, "rows": rows, "bytes": nbytes, "us": {k: v * 1e3 for k, v in ms.items()},
                             "gbs": {k: nbytes / (v * 1e-3) / 1e9 for k, v in ms.items()}})
     print(f"\nnorm ops on {torch.cuda.get_device_name()} (torch {torch.__version__}), bf16, hidden {HIDDEN}, "

@@ -38,8 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, ragged_plan  # noqa: E402
-from graph_timing import eager_time_ms, graph_time_ms  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension import ATTN_BACKEND, attention, attn_backend, batch_plan  # noqa: E402
 from astrai.extension.backend.attention.ordered_pages import gather_pages, gathered_table  # noqa: E402
 
@@ -54,7 +54,7 @@ PAGE_ORDERS = {"astrai paged p16": "in_order", "astrai paged p16 shuf": "shuffle
 
 def time_us(fn) -> float | str:
     try:
-        return graph_time_ms(fn, calls=5, rounds=7) * 1e3
+        return timing.graph(fn, calls=5, rounds=7).median_us
     except Exception as exc:  # a backend that does not take this shape
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
 
@@ -132,8 +132,8 @@ def bench_shape(rows, name, lens, d, causal, ops, heads):
         res["torch path"] = time_us(lambda: torch_path(qd, k, v, causal))
         res["attention()"] = time_us(lambda: attention(qd, k, v, is_causal=causal))
         # what a user sees per eager call, ours beside the torch path's
-        eager = {"torch path": eager_time_ms(lambda: torch_path(qd, k, v, causal)) * 1e3,
-                 "attention()": eager_time_ms(lambda: attention(qd, k, v, is_causal=causal)) * 1e3}
+        eager = {"torch path": timing.eager(lambda: torch_path(qd, k, v, causal)).median_us,
+                 "attention()": timing.eager(lambda: attention(qd, k, v, is_causal=causal)).median_us}
     else:
         k = torch.randn(total, hkv, d, device="cuda", dtype=DT)
         v = torch.randn(total, hkv, d, device="cuda", dtype=DT)

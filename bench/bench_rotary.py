@@ -9,8 +9,9 @@ backward; skipped with a message when ``liger_kernel`` is not importable).
 - the fused decode step (B = 64, one token each): ``rope_paged_append`` (one launch) against
   rotary q, rotary k and the KV append done separately.
 
-Kernel times are medians of CUDA-graph replays, every candidate of a case replayed in turn
-(graph_timing.graph_times_ms). Bandwidth counts the bytes each call must move: q and k
+Kernel times are medians (±IQR) of CUDA-graph replays, every candidate of a case replayed in
+turn (``astrai.timing.graphs``); the decode eager time is ``astrai.timing.eager`` over 5 rounds.
+A line under the tables names each timer and its rounds; the JSON keeps each figure's timing. Bandwidth counts the bytes each call must move: q and k
 read and written (the cos/sin rows are read too, a few percent).
 
     python bench/bench_rotary.py [--json out.json] [--quick]
@@ -20,16 +21,16 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # rotary_reference
-from graph_timing import graph_times_ms, quick_json_args  # noqa: E402
+from graph_timing import quick_json_args  # noqa: E402
 from rotary_reference import rope_tables  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension import apply_rotary_emb  # noqa: E402
 from astrai.extension.ops import rope_paged as rope_paged_ops  # noqa: E402
 from astrai.extension.ops import rotary as rotary_ops  # noqa: E402
@@ -57,17 +58,6 @@ def peers():
 
 def tbs(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
-
-
-def eager_us(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / reps
 
 
 def complex_freqs(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -103,10 +93,12 @@ def qk_case(tokens: int, hq: int, hk: int, d: int, interleaved: bool, hf, liger,
         forward, backward = liger
         fns["liger fwd"] = lambda: forward(qw.transpose(1, 2), kw.transpose(1, 2), hf_cos, hf_sin)
         fns["liger bwd"] = lambda: backward(gq.transpose(1, 2), gk.transpose(1, 2), hf_cos, hf_sin)
-    ms = graph_times_ms(fns, calls=5 if quick else 10, rounds=5 if quick else 15)
+    timings = timing.graphs(fns, calls=5 if quick else 10, rounds=5 if quick else 15)
+    ms = {name: t.ms for name, t in timings.items()}
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
     row = {"case": f"q+k {tokens} tok x {hq}/{hk} x {d} {'gptj' if interleaved else 'neox'}", "bytes": nbytes,
-           "us": {name: t * 1e3 for name, t in ms.items()}, "tbs": {name: tbs(nbytes, t) for name, t in ms.items()}}
+           "us": {name: t * 1e3 for name, t in ms.items()}, "tbs": {name: tbs(nbytes, t) for name, t in ms.items()},
+           "timings": timings}
     if "liger fwd" in ms:
         row["vs_liger_fwd"] = ms["liger fwd"] / ms["astrai fwd in place"]
         row["vs_liger_bwd"] = ms["liger bwd"] / ms["astrai bwd"]
@@ -121,10 +113,10 @@ def decode_host_case(quick: bool) -> dict:
     x = torch.randn(64, 1, 32, 128, device="cuda", dtype=BF16)
     freqs = tuple(t.cuda() for t in rope_tables(8192, 128))
     with torch.inference_mode():
-        graph = graph_times_ms({"kernel": lambda: apply_rotary_emb(x, freqs)}, calls=20, rounds=15)["kernel"] * 1e3
-        eager = eager_us(lambda: apply_rotary_emb(x, freqs), 200 if quick else 2000)
-    return {"case": "apply_rotary_emb decode 64x1x32x128", "eager_us": eager, "graph_us": graph,
-            "host_us": eager - graph}
+        graph = timing.graph(lambda: apply_rotary_emb(x, freqs), calls=20, rounds=15)
+        eager = timing.eager(lambda: apply_rotary_emb(x, freqs), 40 if quick else 400, rounds=5, warmup=10)
+    return {"case": "apply_rotary_emb decode 64x1x32x128", **timing.figures(eager_us=eager, graph_us=graph),
+            "host_us": eager.median_us - graph.median_us}
 
 
 def fused_decode_case(interleaved: bool, quick: bool) -> dict:
@@ -158,10 +150,11 @@ def fused_decode_case(interleaved: bool, quick: bool) -> dict:
         "separate": separate,
         "separate (q+k launch)": separate_qk,
     }
-    ms = graph_times_ms(fns, calls=20, rounds=5 if quick else 15)
+    timings = timing.graphs(fns, calls=20, rounds=5 if quick else 15)
+    ms = {name: t.ms for name, t in timings.items()}
     return {"case": f"decode B={b} rope + KV write {'gptj' if interleaved else 'neox'}",
             "us": {name: t * 1e3 for name, t in ms.items()}, "speedup": ms["separate"] / ms["fused"],
-            "speedup_vs_qk_launch": ms["separate (q+k launch)"] / ms["fused"]}
+            "speedup_vs_qk_launch": ms["separate (q+k launch)"] / ms["fused"], "timings": timings}
 
 
 def main() -> int:
@@ -181,15 +174,16 @@ def main() -> int:
         print(f"\n{r['case']}  ({r['bytes'] / 1e6:.0f} MB moved per call)")
         for name in names:
             if name in r["us"]:
-                print(f"  {name:<22} {r['us'][name]:>9.1f} us  {r['tbs'][name]:>5.2f} TB/s")
+                print(f"  {name:<22} {r['timings'][name]:>14} us  {r['tbs'][name]:>5.2f} TB/s")
         ratios = {k: v for k, v in r.items() if k.startswith("vs_")}
         print("  " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    print(f"\n{host['case']}: eager {host['eager_us']:.1f} us per call, kernel in a graph {host['graph_us']:.1f} us, "
-          f"host overhead {host['host_us']:.1f} us")
+    print(f"\n{host['case']}: eager {host['timings']['eager_us']} per call, kernel in a graph "
+          f"{host['timings']['graph_us']}, host overhead {host['host_us']:.1f} us")
     for f in fused:
-        times = ", ".join(f"{name} {t:.2f} us" for name, t in f["us"].items())
+        times = ", ".join(f"{name} {t:>1} us" for name, t in f["timings"].items())
         print(f"{f['case']}: {times}; fused {f['speedup']:.2f}x faster than separate "
               f"({f['speedup_vs_qk_launch']:.2f}x than the q+k launch + append)")
+    print(timing.legend(t for r in rows + fused for t in r["timings"].values()))
 
     anchor = rows[0]  # NeoX, 16k tokens
     verdicts = {
@@ -206,7 +200,7 @@ def main() -> int:
     if args.json:
         report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "host": host,
                   "fused": fused, "bars": BARS, "verdicts": verdicts, "liger": liger is not None}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=2, default=timing.jsonable) + "\n")
     return 0
 
 

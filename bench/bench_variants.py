@@ -1,7 +1,7 @@
 """What the attention variants cost, beside cuDNN in the same run: paged decode (pages
 shuffled, page 16) and dense prefill, bf16 GQA 32/8 d128 (--dims: others), plain against a soft-cap of 50,
 sinks, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the
-CUDA-graph time (median of graph replays, bench/graph_timing.py) and the eager per-call time
+CUDA-graph time (median of graph replays, ``astrai.timing.graph``) and the eager per-call time
 of the public op;
 cuDNN runs on contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the
 faster is reported), plain causal (it has no soft-cap or sinks; for the window rows it runs
@@ -25,8 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # attention_cases
 from attention_cases import Paged, abi, decode_workspace, module, variant_arg  # noqa: E402
-from graph_timing import eager_time_ms, graph_time_ms, print_rows  # noqa: E402
+from graph_timing import print_rows  # noqa: E402
 
+from astrai import timing  # noqa: E402
 from astrai.extension.abi import stream_handle  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
@@ -57,7 +58,7 @@ def cudnn_us(q, k, v, causal: bool) -> float:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
         try:
-            best = min(best, graph_time_ms(call, calls=10, rounds=9) * 1e3)
+            best = min(best, timing.graph(call, calls=10, rounds=9).median_us)
         except Exception as exc:  # a peer that fails is reported as failed
             print(f"cuDNN {layout} failed: {type(exc).__name__}: {exc}")
     return best
@@ -85,9 +86,9 @@ def decode_rows(batch: int, kv_len: int, D: int) -> list[dict]:
         def public():
             return ops.attn_paged_decode(q, cache.k_cache, cache.v_cache, cache.kv_indptr, cache.kv_indices,
                                          cache.kv_lens, num_splits=splits, **kw)
-        graph = graph_time_ms(direct, calls=20, rounds=9) * 1e3
+        graph = timing.graph(direct, calls=20, rounds=9).median_us
         rows.append(dict(kind="paged decode", d=D, shape=f"B={batch} kv={kv_len}", variant=name, graph_us=graph,
-                         eager_us=eager_time_ms(public) * 1e3, binding_us=eager_time_ms(direct) * 1e3,
+                         eager_us=timing.eager(public).median_us, binding_us=timing.eager(direct).median_us,
                          cudnn_us=peer, vs_cudnn=peer / graph))
     return rows
 
@@ -104,9 +105,9 @@ def prefill_rows(seq: int, D: int) -> list[dict]:
 
         def public():
             return ops.attn_prefill(q, k, v, None, True, **kw)
-        graph = graph_time_ms(public, calls=3, rounds=7) * 1e3
+        graph = timing.graph(public, calls=3, rounds=7).median_us
         rows.append(dict(kind="prefill causal", d=D, shape=f"1x{seq}", variant=name, graph_us=graph,
-                         eager_us=eager_time_ms(public, calls=3) * 1e3, cudnn_us=peer, vs_cudnn=peer / graph,
+                         eager_us=timing.eager(public, calls=3).median_us, cudnn_us=peer, vs_cudnn=peer / graph,
                          tflops=flops / graph / 1e6))
     return rows
 

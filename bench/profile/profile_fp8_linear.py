@@ -3,7 +3,8 @@
     python bench/profile/profile_fp8_linear.py [--m 1024 --n 8192 --k 8192] [--calls 200]
 
 First the host cost of each piece of the forward, issued back to back with the GPU kept
-busy (microseconds of CPU per call, median of 5 rounds); then cProfile of ``calls`` forward
+busy (microseconds of thread CPU per call, median ±IQR of 5 rounds, ``astrai.timing.host``);
+then cProfile of ``calls`` forward
 calls (no_grad, DelayedScaling, the weight cache on) and of ``calls // 4`` training steps,
 sorted by own time; last the same forward captured in a CUDA graph (the GPU work alone,
 no host cost).
@@ -15,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,30 +25,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graph_timing
 import torch.nn.functional as F
+from astrai import timing
 from astrai.extension.backend import fp8 as backend
 from astrai.extension.fp8 import DelayedScaling, fp8_autocast
 from astrai.extension.ops import fp8 as fp8_ops
 from diag_fp8_step_threads import Bf16Linear
-from graph_timing import graph_time_ms, linear_shape_args
+from graph_timing import linear_shape_args
 
 
-def host_us(fn, calls: int = 100) -> float:
-    """Median CPU microseconds per call over rounds of ``calls`` back-to-back calls, started
+def host_us(fn, calls: int = 100) -> timing.Timing:
+    """CPU time per call over 5 rounds of ``calls`` back-to-back calls, each round started
     behind a long GPU job so no call waits for the GPU."""
     busy = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        fn()
-    rounds = []
-    for _ in range(5):
+
+    def keep_gpu_busy():
         torch.cuda.synchronize()
         for _ in range(4):
             busy @ busy  # keeps the GPU ahead of the host
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(rounds)
+
+    return timing.host(fn, calls, rounds=5, warmup=3, setup=keep_gpu_busy)
 
 
 def host_parts(m: int, n: int, k: int) -> None:
@@ -98,18 +93,22 @@ def host_parts(m: int, n: int, k: int) -> None:
 
     parts["fp8_autocast enter + exit, no linear"] = region_only
     parts["fp8_autocast forward (whole)"] = fwd
-    print(f"\n== host microseconds per call, M={m} N={n} K={k} (GPU kept busy)")
+    print(f"\n== host microseconds per call, M={m} N={n} K={k} (GPU kept busy; median ±IQR)")
+    timed = []
     for label, fn in parts.items():
         try:
             with torch.no_grad():
-                print(f"{label:<42} {host_us(fn):8.1f}")
+                timed.append(host_us(fn))
+            print(f"{label:<42} {timed[-1]:>14}")
         except Exception as exc:  # noqa: BLE001 - a piece that cannot run here is reported
             print(f"{label:<42} not run: {type(exc).__name__}: {str(exc)[:120]}")
     for label, fn in (("bf16 training step", bf16_step), ("fp8_autocast training step", fp8_step)):
         try:
-            print(f"{label:<42} {host_us(fn, calls=30):8.1f}")
+            timed.append(host_us(fn, calls=30))
+            print(f"{label:<42} {timed[-1]:>14}")
         except Exception as exc:  # noqa: BLE001 - a piece that cannot run here is reported
             print(f"{label:<42} not run: {type(exc).__name__}: {str(exc)[:120]}")
+    print(timing.legend(timed))
 
 
 def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
@@ -144,12 +143,15 @@ def step_pieces(m: int, n: int, k: int, steps: int = 40) -> None:
         "bf16 step, Python Function": lambda: Bf16Linear.apply(xg, lin.weight, lin.bias).backward(gy),
         "fp8 step": fp8_step,
     }
-    print(f"\n== host microseconds per training step, M={m} N={n} K={k} (GPU kept busy)")
+    print(f"\n== host microseconds per training step, M={m} N={n} K={k} (GPU kept busy; median ±IQR)")
+    timed = []
     for threaded in (True, False):
         with torch.autograd.set_multithreading_enabled(threaded):
             for label, fn in steps_of.items():
+                timed.append(host_us(fn, calls=30))
                 print(f"{label + (', backward on its own thread' if threaded else ', one thread'):<58} "
-                      f"{host_us(fn, calls=30):8.1f}")
+                      f"{timed[-1]:>14}")
+    print(timing.legend(timed))
     from astrai.extension._fp8 import scaling as scaling_mod
     from astrai.extension._fp8 import weights as weights_mod
 
@@ -243,8 +245,8 @@ def main() -> None:
     # autograd engine's device thread)
     with torch.autograd.set_multithreading_enabled(False):
         profile(step, max(args.calls // 4, 10), "fp8 training step")
-    graphed = graph_time_ms(fwd, eager_fallback=True)
-    print(f"\nfp8 forward in a CUDA graph: {graphed:.3f} ms per call (GPU work; the weight is "
+    graphed = timing.graph(fwd, eager_fallback=True)
+    print(f"\nfp8 forward in a CUDA graph: {graphed} per call (GPU work; the weight is "
           "quantized inside the graph, the cache being off under capture)")
 
 

@@ -8,6 +8,9 @@ the resolver picks here) three ways:
   time, without the host's (the rate is computed from it);
 - **host overhead**: eager minus graph, the Python and launch cost above the kernels.
 
+The timers are ``astrai.timing``'s: the table prints each figure as median ±IQR and, under
+it, each timer with its rounds; the JSON keeps every figure's timing under ``timings``.
+
 On a GPU the torch path of the same call is timed eagerly too, for the speed-up. Without
 a CUDA device there are neither graphs nor kernels: the cases shrink to CPU sizes, the
 table says it times the torch fallbacks, and it has no speed-up column (it would compare
@@ -17,16 +20,14 @@ the fallback with itself). The JSON keeps every figure (null where not measured)
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from .. import timing
 from ..extension.device import probe_device
 from ..extension.runtime import current_runtime
 from ..extension.ops._plugin import PLUGIN_OF_OP
@@ -72,6 +73,7 @@ class Result:
     graph_ms: float | None  # per call, replayed in a CUDA graph (None: no CUDA device, or not capturable)
     torch_ms: float | None  # the torch path, eager (None without a CUDA device)
     rate: str
+    timings: dict[str, timing.Timing] = field(default_factory=dict)  # each figure's timer, rounds, IQR
 
     @property
     def host_overhead_ms(self) -> float | None:
@@ -83,54 +85,6 @@ class Result:
 
     def to_json(self) -> dict:
         return asdict(self) | {"host_overhead_ms": self.host_overhead_ms, "speedup": self.speedup}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def eager_ms(fn: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float:
-    """Median per-call milliseconds of ``calls`` back-to-back calls (one sync at the end)."""
-    fn()  # warm-up: module load, decisions, allocator
-    samples = []
-    for _ in range(rounds):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(samples)
-
-
-def graph_ms(fn: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float | None:
-    """Median per-call milliseconds of ``calls`` calls captured in one CUDA graph and
-    replayed; None when ``fn`` cannot be captured."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # capture wants the lazy work done off the capture stream
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    except RuntimeError:
-        return None
-    graph.replay()
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / calls)
-    return statistics.median(samples)
 
 
 def _backend_of(case: Case, device: torch.device) -> tuple[str, str]:
@@ -170,16 +124,28 @@ def run_all(device: torch.device, quick: bool, only: list[str] | None) -> list[R
                          f"the benchmarks run here: {', '.join(dict.fromkeys(c.name for c in here))}")
     for case in track(selected, description="benchmarking", transient=True):
         backend, choice = _backend_of(case, device)
-        eager = eager_ms(case.run, device, calls, rounds)
-        graph = graph_ms(case.run, device, calls, rounds) if gpu else None
-        torch_ms = eager_ms(case.run_torch, device, calls, rounds) if gpu else None
-        rate = _rate(case, eager if graph is None else graph)
-        results.append(Result(case.name, case.shape, backend, choice, eager, graph, torch_ms, rate))
+        timings = {"eager_ms": timing.eager(case.run, calls, rounds, warmup=1)}
+        if gpu:
+            try:
+                timings["graph_ms"] = timing.graph(case.run, calls, rounds)
+            except RuntimeError:  # not capturable: no graph figure
+                pass
+            timings["torch_ms"] = timing.eager(case.run_torch, calls, rounds, warmup=1)
+        ms = {name: t.ms for name, t in timings.items()}
+        rate = _rate(case, ms.get("graph_ms", ms["eager_ms"]))
+        results.append(Result(case.name, case.shape, backend, choice, ms["eager_ms"], ms.get("graph_ms"),
+                              ms.get("torch_ms"), rate, timings))
     return results
 
 
 def _us(ms: float | None) -> str:
     return "-" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def _cell(r: Result, figure: str) -> str:
+    """The figure as median ±IQR where it was timed here, else as a plain number."""
+    t = r.timings.get(figure)
+    return _us(getattr(r, figure)) if t is None else t.cell()
 
 
 def render(results: list[Result], device: torch.device, console: Console) -> None:
@@ -194,14 +160,15 @@ def render(results: list[Result], device: torch.device, console: Console) -> Non
     for column in columns:
         table.add_column(column)
     for r in results:
-        row = [r.name, r.shape, r.backend, _us(r.eager_ms)]
+        row = [r.name, r.shape, r.backend, _cell(r, "eager_ms")]
         if gpu:
             speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
-            row += [_us(r.graph_ms), _us(r.host_overhead_ms), r.rate, _us(r.torch_ms), speedup]
+            row += [_cell(r, "graph_ms"), _us(r.host_overhead_ms), r.rate, _cell(r, "torch_ms"), speedup]
         else:
             row += [r.rate]
         table.add_row(*row)
     console.print(table)
+    console.print(timing.legend(t for r in results for t in r.timings.values()), soft_wrap=True)
     if gpu:
         console.print("eager: per call as a model makes them; graph: the same calls replayed in a CUDA "
                       "graph (the GPU's time); host overhead: the difference. Speed-up: torch path eager "
