@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from astrai import timing
 from astrai.extension.backend.fp8_weights import fp8_weight_linear, quantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import graph_times_ms, print_rows, quick_json_args  # noqa: E402
+from graph_timing import print_rows, quick_json_args  # noqa: E402
 
 SHAPES_NK = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = [1, 8, 16, 32, 64, 96, 128, 192, 256]
@@ -70,14 +71,17 @@ def main() -> None:
     if args is None:
         return
     rows_list = [1, 16, 64, 128, 256] if args.quick else ROWS
-    rows = []
+    rows, every = [], []
     for name, (n, k) in SHAPES_NK.items():
         for m in rows_list:
             fns, errors = candidates(m, n, k)
-            times = graph_times_ms(fns, calls=10, rounds=15)
+            measured = timing.graphs(fns, calls=10, rounds=15)
+            every += measured.values()
+            times = {c: t.median_us for c, t in measured.items()}
             floor_us = (n * k + 2 * m * k + 2 * m * n) / 3.35e12 * 1e6  # FP8 weights, bf16 x and y
             row = {"linear": name, "m": m, "n": n, "k": k, "floor_us": floor_us,
-                   **{f"{c}_us": times.get(c, float("nan")) * 1e3 for c in ("bf16", "weight", "w8a8", "w8a8_gemm")},
+                   **{f"{c}_us": times.get(c, float("nan")) for c in ("bf16", "weight", "w8a8", "w8a8_gemm")},
+                   "iqr_us": {c: t.iqr_us for c, t in measured.items()},
                    "errors": errors}
             fastest = min((c for c in ("weight", "w8a8") if c in times), key=lambda c: times[c], default=None)
             row["fastest_fp8"] = fastest
@@ -91,6 +95,7 @@ def main() -> None:
 
     print_rows(f"{'linear':>8} {'rows':>5} {'bf16':>9} {'weight':>9} {'w8a8':>9} {'w8a8_gemm':>9} {'floor':>8}  "
                "fastest FP8 (us per call, CUDA graphs, interleaved)", rows, line, args.json)
+    print(timing.legend(every))
     worst = max((e for r in rows for e in r["errors"].values() if isinstance(e, float)), default=float("nan"))
     print(f"largest relative error of an FP8 route against the dequantized weights' float32 product: {worst:.2e}")
 
