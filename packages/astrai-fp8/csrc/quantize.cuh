@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "astrai/check.h"
+#include "byte_transpose.cuh"
 #include "common.h"
 
 namespace astrai::fp8 {
@@ -157,16 +158,6 @@ __global__ void __launch_bounds__(kQuantThreads)
 //          it with PRMT and writes four 4-byte words, one per q_t row; 16 threads cover a
 //          64-byte q_t row segment.
 constexpr int kTransTile = 64;
-
-__device__ __forceinline__ void transpose_bytes4x4(uint32_t w0, uint32_t w1, uint32_t w2,
-                                                   uint32_t w3, uint32_t (&out)[4]) {
-  const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);
-  const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);
-  out[0] = __byte_perm(t0, t2, 0x5410);
-  out[1] = __byte_perm(t0, t2, 0x7632);
-  out[2] = __byte_perm(t1, t3, 0x5410);
-  out[3] = __byte_perm(t1, t3, 0x7632);
-}
 
 template <class InT, FP8Format Fmt>
 __global__ void __launch_bounds__(kQuantThreads)

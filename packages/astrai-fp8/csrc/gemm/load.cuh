@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "astrai/cp_async.cuh"
+#include "../byte_transpose.cuh"
 
 namespace astrai::fp8 {
 
@@ -96,17 +97,6 @@ struct CongruousLoader {
 };
 
 // ---------------------------------------------------------------- crosswise (row-major in M/N)
-// 4x4 byte transpose: in[r] holds bytes (row r, cols 0..3); out[c] holds (rows 0..3, col c).
-__device__ __forceinline__ void transpose4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
-                                             uint32_t (&out)[4]) {
-  const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);
-  const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);
-  out[0] = __byte_perm(t0, t2, 0x5410);
-  out[1] = __byte_perm(t0, t2, 0x7632);
-  out[2] = __byte_perm(t1, t3, 0x5410);
-  out[3] = __byte_perm(t1, t3, 0x7632);
-}
-
 // Rows must not exceed Threads: each participating thread owns one 4x16 block per k-tile.
 // The caller picks which threads participate through `unit` (A takes the low threads, B the
 // high ones), so two crosswise operands of a small tile load in parallel.
@@ -169,7 +159,7 @@ struct CrosswiseLoader {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // rows 4q..4q+3 of the block
       uint32_t out[4];
-      transpose4x4(in[0][q], in[1][q], in[2][q], in[3][q], out);
+      transpose_bytes4x4(in[0][q], in[1][q], in[2][q], in[3][q], out);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int row = dst_word + q * 4 + c;
