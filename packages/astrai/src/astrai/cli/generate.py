@@ -167,6 +167,7 @@ def main(args) -> int:
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    properties = torch.cuda.get_device_properties(device) if cuda else None
     result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "fp8_weights": args.fp8_weights,
               "cuda_graphs": llm.use_graphs, "weights_bytes": llm.model.weight_bytes(),
               "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
@@ -174,7 +175,8 @@ def main(args) -> int:
     result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8 or args.fp8_weights,
                                                  step_ms=stats.decode_step_ms,
                                                  context_tokens_per_step=stats.decode_context_per_step,
-                                                 kv_dtype=llm.kv_cache.kv_dtype)
+                                                 kv_dtype=llm.kv_cache.kv_dtype,
+                                                 properties=properties)
     if args.compare == "hf":
         hf = _peer_model(args, llm, dtype)
         result["peers"] = _compare(llm, hf, prompts, new, tokens)
