@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +44,6 @@ HOST_DISTRIBUTIONS = {"pytorch": "torch"}
 # One fixed timestamp for every package made here: reproducible archives, and no build can
 # win a solve by being made later (the solver must prefer cu130 for its cuda-version).
 TIMESTAMP = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-WHEEL_NAME = re.compile(
-    r"^(?P<dist>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 
 
 class ChannelError(RuntimeError):
@@ -129,19 +126,19 @@ def render_recipe(target_platform: str | None = None) -> list[Output]:
 
 
 def read_wheel_name(path: Path) -> WheelInfo:
-    match = WHEEL_NAME.match(path.name)
-    if not match:
-        raise ChannelError(f"{path.name}: not a wheel file name")
-    version = Version(match["version"])
+    try:
+        name, version, _build, tags = parse_wheel_filename(path.name)
+    except InvalidWheelFilename as exc:
+        raise ChannelError(f"{path.name}: not a wheel file name ({exc})") from None
     cuda = None
-    if version.local:
-        tag = re.fullmatch(r"cu(\d+)(\d)", version.local)
+    if version.local:  # the CUDA tag is the first local segment: +cu130, +cu130.post1
+        tag = re.fullmatch(r"cu(\d+)(\d)", version.local.split(".")[0])
         if not tag:
             raise ChannelError(f"{path.name}: local version {version.local!r} is not a CUDA tag like cu124")
         cuda = f"{tag[1]}.{tag[2]}"
-    py = match["py"]
-    python = f"{py[2]}.{py[3:]}" if re.fullmatch(r"cp3\d+", py) else None
-    return WheelInfo(path, canonicalize_name(match["dist"]), version.base_version, cuda, python, match["plat"])
+    cpython = sorted(t.interpreter for t in tags if re.fullmatch(r"cp3\d+", t.interpreter))
+    python = f"3.{cpython[0][3:]}" if cpython else None
+    return WheelInfo(path, name, version.base_version, cuda, python, ".".join(sorted({t.platform for t in tags})))
 
 
 def output_for(wheel: WheelInfo, outputs: list[Output]) -> Output:
