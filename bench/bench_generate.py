@@ -15,7 +15,7 @@ same ``--requests`` prompts (lengths uniform in ``--prompt-len``) with ``--new-t
 
 Reports decode tokens/s, TTFT, and the engine's decode step at batch sizes 1..64 (context
 ``--context``) against its HBM floor: (weight bytes + KV bytes read per step) over the GPU's
-peak bandwidth (``astrai.serve.hbm.BANDWIDTH``, the figure ``astrai generate`` prints against),
+peak bandwidth (``astrai.serve.hbm.memory_bandwidth``, the figure ``astrai generate`` prints against),
 with the overlapped decode loop (default) and step by step (``overlap=False``).
 Correctness: token agreement with transformers ``generate`` (position by position, and
 teacher-forced: transformers' argmax on the engine's own sequence), and the engine's logits
@@ -39,8 +39,9 @@ from astrai.serve.compare import agreement, hf_generate, hf_generate_batch
 from astrai.serve.hbm import memory_bandwidth
 
 
-# the floor astrai generate prints: the device's peak bandwidth (4.8 TB/s on an H200)
-HBM_BYTES_PER_S = memory_bandwidth(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+# the floor astrai generate prints: the device's peak bandwidth (from its memory clock and bus width)
+HBM_BYTES_PER_S = (memory_bandwidth(torch.cuda.get_device_name(), torch.cuda.get_device_properties())
+                   if torch.cuda.is_available() else None)
 
 
 def _args():

@@ -8,10 +8,12 @@ packages are not built by rattler-build from sources; instead:
    (CUDA version, Python) variant;
 2. each wheel is matched to its variant (``astrai_rotary-0.1.0+cu124-cp311-...`` ->
    ``astrai-rotary``, CUDA 12.4, Python 3.11) and repackaged as that conda package: the
-   wheel's files under ``site-packages``, the rendered run requirements as ``depends``
+   wheel installed by PyPA ``installer`` (``site-packages``, ``.data/``, console scripts
+   such as ``bin/astrai``), the rendered run requirements as ``depends``
    (the plugin's ``python`` pinned to its minor, as python's run-exports would);
 3. the dependencies that live outside this project (python, pytorch, numpy, ...,
-   ``cuda-version``) are added as empty *stand-in* packages carrying the host's versions,
+   ``cuda-version``) are added as empty *stand-in* packages carrying the host's versions
+   (python's holds ``bin/python``, which starts the host's interpreter),
    and ``cuda-version X.Y`` constrains ``__cuda >=X`` exactly like conda-forge's;
 4. the folder is indexed into a channel (``repodata.json`` per subdir).
 """
@@ -23,14 +25,14 @@ import importlib.metadata
 import os
 import platform
 import re
+import shlex
 import shutil
 import sys
-import zipfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +46,6 @@ HOST_DISTRIBUTIONS = {"pytorch": "torch"}
 # One fixed timestamp for every package made here: reproducible archives, and no build can
 # win a solve by being made later (the solver must prefer cu130 for its cuda-version).
 TIMESTAMP = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-WHEEL_NAME = re.compile(
-    r"^(?P<dist>[A-Za-z0-9_.]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 
 
 class ChannelError(RuntimeError):
@@ -129,19 +128,19 @@ def render_recipe(target_platform: str | None = None) -> list[Output]:
 
 
 def read_wheel_name(path: Path) -> WheelInfo:
-    match = WHEEL_NAME.match(path.name)
-    if not match:
-        raise ChannelError(f"{path.name}: not a wheel file name")
-    version = Version(match["version"])
+    try:
+        name, version, _build, tags = parse_wheel_filename(path.name)
+    except InvalidWheelFilename as exc:
+        raise ChannelError(f"{path.name}: not a wheel file name ({exc})") from None
     cuda = None
-    if version.local:
-        tag = re.fullmatch(r"cu(\d+)(\d)", version.local)
+    if version.local:  # the CUDA tag is the first local segment: +cu130, +cu130.post1
+        tag = re.fullmatch(r"cu(\d+)(\d)", version.local.split(".")[0])
         if not tag:
             raise ChannelError(f"{path.name}: local version {version.local!r} is not a CUDA tag like cu124")
         cuda = f"{tag[1]}.{tag[2]}"
-    py = match["py"]
-    python = f"{py[2]}.{py[3:]}" if re.fullmatch(r"cp3\d+", py) else None
-    return WheelInfo(path, canonicalize_name(match["dist"]), version.base_version, cuda, python, match["plat"])
+    cpython = sorted(t.interpreter for t in tags if re.fullmatch(r"cp3\d+", t.interpreter))
+    python = f"3.{cpython[0][3:]}" if cpython else None
+    return WheelInfo(path, name, version.base_version, cuda, python, ".".join(sorted({t.platform for t in tags})))
 
 
 def output_for(wheel: WheelInfo, outputs: list[Output]) -> Output:
@@ -174,13 +173,27 @@ def _assemble(*args, **kwargs):
 
 
 def _stage_wheel(wheel: WheelInfo, output: Output, staging: Path) -> None:
-    site = staging / ("site-packages" if output.noarch == "python"
-                      else f"lib/python{wheel.python}/site-packages")
-    site.mkdir(parents=True)
-    with zipfile.ZipFile(wheel.path) as archive:
-        archive.extractall(site)
-    for installer in site.glob("*.dist-info/INSTALLER"):
-        installer.write_text("conda\n")
+    """Install the wheel into ``staging`` as pip would (``.data/``, console scripts and all), in
+    its conda package's layout. Scripts start ``#!/usr/bin/env python``, as conda-build writes
+    them for a noarch package: the environment's python once it is activated."""
+    from installer import install
+    from installer.destinations import SchemeDictionaryDestination
+    from installer.sources import WheelFile
+
+    if output.noarch == "python":  # conda's noarch layout: linked under lib/pythonX.Y/ and bin/
+        site, scripts = "site-packages", "python-scripts"
+    else:
+        site, scripts = f"lib/python{wheel.python}/site-packages", "bin"
+    scheme = {"purelib": site, "platlib": site, "scripts": scripts, "data": ".", "headers": "include"}
+    placeholder = str(staging / "bin" / "python")
+    destination = SchemeDictionaryDestination({k: str(staging / v) for k, v in scheme.items()},
+                                              interpreter=placeholder, script_kind="posix")
+    with WheelFile.open(wheel.path) as source:
+        install(source, destination, additional_metadata={"INSTALLER": b"conda\n"})
+    for script in (staging / scripts).glob("*"):
+        text = script.read_bytes()
+        if text.startswith(f"#!{placeholder}\n".encode()):
+            script.write_bytes(b"#!/usr/bin/env python\n" + text.split(b"\n", 1)[1])
 
 
 def _depends(output: Output) -> list[str]:
@@ -200,6 +213,17 @@ def _host_version(name: str) -> str:
         raise ChannelError(f"the packages need {name!r}, which this Python does not have ({dist} is not installed)") from exc
 
 
+def _python_standin(folder: Path) -> Path:
+    """The python stand-in's files: bin/python starting this host's interpreter, which the
+    packages' console scripts name in their first line."""
+    shutil.rmtree(folder, ignore_errors=True)
+    script = folder / "bin" / "python"
+    script.parent.mkdir(parents=True)
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    script.chmod(0o755)
+    return folder
+
+
 def _add_standins(channel: Channel, made: list[Output], all_outputs: list[Output]) -> None:
     ours = {o.name for o in all_outputs}
     needed = sorted({d.split()[0] for o in made for d in _depends(o)} - ours)
@@ -215,7 +239,10 @@ def _add_standins(channel: Channel, made: list[Output], all_outputs: list[Output
             continue
         version = _host_version(name)
         subdir = conda_subdir() if name == "python" else "noarch"
-        _assemble(name, version, subdir, "standin_0", channel.path / subdir, files=[],
+        files = {"files": []}
+        if name == "python":
+            files = {"files_dir": _python_standin(channel.path.parent / "python-standin")}
+        _assemble(name, version, subdir, "standin_0", channel.path / subdir, **files,
                          noarch=None if name == "python" else "generic",
                          summary=f"stand-in: {name} {version} is the host's own (no conda channel reachable)")
         channel.standins.append(f"{name} {version}")

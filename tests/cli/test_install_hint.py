@@ -134,3 +134,28 @@ def test_a_missing_plugin_error_says_the_index_is_unpublished(monkeypatch):
         monkeypatch.setenv("ASTRAI_INDEX_URL", "http://127.0.0.1:8000/whl")
         with pytest.raises(RuntimeError, match=r"127\.0\.0\.1:8000/whl/cu130$"):
             _plugin.require("rotary_emb", "cpu")
+
+
+@pytest.mark.parametrize("version, cuda", [("0.1.0+cu130", (13, 0)), ("0.1.0+cu124.post1", (12, 4)),
+                                           ("0.1.0+cu130.1", (13, 0)), ("0.1.0", None), ("0.1.0+cpu", None),
+                                           ("not a version", None), (None, None)])
+def test_doctor_reads_the_cuda_build_from_a_plugin_version(version, cuda):
+    from astrai.cli import doctor
+
+    assert doctor._cuda_of_version(version) == cuda
+
+
+def test_a_rebuilt_cuda12_plugin_keeps_its_index(monkeypatch):
+    # a disabled plugin has no manifest: doctor reads the CUDA build from its distribution's version
+    from fakes import FakeEntryPoint, entry_points, manifest
+
+    from astrai.cli import doctor
+    from astrai.extension.device import DeviceInfo
+    from astrai.extension.registry import Registry
+
+    monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
+    ep = FakeEntryPoint("rotary", manifest())
+    ep.dist.version = "0.1.0+cu124.post1"
+    registry = Registry(entry_points(ep), enabled=False)
+    cpu = DeviceInfo(type="cpu", index=None, name="cpu", capability=None, driver_cuda=None)
+    assert doctor._install_commands(cpu, registry)["pip"] == f'pip install "astrai[rotary]" --extra-index-url {CU124}'

@@ -18,7 +18,6 @@ ptxas report tests/attention/test_attention_plugin.py inspects: one build of eac
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
@@ -26,10 +25,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from build_helpers import require_toolkit
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "test-wheels"
@@ -56,24 +55,14 @@ def _source_hash(plugin: str) -> str:
     return digest.hexdigest()[:16]
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def plugin_build(plugin: str, cuda: str = "13.0", archs: str = "90a", *, ptx: bool = True) -> Path:
     """The ci/build-wheels output folder of one astrai-<plugin> build for this Python:
     cu<ver>/ (the wheel), sdist-cu<ver>/, logs-cu<ver>/, build-report-cu<ver>.json."""
     tag = cuda_tag(cuda)
     prefix = f"{plugin}-{tag}-{re.sub(r'[^0-9a-z]+', '_', archs.lower())}-{'' if ptx else 'noptx-'}"
     folder = CACHE / f"{prefix}{_source_hash(plugin)}"
-    with _locked(CACHE / f".{prefix}lock"):
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(CACHE / f".{prefix}lock"):
         if list((folder / tag).glob(f"astrai_{plugin}-*-{PY}-*.whl")):
             return folder
         for stale in [*CACHE.glob(f"{prefix}*"), *CACHE.glob(f".{prefix}*")]:

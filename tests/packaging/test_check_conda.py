@@ -72,6 +72,7 @@ def test_real_wheel_installs_from_the_channel_only_where_a_driver_runs_it(rotary
     installed = tmp_path / "prefix-cuda130" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
     assert list((installed / "astrai_rotary").glob("_rotary_emb*.so"))
     assert (tmp_path / "prefix-cuda130" / "conda-meta").is_dir()
+    assert os.access(tmp_path / "prefix-cuda130" / "bin" / "astrai", os.X_OK)  # the doctor above ran through it
 
 
 def test_each_driver_gets_the_newest_cuda_build_it_runs(tmp_path):
@@ -116,3 +117,36 @@ def test_no_wheels_is_a_clear_error(tmp_path):
     result = _check("--wheels", str(tmp_path), "--work", str(tmp_path / "work"))
     assert result.returncode == 2
     assert "no plugin wheel" in result.stderr and "ci/build-wheels" in result.stderr
+
+
+def _core_like_wheel(folder: Path) -> Path:
+    """A pure wheel with a console script and a .data/ script, as the core's build makes them."""
+    info = "astrai-0.1.0.dist-info"
+    path = folder / "astrai-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("astrai/__init__.py", "")
+        wheel.writestr("astrai-0.1.0.data/scripts/astrai-env", "#!python\nprint('env')\n")
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: astrai\nVersion: 0.1.0\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/entry_points.txt", "[console_scripts]\nastrai = astrai.cli.main:main\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    return path
+
+
+@pytest.mark.parametrize("noarch", ["python", None])
+def test_a_wheel_is_staged_with_its_console_scripts(tmp_path, noarch):
+    # the zipfile unpacking this replaced left astrai-0.1.0.data/ in site-packages and wrote no bin/astrai
+    sys.path.insert(0, str(ROOT / "ci"))
+    from conda_channel import Output, WheelInfo, _stage_wheel
+
+    wheel = WheelInfo(_core_like_wheel(tmp_path), "astrai", "0.1.0", None, "3.12", "any")
+    output = Output("astrai", "0.1.0", "0", noarch, (), {}, "", "", "")
+    staging = tmp_path / "staging"
+    _stage_wheel(wheel, output, staging)
+    site, scripts = ("site-packages", "python-scripts") if noarch else ("lib/python3.12/site-packages", "bin")
+    script = staging / scripts / "astrai"
+    assert script.read_text().startswith("#!/usr/bin/env python\n")  # the activated environment's
+    assert "from astrai.cli.main import main" in script.read_text() and os.access(script, os.X_OK)
+    assert (staging / scripts / "astrai-env").read_text() == "#!/usr/bin/env python\nprint('env')\n"
+    assert (staging / site / "astrai" / "__init__.py").is_file() and not list((staging / site).glob("*.data"))
+    assert (staging / site / "astrai-0.1.0.dist-info" / "INSTALLER").read_text() == "conda\n"

@@ -4,13 +4,15 @@ embedding table, the batch's KV cache) over the GPU's bandwidth, and the context
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from astrai.cli.generate_report import floor_line
 from astrai.serve import LLM, preset
-from astrai.serve.hbm import decode_floor, kv_bytes_per_token, memory_bandwidth, weight_bytes_per_step
+from astrai.serve.hbm import (BANDWIDTH, decode_floor, kv_bytes_per_token, memory_bandwidth, peak_bandwidth,
+                              weight_bytes_per_step)
 from astrai.serve.model import DecoderModel
 
 LLAMA3_8B = preset("llama3-8b")
@@ -49,6 +51,38 @@ def test_bandwidth_table_and_unknown_devices():
     assert "unknown" in floor_line(unknown) and "Imaginary 9000" in floor_line(unknown)
     cpu = decode_floor(LLAMA3_8B, torch.bfloat16, device="cpu", context_tokens_per_step=1, step_ms=5.0)
     assert cpu["floor_ms"] is None and "does not apply on the CPU" in floor_line(cpu)
+
+
+# torch.cuda.get_device_properties()'s memory clock (kHz) and bus width (bits), as CUDA reports them
+H100_SXM = SimpleNamespace(name="NVIDIA H100 80GB HBM3", memory_clock_rate=2619000, memory_bus_width=5120)
+A100_80GB = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", memory_clock_rate=1593000, memory_bus_width=5120)
+L40S = SimpleNamespace(name="NVIDIA L40S", memory_clock_rate=9001000, memory_bus_width=384)
+RTX_6000_ADA = SimpleNamespace(name="NVIDIA RTX 6000 Ada Generation", memory_clock_rate=10001000,
+                               memory_bus_width=384)
+
+
+@pytest.mark.parametrize("card", [H100_SXM, A100_80GB, L40S])
+def test_device_properties_give_the_table_figures(card):
+    table = BANDWIDTH[card.name.removeprefix("NVIDIA ")] * 1e12
+    assert peak_bandwidth(card) == pytest.approx(table, rel=2e-3)
+    assert memory_bandwidth(card.name, card) == peak_bandwidth(card)
+
+
+def test_a_card_off_the_table_gets_its_floor_from_its_properties():
+    assert RTX_6000_ADA.name.removeprefix("NVIDIA ") not in BANDWIDTH
+    assert memory_bandwidth(RTX_6000_ADA.name) is None
+    floor = decode_floor(LLAMA3_8B, torch.bfloat16, device=RTX_6000_ADA.name, context_tokens_per_step=576,
+                         step_ms=40.0, properties=RTX_6000_ADA)
+    assert floor["bandwidth_tb_s"] == pytest.approx(0.960, rel=1e-3)
+    assert floor["floor_ms"] == pytest.approx(1e3 * (floor["weight_bytes"] + floor["kv_bytes"]) / 0.96e12, rel=1e-3)
+    assert "at 0.96 TB/s" in floor_line(floor)
+
+
+@pytest.mark.parametrize("missing", [SimpleNamespace(name="NVIDIA L40S"),  # torch without the fields
+                                     SimpleNamespace(name="NVIDIA L40S", memory_clock_rate=0, memory_bus_width=384)])
+def test_properties_without_a_memory_clock_fall_back_to_the_table(missing):
+    assert peak_bandwidth(missing) is None
+    assert memory_bandwidth(missing.name, missing) == 0.864e12
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -9,6 +9,7 @@ import re
 import sys
 
 import torch
+from packaging.version import InvalidVersion, Version
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -49,8 +50,13 @@ def _disabled_reason() -> str:
 
 
 def _cuda_of_version(version: str | None) -> tuple[int, int] | None:
-    """The CUDA build a plugin distribution's local version names: ``0.1.0+cu130`` -> (13, 0)."""
-    found = re.search(r"\+cu(\d+)(\d)$", version or "")
+    """The CUDA build a plugin distribution's local version names in its first segment:
+    ``0.1.0+cu130`` and ``0.1.0+cu130.post1`` -> (13, 0); None without one."""
+    try:
+        local = (Version(version).local or "") if version else ""
+    except InvalidVersion:
+        return None
+    found = re.fullmatch(r"cu(\d+)(\d)", local.split(".")[0])
     return None if found is None else (int(found[1]), int(found[2]))
 
 

@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
     fp8.add_argument("--fp8", action="store_true", help="FP8 linears in the decoder layers")
     fp8.add_argument("--fp8-weights", action="store_true",
                      help="FP8 weight copies of the decoder layers' linears, 16-bit activations")
-    parser.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="the KV cache's storage: auto (the model's dtype) or FP8 with per-layer scales")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--compare", choices=["hf"], help="also run the same weights in transformers")
@@ -67,9 +67,6 @@ def _check(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is unknown: valid values are "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
     if args.prompt_len and not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
         raise UsageError(f"--prompt-len needs 1 <= MIN <= MAX, got {' '.join(map(str, args.prompt_len))}")
     check_environment(plugin_names(current_runtime().registry))
@@ -199,6 +196,7 @@ def main(args) -> int:
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    properties = torch.cuda.get_device_properties(device) if cuda else None
     result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "fp8_weights": args.fp8_weights,
               "cuda_graphs": llm.use_graphs, "weights_bytes": llm.model.weight_bytes(),
               "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
@@ -206,7 +204,8 @@ def main(args) -> int:
     result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8 or args.fp8_weights,
                                                  step_ms=stats.decode_step_ms,
                                                  context_tokens_per_step=stats.decode_context_per_step,
-                                                 kv_dtype=llm.kv_cache.kv_dtype)
+                                                 kv_dtype=llm.kv_cache.kv_dtype,
+                                                 properties=properties)
     if args.compare == "hf":
         hf = _peer_model(args, llm, dtype)
         result["peers"] = _compare(llm, hf, prompts, new, tokens)

@@ -104,7 +104,7 @@ def floor_line(floor: dict, batch: float | None = None) -> str:
         return f"{step}; HBM floor: {floor['note']}"
     ratio = f": {floor['step_over_floor']:.2f}x the floor" if floor["step_over_floor"] else ""
     return (f"{step}; HBM floor {floor['floor_ms']:.2f} ms ({_gb(floor['weight_bytes'])} of weights + "
-            f"{_gb(floor['kv_bytes'])} of KV cache per step at {floor['bandwidth_tb_s']:g} TB/s){ratio}")
+            f"{_gb(floor['kv_bytes'])} of KV cache per step at {floor['bandwidth_tb_s']:.3g} TB/s){ratio}")
 
 
 def kv_cache_line(kv: dict) -> str:

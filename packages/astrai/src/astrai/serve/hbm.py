@@ -6,8 +6,11 @@ of every request in the batch, ``2 * layers * kv_heads * head_dim * itemsize`` b
 token of context (the cache's storage: one byte for an FP8 cache). With ``fp8`` the decoder
 layers' linears are read as their FP8 copies (one byte per weight); norms, biases and the LM
 head stay in the model's dtype. The floor is
-those bytes over the device's peak memory bandwidth (:data:`BANDWIDTH`, the vendors' figures);
-a step can come near it but not under it.
+those bytes over the device's peak memory bandwidth; a step can come near it but not under it.
+
+The peak comes from the device's properties, ``2 x memory_clock_rate (kHz) x memory_bus_width (bits) / 8``
+(double data rate): 3.35 TB/s on an H100 SXM, any card. Where torch does not report them (older
+releases, or 0 where a CUDA runtime dropped the field) the vendors' figures in :data:`BANDWIDTH` stand in.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import torch
 
 from .config import ModelConfig
 
-__all__ = ["BANDWIDTH", "decode_floor", "kv_bytes_per_token", "memory_bandwidth", "weight_bytes_per_step"]
+__all__ = ["BANDWIDTH", "decode_floor", "kv_bytes_per_token", "memory_bandwidth", "peak_bandwidth",
+           "weight_bytes_per_step"]
 
-# peak HBM / GDDR bandwidth in TB/s, by torch.cuda.get_device_name() without "NVIDIA "
+# peak HBM / GDDR bandwidth in TB/s, by torch.cuda.get_device_name() without "NVIDIA ": the fallback
+# where the device's properties give no memory clock
 BANDWIDTH: dict[str, float] = {
     "B200": 8.0,
     "H200": 4.8,
@@ -36,8 +41,19 @@ BANDWIDTH: dict[str, float] = {
 }
 
 
-def memory_bandwidth(device_name: str) -> float | None:
-    """Bytes/s of the GPU named ``device_name`` (as CUDA names it), None when not in :data:`BANDWIDTH`."""
+def peak_bandwidth(properties) -> float | None:
+    """Bytes/s from ``torch.cuda.get_device_properties()``'s memory clock and bus width, None without them."""
+    clock_khz = getattr(properties, "memory_clock_rate", 0)
+    bus_bits = getattr(properties, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def memory_bandwidth(device_name: str, properties=None) -> float | None:
+    """Bytes/s of the GPU named ``device_name`` (as CUDA names it): from its ``properties`` where they
+    give the memory clock, else from :data:`BANDWIDTH`; None when neither knows it."""
+    peak = peak_bandwidth(properties)
+    if peak:
+        return peak
     name = device_name.removeprefix("NVIDIA ").strip()
     tb_s = BANDWIDTH.get(name)
     return None if tb_s is None else tb_s * 1e12
@@ -59,10 +75,11 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def decode_floor(config: ModelConfig, dtype: torch.dtype, *, device: str, context_tokens_per_step: float,
-                 step_ms: float, fp8: bool = False, kv_dtype: torch.dtype | None = None) -> dict:
+                 step_ms: float, fp8: bool = False, kv_dtype: torch.dtype | None = None, properties=None) -> dict:
     """The floor of a decode step that attends over ``context_tokens_per_step`` tokens (summed over
     the batch) on ``device`` (``"cpu"`` or a CUDA device name), beside the measured ``step_ms``;
-    ``kv_dtype``: the KV cache's storage (default ``dtype``).
+    ``kv_dtype``: the KV cache's storage (default ``dtype``); ``properties``: the device's
+    ``torch.cuda.get_device_properties()`` (see :func:`memory_bandwidth`).
 
     ``floor_ms`` and ``step_over_floor`` are None where the floor is not known; ``note`` says why.
     """
@@ -73,7 +90,7 @@ def decode_floor(config: ModelConfig, dtype: torch.dtype, *, device: str, contex
     if device == "cpu":
         out["note"] = "does not apply on the CPU (the torch fallbacks are not bound by memory bandwidth)"
         return out
-    bandwidth = memory_bandwidth(device)
+    bandwidth = memory_bandwidth(device, properties)
     if bandwidth is None:
         out["note"] = f"unknown: no memory bandwidth on record for {device}"
         return out
