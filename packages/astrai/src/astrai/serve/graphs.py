@@ -194,7 +194,9 @@ class DecodeGraphs:
     def run(self, plan: BatchPlan, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket of ``plan``, a decode step of the real requests planned into its
         buffers (``kv_cache.step(..., into=self.static_plan(n))``); returns views
-        ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs."""
+        ``(next_tokens [n], logits [n, vocab])`` of the graph's outputs, valid until the next
+        replay of any bucket (the buckets share one memory pool: another bucket's replay may
+        write where this one's outputs lie); copy them to keep them."""
         n = plan.batch_size
         g = self._graphs[self.bucket(n)]
         if plan.kv_lens.data_ptr() != g.static.kv_lens.data_ptr():
