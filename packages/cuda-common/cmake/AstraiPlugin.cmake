@@ -26,7 +26,7 @@ cmake_policy(VERSION 3.24...3.31)  # recorded by the functions below, whoever in
 
 get_filename_component(ASTRAI_COMMON_DIR "${CMAKE_CURRENT_LIST_DIR}/.." REALPATH)
 
-# Arch flags are ours (-gencode per module); keep CMake's own selection out of the way.
+# Each module sets its own CUDA_ARCHITECTURES (below); no project-wide default is wanted.
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES OFF)
 endif()
@@ -63,7 +63,8 @@ function(astrai_default_cuda_archs version out)
   endif()
 endfunction()
 
-# The visible GPU's arch ("90a" on an H100/H200), or "" without one.
+# The visible GPU's arch ("90a" on an H100/H200), or "" without one. Not CMake's own
+# CUDA_ARCHITECTURES=native: that gives "90", whose SASS lacks wgmma and setmaxnreg.
 function(astrai_native_cuda_arch out)
   set(${out} "" PARENT_SCOPE)
   find_program(ASTRAI_NVIDIA_SMI nvidia-smi)
@@ -162,13 +163,15 @@ function(_astrai_check_version_tag)
   endif()
 endfunction()
 
+# A JSON array of strings.
 function(_astrai_json_list out)
-  set(items "")
+  set(json "[]")
+  set(i 0)
   foreach(item IN LISTS ARGN)
-    list(APPEND items "\"${item}\"")
+    string(JSON json SET "${json}" ${i} "\"${item}\"")
+    math(EXPR i "${i} + 1")
   endforeach()
-  list(JOIN items ", " joined)
-  set(${out} "[${joined}]" PARENT_SCOPE)
+  set(${out} "${json}" PARENT_SCOPE)
 endfunction()
 
 # Rewrite <binary dir>/<package>/build_info.json from every module added so far.
@@ -176,7 +179,7 @@ function(_astrai_write_build_info package)
   get_property(modules GLOBAL PROPERTY ASTRAI_MODULES_${package})
   set(all_sass "")
   set(all_ptx "")
-  set(module_json "")
+  set(modules_json "{}")
   foreach(module IN LISTS modules)
     get_property(sass GLOBAL PROPERTY ASTRAI_SASS_${module})
     get_property(ptx GLOBAL PROPERTY ASTRAI_PTX_${module})
@@ -184,13 +187,14 @@ function(_astrai_write_build_info package)
     list(APPEND all_ptx ${ptx})
     _astrai_json_list(sass_json ${sass})
     _astrai_json_list(ptx_json ${ptx})
-    list(APPEND module_json "    \"${module}\": {\"sass_archs\": ${sass_json}, \"ptx_archs\": ${ptx_json}}")
+    string(JSON modules_json SET "${modules_json}" "${module}" "{}")
+    string(JSON modules_json SET "${modules_json}" "${module}" sass_archs "${sass_json}")
+    string(JSON modules_json SET "${modules_json}" "${module}" ptx_archs "${ptx_json}")
   endforeach()
   list(REMOVE_DUPLICATES all_sass)
   list(REMOVE_DUPLICATES all_ptx)
   _astrai_json_list(sass_json ${all_sass})
   _astrai_json_list(ptx_json ${all_ptx})
-  list(JOIN module_json ",\n" module_json)
   string(REGEX MATCH "^[0-9]+\\.[0-9]+" cuda "${CMAKE_CUDA_COMPILER_VERSION}")
   _astrai_is_true("${ASTRAI_NO_MMA_EFFECTIVE}" no_mma)
   if(no_mma)
@@ -202,19 +206,16 @@ function(_astrai_write_build_info package)
   if(version STREQUAL "")
     set(version "${SKBUILD_PROJECT_VERSION}")
   endif()
-  file(WRITE "${CMAKE_BINARY_DIR}/${package}/build_info.json"
-"{
-  \"version\": \"${version}\",
-  \"cuda\": \"${cuda}\",
-  \"nvcc_version\": \"${CMAKE_CUDA_COMPILER_VERSION}\",
-  \"sass_archs\": ${sass_json},
-  \"ptx_archs\": ${ptx_json},
-  \"no_mma\": ${no_mma},
-  \"modules\": {
-${module_json}
-  }
-}
-")
+  set(json "{}")
+  foreach(key IN ITEMS version cuda)
+    string(JSON json SET "${json}" ${key} "\"${${key}}\"")
+  endforeach()
+  string(JSON json SET "${json}" nvcc_version "\"${CMAKE_CUDA_COMPILER_VERSION}\"")
+  string(JSON json SET "${json}" sass_archs "${sass_json}")
+  string(JSON json SET "${json}" ptx_archs "${ptx_json}")
+  string(JSON json SET "${json}" no_mma ${no_mma})
+  string(JSON json SET "${json}" modules "${modules_json}")
+  file(WRITE "${CMAKE_BINARY_DIR}/${package}/build_info.json" "${json}\n")
 endfunction()
 
 function(astrai_add_kernel_module name)
@@ -234,15 +235,15 @@ function(astrai_add_kernel_module name)
   _astrai_check_version_tag()
 
   astrai_resolve_cuda_archs(${ARG_MIN_SM} sass ptx)
-  set(gencode "")
+  set(cuda_archs "")  # CMake's own arch syntax: SASS as "90a-real", PTX as "90-virtual"
   set(sass_names "")
   set(ptx_names "")
   foreach(arch IN LISTS sass)
-    list(APPEND gencode "--generate-code=arch=compute_${arch},code=sm_${arch}")
+    list(APPEND cuda_archs "${arch}-real")
     list(APPEND sass_names "sm_${arch}")
   endforeach()
   foreach(arch IN LISTS ptx)
-    list(APPEND gencode "--generate-code=arch=compute_${arch},code=compute_${arch}")
+    list(APPEND cuda_archs "${arch}-virtual")
     list(APPEND ptx_names "compute_${arch}")
   endforeach()
   message(STATUS "AstrAI: ${ARG_PACKAGE}.${name} for CUDA ${CMAKE_CUDA_COMPILER_VERSION}: "
@@ -259,14 +260,14 @@ function(astrai_add_kernel_module name)
                                              "${CMAKE_CURRENT_BINARY_DIR}/${name}_config")
   target_compile_features(${name} PRIVATE cxx_std_17 cuda_std_17)
   set_target_properties(${name} PROPERTIES
-    CUDA_ARCHITECTURES OFF
+    CUDA_ARCHITECTURES "${cuda_archs}"
     CUDA_RUNTIME_LIBRARY Static
     CUDA_SEPARABLE_COMPILATION OFF
     CXX_VISIBILITY_PRESET hidden
     CUDA_VISIBILITY_PRESET hidden
     VISIBILITY_INLINES_HIDDEN ON)
   target_compile_options(${name} PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:-O3 --use_fast_math --expt-relaxed-constexpr -Xptxas=-v -Xfatbin=-compress-all ${gencode}>
+    $<$<COMPILE_LANGUAGE:CUDA>:-O3 --use_fast_math --expt-relaxed-constexpr -Xptxas=-v -Xfatbin=-compress-all>
     $<$<COMPILE_LANGUAGE:CXX>:-O3>)
   # Kernels that exist only in sm_90a code (wgmma, setmaxnreg) may be launched only when
   # the module holds sm_90a SASS: plain sm_90 SASS or compute_90 PTX carries their trap stubs.
