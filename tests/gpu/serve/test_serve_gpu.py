@@ -34,11 +34,11 @@ def llm():
     return LLM.from_preset("llama3-8b", num_layers=2, dtype=torch.bfloat16, device="cuda", seed=0, max_batch_size=16)
 
 
-def _assert_graph_agrees_with_eager(got, want, got_logits, want_logits) -> None:
+def _assert_graph_agrees_with_eager(got, want, got_logits, want_logits, logits_rel: float = 2e-2) -> None:
     for g, w, gl, wl in zip(got, want, got_logits, want_logits):
         first = _first_divergence(g, w)
         n = first + 1  # logits agree up to and including the first differing step
-        assert float(_rel(gl[:n], wl[:n]).max()) < 2e-2
+        assert float(_rel(gl[:n], wl[:n]).max()) < logits_rel
         if first < len(w):
             # random weights make near-ties: the graph may pick another token only where the
             # eager logits rate it as good as the best, within bf16 rounding (then the
@@ -64,7 +64,10 @@ def test_graphs_on_and_off_give_the_same_tokens_as_batches_grow_and_shrink(llm, 
     """The engine's default decode path (CUDA graphs over static plans) against eager steps:
     ragged prompts, long ones prefilled in chunks while short ones decode (the decode batch
     grows), and an EOS that stops requests at different steps (it shrinks). The greedy tokens
-    are identical, and so are the logits within bf16 rounding, at every step."""
+    agree as graph and eager decode can: the graph's split-KV count is planned for its longest
+    reservation, an eager step's for its own lengths, so the float32 merges run in another order;
+    logits agree to bf16 rounding up to each request's first differing token, and that token is
+    a near-tie of the eager logits (a replay into freed workspaces gave NaN or errors of 1e-2+)."""
     engines = [LLM(llm.model, max_batch_size=16, max_batch_tokens=512, kv_cache_dtype=kv_dtype, cuda_graphs=graphs)
                for graphs in (True, False)]
     prompts = _prompts(7, [3, 40, 900, 17, 2100, 260, 5, 1300], llm.config.vocab_size)
@@ -77,9 +80,7 @@ def test_graphs_on_and_off_give_the_same_tokens_as_batches_grow_and_shrink(llm, 
     assert graphed is not None and graphed.replays > 0, engines[0].graphs_off_reason
     lengths = [len(w) for w in want]
     assert min(lengths) <= 6 < max(lengths) == 24, lengths  # the batch shrank
-    assert got == want
-    for gl, wl in zip(got_logits, want_logits):
-        assert float(_rel(gl, wl).max()) < 2e-2
+    _assert_graph_agrees_with_eager(got, want, got_logits, want_logits, logits_rel=1e-2)
 
 
 def test_overlapped_graph_decode_equals_step_by_step(llm):
