@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import H200, FakeEntryPoint, entry_points, fake_module, manifest
+from fakes import H200, L20, FakeEntryPoint, entry_points, fake_module, manifest
 
 from astrai.extension import explain, fp8_weight_linear, quantize_weight
 from astrai.extension.backend import fp8_weights, rotary
@@ -100,7 +100,8 @@ def test_the_kernel_runs_where_it_can_take_the_call(monkeypatch):
         calls.append(tuple(x2.shape))
         return fp8_weights._torch_path(x2, w, w_scale)
 
-    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)  # pretend tensors live on an H200
+    monkeypatch.setattr(rotary, "probe_device", lambda device: L20)  # pretend tensors live on an L20 (no W8A8)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: L20)
     monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_weight_gemm_unchecked", kernel)
     w, w_scale = quantize_weight(rand(32, 512))
     with use_runtime(fp8_runtime()):
@@ -129,3 +130,58 @@ def test_fakes_give_the_output_shape():
     w = torch.empty(96, 512, dtype=E4M3, device="meta")
     y = torch.ops.astrai.fp8_weight_gemm(x, w, torch.empty(96, device="meta"))
     assert y.shape == (5, 96) and y.dtype == torch.bfloat16
+
+
+# -- the route table: the weight-only kernel for few rows, W8A8 above --------------------------
+
+def test_quantize_per_token_scales_each_row_to_e4m3s_largest_value():
+    x = rand(6, 256, scale=3.0).to(torch.bfloat16)
+    x[2] = 0.0
+    xq, scale = fp8_weights.quantize_per_token(x)
+    assert xq.dtype == E4M3 and scale.shape == (6, 1) and scale.dtype == torch.float32 and scale[2] == 1.0
+    nonzero = torch.arange(6) != 2
+    torch.testing.assert_close(xq.float().abs().amax(dim=1)[nonzero], torch.full((5,), 448.0))
+    back = xq.float() * scale
+    tiny = scale * torch.finfo(E4M3).tiny
+    assert torch.all((back - x.float()).abs() <= 2**-4 * x.float().abs() + tiny)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_is_the_product_of_the_quantized_operands(dtype):
+    w, w_scale = quantize_weight(rand(64, 512, seed=1, scale=0.02))
+    x = rand(48, 512, seed=2).to(dtype)
+    y = fp8_weights._w8a8(x, w, w_scale)
+    xq, x_scale = fp8_weights.quantize_per_token(x)
+    want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
+    assert y.dtype == dtype and y.shape == (48, 64)
+    tol = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max())
+    exact = x.double() @ (w.double() * w_scale.double()[:, None]).t()  # e4m3 activations: 2^-4 a value
+    assert float((y.double() - exact).norm() / exact.norm()) < 2**-4
+
+
+def test_the_route_table_by_rows(monkeypatch):
+    routed = []
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_weight_gemm_unchecked",
+                        lambda x2, w, s: routed.append(("weight", x2.shape[0])) or fp8_weights._torch_path(x2, w, s))
+    real_w8a8 = fp8_weights._w8a8
+    monkeypatch.setattr(fp8_weights, "_w8a8", lambda x2, w, s: routed.append(("w8a8", x2.shape[0])) or real_w8a8(x2, w, s))
+    w, w_scale = quantize_weight(rand(32, 512))
+    w5, s5 = quantize_weight(rand(32, 512), E5M2)
+    low = fp8_weights.W8A8_MIN_ROWS
+    with use_runtime(fp8_runtime()):
+        for rows in (1, low - 1, low, 64, 256, 257):
+            x = rand(rows, 512, dtype=torch.bfloat16, seed=rows)
+            y = fp8_weight_linear(x, w, w_scale)
+            want = x.double() @ (w.double() * w_scale.double()[:, None]).t()
+            assert float((y.double() - want).norm() / want.norm()) < 2**-4  # every route is the same linear
+        fp8_weight_linear(rand(64, 512, dtype=torch.bfloat16), w5, s5)  # e5m2 weights: the kernel
+    assert routed == [("weight", 1), ("weight", low - 1), ("w8a8", low), ("w8a8", 64), ("w8a8", 256),
+                      ("weight", 64)]  # 257 rows: the torch path
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: L20)  # before Hopper: the kernel
+    x = rand(64, 512, dtype=torch.bfloat16)
+    with use_runtime(fp8_runtime()):
+        assert fp8_weights.fp8_weight_route(x, w, w_scale) == "weight"
+    assert fp8_weights.fp8_weight_route(x.float(), w, w_scale) == "torch"

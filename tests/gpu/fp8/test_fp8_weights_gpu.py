@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from astrai.extension import explain, fp8_weight_linear, quantize_weight
+from astrai.extension.backend import fp8_weights
 from astrai.extension.ops import fp8_weights as ops_fp8_weights
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +26,8 @@ def rand(*shape, seed=0, scale=1.0, dtype=torch.float32):
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_the_kernel_is_the_dequantized_linear(m, n, k, dtype, fp8):
+def test_the_kernel_is_the_dequantized_linear(m, n, k, dtype, fp8, monkeypatch):
+    monkeypatch.setattr(fp8_weights, "W8A8_MIN_ROWS", 10**9)  # the weight-only kernel at every row count
     w, w_scale = quantize_weight(rand(n, k, seed=1, scale=0.02), fp8)
     x = rand(m, k, seed=2, dtype=dtype)
     x[0, 0] = 2000.0  # one large activation: the power-of-two staging keeps the rest exact
@@ -52,3 +54,24 @@ def test_it_records_into_a_cuda_graph():
     # the split-K partials add in any order: equal to a rounding of bfloat16
     torch.testing.assert_close(out.float(), fp8_weight_linear(x, w, w_scale).float(), rtol=2**-7, atol=1e-3)
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(33, 6144, 4096), (64, 28672, 4096), (256, 4096, 14336)])
+def test_the_w8a8_route_is_the_product_of_the_quantized_operands(m, n, k, dtype):
+    """From W8A8_MIN_ROWS rows on Hopper: per-token e4m3 activations through torch._scaled_mm,
+    against the float64 product of the same quantized operands; in a CUDA graph too."""
+    w, w_scale = quantize_weight(rand(n, k, seed=6, scale=0.02))
+    x = rand(m, k, seed=7, dtype=dtype)
+    assert fp8_weights.fp8_weight_route(x, w, w_scale) == "w8a8"
+    y = fp8_weight_linear(x, w, w_scale)
+    xq, x_scale = fp8_weights.quantize_per_token(x)
+    want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
+    rel = 2**-10 if dtype == torch.float16 else 2**-7
+    torch.testing.assert_close(y.double(), want, rtol=rel, atol=rel * float(want.abs().max()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_weight_linear(x, w, w_scale)
+    x.copy_(rand(m, k, seed=8, dtype=dtype))
+    graph.replay()
+    torch.testing.assert_close(out, fp8_weight_linear(x, w, w_scale), rtol=0, atol=0)

@@ -10,11 +10,12 @@ for ``x [..., K]`` bfloat16 / float16 / float32, ``y`` in ``x``'s dtype. The act
 in their dtype: a decode step reads every weight once for a few tokens, so the weights' one byte
 is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
 of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256,
-16-byte aligned rows, no gradient wanted); otherwise the torch path: float32 products of the
+16-byte aligned rows, no gradient wanted) below ``W8A8_MIN_ROWS`` rows; from there, on Hopper,
+the activations are quantized per token and ``torch._scaled_mm`` multiplies in FP8 (the route
+table, :func:`fp8_weight_route`); otherwise the torch path: float32 products of the
 dequantized weights, summed in float32 and rounded once, as the kernel does (16-bit CUDA calls, a
 prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the resolver once per
-(device, dtype, K) (``explain("fp8_weight_gemm")``). Built, waiting for a GPU: the kernel has not
-run on one yet (docs/fp8.md, "FP8 weights at decode").
+(device, dtype, K) (``explain("fp8_weight_gemm")``); the W8A8 route has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -22,17 +23,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..device import probe_device
 from ..op_names import FP8_WEIGHT_GEMM
 from ..ops import fp8_weights as ops_fp8_weights
 from .rotary import choose, fall_back
 
-__all__ = ["fp8_weight_linear", "quantize_weight"]
+__all__ = ["W8A8_MIN_ROWS", "fp8_weight_linear", "fp8_weight_route", "quantize_per_token", "quantize_weight"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # rows of x the kernel serves, in launches of ops_fp8_weights.MAX_ROWS: a decode step of up to 256
 # requests (the torch path's dequantized copy moves about 5 bytes a weight, a launch 1)
 MAX_CHUNKED_ROWS = 4 * ops_fp8_weights.MAX_ROWS
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The route table, by the rows of x (a decode step's tokens), for 16-bit CUDA calls:
+#   rows <  W8A8_MIN_ROWS: the weight-only kernel (16-bit activations: nothing to quantize, and
+#                          the weights' one byte is the whole cost);
+#   rows >= W8A8_MIN_ROWS: W8A8 on Hopper: the activations quantized per token to e4m3, then
+#                          torch._scaled_mm with row-wise scales (cuBLASLt on the FP8 tensor cores).
+# Predicted from arithmetic, not yet measured: the weight-only kernel runs mma.sync in fp16,
+# whose ~300 TFLOP/s bound a GEMM of 2*M*N*K flops above the weights' N*K bytes at 3 TB/s past
+# M ~ 50 rows (and its byte conversions cost more: 3.2x its bytes' time at 64 rows, measured);
+# the W8A8 route stays on its bytes at any decode size, plus a quantize of a few us a linear.
+# bench/bench_fp8_weight_routes.py measures both routes at 1-256 rows to set the crossover.
+W8A8_MIN_ROWS = 33
+W8A8_MIN_SM = 90  # row-wise scaled FP8 GEMMs of torch._scaled_mm
+_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
@@ -78,6 +94,37 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() < 2 or (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, scale)``: each row of ``x [M, K]`` in e4m3 with its own float32 dequantization
+    scale ``[M, 1]`` (``amax of the row / 448``; a zero row gets 1), the torch path of the
+    activations' quantize that the W8A8 route runs before its GEMM."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _w8a8(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Per-token e4m3 activations times the e4m3 weights, scaled by rows and by channels, in
+    ``x2``'s dtype (float32 accumulation)."""
+    xq, x_scale = quantize_per_token(x2)
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x2.dtype)
+
+
+def fp8_weight_route(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool = False) -> str:
+    """Which route a linear over FP8 weights takes for ``x2 [M, K]`` (see the route table):
+    "weight" (the astrai-fp8 kernel), "w8a8" (per-token e4m3 activations, ``torch._scaled_mm``)
+    or "torch" (the dequantized weights' product)."""
+    if _kernel_takes(x2, w, w_scale, needs_grad):
+        return "w8a8" if x2.shape[0] >= W8A8_MIN_ROWS and _w8a8_takes(x2, w) else "weight"
+    return "torch"
+
+
+def _w8a8_takes(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    sm = probe_device(x2.device).sm
+    return (w.dtype == torch.float8_e4m3fn and sm is not None and sm >= W8A8_MIN_SM
+            and x2.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
+
+
 def _kernel_takes(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool) -> bool:
     if x2.dtype == torch.float32 or x2.shape[0] > MAX_CHUNKED_ROWS or x2.shape[0] == 0:
         return False
@@ -113,7 +160,10 @@ def fp8_weight_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     _check(x, w, w_scale, bias)
     x2 = x.reshape(-1, x.shape[-1])
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_scale.requires_grad)
-    if _kernel_takes(x2, w, w_scale, needs_grad):
+    route = fp8_weight_route(x2, w, w_scale, needs_grad)
+    if route == "w8a8":
+        y = _w8a8(x2, w, w_scale)
+    elif route == "weight":
         try:
             y = _kernel(x2, w, w_scale)
         except RuntimeError:
