@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.h"
+#include "decode_unit.cuh"
 #include "layout_policies.cuh"
 #include "scalar_row.cuh"
 
@@ -21,12 +22,8 @@ template <typename T, int D, class KV>
 __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParams p) {
     using C = DecodeScalarConfig<D>;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int unit = blockIdx.x, split = blockIdx.y;
-    const int hgrp = unit % p.head_groups;
-    const int kvh = (unit / p.head_groups) % p.kv_heads;
-    const int b = unit / (p.head_groups * p.kv_heads);
-    const int head0 = kvh * p.group + hgrp * C::kHeads;
-    const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
+    const DecodeUnit u = decode_unit<C::kHeads>(p);
+    const int split = u.split, kvh = u.kvh, b = u.b, head0 = u.head0, nh = u.nh;
     const int kv_len = KV::kv_len(p, b);
     const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
     const int first_key = window_first_key(p, kv_len - 1);

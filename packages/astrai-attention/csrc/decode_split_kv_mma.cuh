@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "decode_unit.cuh"
 #include "layout_policies.cuh"
 #include "mma_utils.cuh"
 #include "decode_swap_ab.cuh"
@@ -287,12 +288,8 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     const uint32_t sQ = sK + C::kQSmemOffset;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int unit = blockIdx.x, split = blockIdx.y;
-    const int hgrp = unit % p.head_groups;
-    const int kvh = (unit / p.head_groups) % p.kv_heads;
-    const int b = unit / (p.head_groups * p.kv_heads);
-    const int head0 = kvh * p.group + hgrp * C::kHeads;
-    const int nh = min(C::kHeads, p.group - hgrp * C::kHeads);
+    const DecodeUnit u = decode_unit<C::kHeads>(p);
+    const int unit = u.unit, split = u.split, hgrp = u.hgrp, kvh = u.kvh, b = u.b, head0 = u.head0, nh = u.nh;
     // Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q,
     // the cache, the page table, kv_lens) is read, and nothing it reads is written, before
     // that grid has completed. With ASTRAI_DECODE_PDL_EARLY_WAIT the wait moves behind the
