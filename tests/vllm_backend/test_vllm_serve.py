@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: ci/vllm-env makes .venv-vllm, "
-                                   "which runs these tests (.venv-vllm/bin/python -m pytest tests/vllm)")
+                                   "which runs these tests (.venv-vllm/bin/python -m pytest tests/vllm_backend)")
 
 from tiny_llama import save_tiny  # noqa: E402
 

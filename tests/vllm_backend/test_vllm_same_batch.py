@@ -20,7 +20,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: ci/vllm-env makes .venv-vllm, "
-                                          "which runs these tests (.venv-vllm/bin/python -m pytest tests/vllm)")
+                                          "which runs these tests (.venv-vllm/bin/python -m pytest tests/vllm_backend)")
 
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
