@@ -82,6 +82,11 @@ class CacheFullError(RuntimeError):
 class PagedKVCache(CacheSteps, PageStore, WindowPages, StaticPlans):
     """Paged key/value storage for ``num_layers`` layers, with a page allocator per sequence.
 
+    One device: every layer's pages live on ``device``; nothing here shards heads or layers
+    across GPUs. Past one GPU, vLLM owns the cache and AstrAI's vLLM backend reads its pages
+    in place (:mod:`astrai.integrations.vllm`), or transformers' tensor parallelism runs
+    ``attn_implementation="astrai"`` per rank (docs/serve.md, "Serving on more than one GPU").
+
     Args:
         num_layers: layers stored (``layer_id`` runs over ``0 .. num_layers - 1``).
         num_pages: pages per layer (shared by all sequences).

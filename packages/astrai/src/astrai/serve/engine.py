@@ -71,6 +71,12 @@ class _InFlight:
 class LLM:
     """A Llama-family model served by AstrAI's kernels (or their torch fallbacks).
 
+    One device: the engine holds the whole model and its :class:`PagedKVCache` on one GPU (or
+    the CPU). Past one GPU, serve through vLLM with AstrAI's attention backend
+    (``--attention-backend CUSTOM --tensor-parallel-size N``, ``pip install "astrai[vllm]"``) or
+    through transformers' tensor parallelism with ``attn_implementation="astrai"``
+    (``tp_plan="auto"`` under ``torchrun``): docs/serve.md, "Serving on more than one GPU".
+
     Args:
         model: the :class:`~astrai.serve.model.DecoderModel` (see :meth:`from_transformers`,
             :meth:`from_pretrained`, :meth:`from_preset`).
@@ -142,6 +148,12 @@ class LLM:
     @classmethod
     def from_transformers(cls, hf_model, *, dtype: torch.dtype | None = None, device=None, **kwargs) -> LLM:
         """Serve the weights of a transformers Llama / Mistral / Qwen2 causal LM (copied, fused)."""
+        devices = {p.device for p in hf_model.parameters()}
+        if len(devices) > 1 or getattr(hf_model, "tp_size", None) not in (None, 1):
+            raise ValueError(
+                f"hf_model is spread over {len(devices)} devices (or sharded by tensor parallelism): LLM serves one "
+                "device; past one GPU use vLLM with AstrAI's backend (--attention-backend CUSTOM) or transformers' "
+                "tensor parallelism with attn_implementation=\"astrai\" (docs/serve.md)")
         config = ModelConfig.from_hf(hf_model.config)
         ref = next(hf_model.parameters())
         dtype = ref.dtype if dtype is None else dtype

@@ -24,11 +24,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...kv_cache import PagedKVCache
+from ...kv_cache import BatchPlan, PagedKVCache
 from .base import AttentionBackend, AttentionCall
 from .variant import PLAIN, AttentionVariant
 
-__all__ = ["TorchNativeBackend", "sdpa"]
+__all__ = ["TorchNativeBackend", "paged_sdpa", "planned_sdpa", "sdpa"]
 
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -179,8 +179,17 @@ def paged_sdpa(q: torch.Tensor, kv_cache: PagedKVCache, layer_id: int, is_causal
     ``q`` as the backend contract allows (``[B, L, Hq, D]`` or packed); returns ``q``'s shape.
     """
     plan = kv_cache.active_plan
-    qp = plan.packed(q, "q")  # [total_q, Hq, D]
     k, v, _ = kv_cache.gather_padded(layer_id, plan)  # [B, max_kv, Hkv, D]
+    return planned_sdpa(q, plan, k, v, is_causal, variant)
+
+
+def planned_sdpa(q: torch.Tensor, plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 variant: AttentionVariant = PLAIN) -> torch.Tensor:
+    """Attention of ``plan``'s new tokens over its requests' keys/values gathered as
+    ``plan.padded_index`` orders them (``k`` / ``v`` ``[B, max_kv, Hkv, D]``, padding masked):
+    the torch path of a paged call over any page storage (a :class:`PagedKVCache`, or pages
+    another engine owns). ``q`` as :func:`paged_sdpa`'s; returns ``q``'s shape."""
+    qp = plan.packed(q, "q")  # [total_q, Hq, D]
     uniform = plan.uniform_q_len is not None
     if uniform:
         q_pad = qp.reshape(plan.batch_size, plan.max_q_len, *qp.shape[1:])
