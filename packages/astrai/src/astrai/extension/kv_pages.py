@@ -86,18 +86,21 @@ class PageStore:
 
     # -- writes and reads
 
-    def _check_tokens(self, name: str, t: object, plan: BatchPlan) -> torch.Tensor:
+    def check_tokens(self, name: str, t: object, plan: BatchPlan, heads: int | None = -1) -> torch.Tensor:
+        """``t`` (the plan's new tokens: keys, values or queries) checked against this cache's
+        dtype, device and head_dim, and packed to ``[total_q, heads, head_dim]``. ``heads``: the
+        head count it must have (-1: the cache's ``kv_heads``; None: any)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != self.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but the kv_cache stores {self.dtype}")
         if t.device != self.device:
             raise ValueError(f"{name} is on {t.device} but the kv_cache is on {self.device}")
-        if t.dim() not in (3, 4) or tuple(t.shape[-2:]) != (self.kv_heads, self.head_dim):
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}: expected [..., kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim}] as the kv_cache stores"
-            )
+        heads = self.kv_heads if heads == -1 else heads
+        if t.dim() not in (3, 4) or t.shape[-1] != self.head_dim or (heads is not None and t.shape[-2] != heads):
+            count = "heads" if heads is None else f"kv_heads={heads}" if heads == self.kv_heads else heads
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: expected [..., {count}, head_dim={self.head_dim}] "
+                             "as the kv_cache stores")
         return plan.packed(t, name)
 
     @locked
@@ -115,8 +118,8 @@ class PageStore:
             k, v = plan.packed(k, "k"), plan.packed(v, "v")
         else:
             layer_id = self.check_layer(layer_id)
-            k = self._check_tokens("k", k, plan)
-            v = self._check_tokens("v", v, plan)
+            k = self.check_tokens("k", k, plan)
+            v = self.check_tokens("v", v, plan)
         index = plan.write_index
         if self._scales is None:
             self._k_slots[layer_id].index_copy_(0, index, k.detach() if k.requires_grad else k)

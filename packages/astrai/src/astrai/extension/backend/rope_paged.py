@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import BatchPlan, PagedKVCache
+from ..kv_cache import PagedKVCache
 from ..op_names import ROPE_PAGED_APPEND
 from ..ops import rope_paged as ops_rope_paged
 from ..ops.rotary_args import check_freqs, check_positions
@@ -40,20 +40,6 @@ def _kernel_scales(kv_cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch
     return kv_cache.scales_for_append(layer, k, v)
 
 
-def _check(name: str, t: object, cache: PagedKVCache, plan: BatchPlan, heads: int | None) -> torch.Tensor:
-    """``t`` as ``[total_q, heads, head_dim]`` in the cache's dtype and device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != cache.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but the kv_cache stores {cache.dtype}")
-    if t.device != cache.device:
-        raise ValueError(f"{name} is on {t.device} but the kv_cache is on {cache.device}")
-    if t.dim() not in (3, 4) or t.shape[-1] != cache.head_dim or (heads is not None and t.shape[-2] != heads):
-        want = f"[..., {heads if heads is not None else 'heads'}, head_dim={cache.head_dim}]"
-        raise ValueError(f"{name} has shape {tuple(t.shape)}: expected {want} as the kv_cache stores")
-    return plan.packed(t, name)
-
-
 def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache | None,
                     layer_id: int | None, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool = True
                     ) -> torch.Tensor:
@@ -64,9 +50,9 @@ def rope_and_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                          "apply_rotary_emb_qk before attention)")
     plan = kv_cache.active_plan
     layer = kv_cache.check_layer(layer_id)
-    q3 = _check("q", q, kv_cache, plan, None)
-    k3 = _check("k", k, kv_cache, plan, kv_cache.kv_heads)
-    v3 = _check("v", v, kv_cache, plan, kv_cache.kv_heads)
+    q3 = kv_cache.check_tokens("q", q, plan, heads=None)
+    k3 = kv_cache.check_tokens("k", k, plan)
+    v3 = kv_cache.check_tokens("v", v, plan)
     positions, slots = plan.token_positions, plan.write_index
     cos, sin = check_freqs(rope, q3, q3.shape[0], positions, "q")
     check_positions(positions, 1, q3.shape[0], cos.shape[0], q3.device)  # on a GPU: with ASTRAI_DEBUG=1
