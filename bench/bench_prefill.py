@@ -12,7 +12,7 @@ kernel (SDPA has no varlen entry for cuDNN). Times are medians of CUDA-graph rep
 TFLOP/s count the causal mask's half.
 
     python bench/bench_prefill.py [--json out.json] [--quick] [--dims 128] [--heads 32/32]
-                                      [--write-table t.json] [--tile-order longest_first]
+                                      [--write-table t.json]
 
 ``--write-table`` turns the run into the plugin's measured preference table for dense prefill
 (``astrai_attention.prefill_table``), stamped with the commit ($ASTRAI_COMMIT or git's) and
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from attention_cases import Paged, ragged_plan  # noqa: E402
 
 from astrai import timing  # noqa: E402
-from astrai.extension import ATTN_BACKEND, attention, attn_backend, batch_plan  # noqa: E402
+from astrai.extension import ATTN_BACKEND, attention, attn_backend  # noqa: E402
 from astrai.extension.backend.attention.ordered_pages import gather_pages, gathered_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,10 +170,7 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs="*", default=None)
     ap.add_argument("--heads", default="32/8", help="query / kv heads, e.g. 32/32 for multi-head attention")
     ap.add_argument("--write-table", type=Path, help="write the dense-prefill preference table here")
-    ap.add_argument("--tile-order", choices=batch_plan.TILE_ORDERS, default=batch_plan.TILE_ORDER,
-                    help="the order a ragged prefill's Q tiles start in (BatchPlan.q_tiles), for an A/B")
     args = ap.parse_args()
-    batch_plan.TILE_ORDER = args.tile_order
     heads = tuple(int(x) for x in args.heads.split("/"))
     if len(heads) != 2 or heads[0] % heads[1]:
         ap.error(f"--heads must be Q/KV with KV dividing Q, got {args.heads!r}")

@@ -294,15 +294,9 @@ def test_keep_mask_is_built_once_per_plan():
     assert index.tolist() == [[0, 1, 2], [3, 0, 0]] and valid.tolist() == [[True] * 3, [True, False, False]]
 
 
-def test_q_tiles_in_longest_first_order_cover_every_tile_once():
+def test_q_tiles_start_with_the_last_request_and_each_requests_last_tile():
     from astrai.extension.batch_plan import q_tile_schedule
 
-    q_lens, kv_lens = (70, 10, 130, 64), (70, 500, 130, 64)  # request 1: a chunk after 490 cached keys
-    tb, ti = q_tile_schedule(q_lens, 64, kv_lens, "longest_first")
-    request = q_tile_schedule(q_lens, 64, kv_lens, "request")
-    assert sorted(zip(tb, ti)) == sorted(zip(*request)) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0)]
-    # keys the tile's last row sees: 500, 130, 128, 70, 64, 64, 64 (ties: the request order's)
-    assert list(zip(tb, ti)) == [(1, 0), (2, 2), (2, 1), (0, 1), (3, 0), (2, 0), (0, 0)]
-    assert q_tile_schedule((1, 1, 1), 64, None, "longest_first") == ([0, 1, 2], [0, 0, 0])  # decode: as is
-    with pytest.raises(ValueError, match="order must be one of"):
-        q_tile_schedule(q_lens, 64, kv_lens, "shortest")
+    tb, ti = q_tile_schedule((70, 10, 130, 64), 64)
+    assert list(zip(tb, ti)) == [(3, 0), (2, 2), (2, 1), (2, 0), (1, 0), (0, 1), (0, 0)]
+    assert q_tile_schedule((1, 1, 1), 64) == ([0, 1, 2], [0, 0, 0])  # decode: one tile per request, as is

@@ -13,32 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TILE_ORDER", "TILE_ORDERS", "BatchPlan", "q_tile_schedule", "staged_plan"]
+__all__ = ["BatchPlan", "q_tile_schedule", "staged_plan"]
 
 
-# The order of a ragged prefill's Q tiles, which is the order its blocks start in:
-# "request": the requests last-first, each request's tiles last-first (a causal tile's last
-# rows see the most keys); "longest_first": every tile by the keys its last row sees, most
-# first, over the whole batch (a longest-processing-time order for ragged batches). Built,
-# waiting for a GPU: "request" until an A/B (bench/bench_prefill.py --tile-order) measures it.
-TILE_ORDERS = ("request", "longest_first")
-TILE_ORDER = "request"
-
-
-def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int, kv_lens: tuple[int, ...] | None = None,
-                    order: str | None = None) -> tuple[list[int], list[int]]:
-    """(tile -> request, tile -> index inside the request) of ``tile_rows``-row Q tiles, in
-    ``order`` (default :data:`TILE_ORDER`); ``kv_lens``: the requests' keys after the step (the
-    new tokens are their last ``q_lens``), for ``"longest_first"`` (default: ``q_lens``)."""
+def q_tile_schedule(q_lens: tuple[int, ...], tile_rows: int) -> tuple[list[int], list[int]]:
+    """(tile -> request, tile -> index inside the request) of ``tile_rows``-row Q tiles, in the
+    order their blocks start: the requests last-first, each request's tiles last-first (a causal
+    tile's last rows see the most keys). A longest-processing-time order over the whole batch
+    was measured slower (16x1024 paged prefill: 0.72-0.76 vs 0.77-0.81x cuDNN, H100) and removed."""
     if all(n == 1 for n in q_lens):  # decode: one tile per request
         return list(range(len(q_lens))), [0] * len(q_lens)
-    order = TILE_ORDER if order is None else order
     tiles = [(b, i) for b in reversed(range(len(q_lens))) for i in reversed(range(-(-q_lens[b] // tile_rows)))]
-    if order == "longest_first":
-        kv = q_lens if kv_lens is None else kv_lens
-        tiles.sort(key=lambda t: kv[t[0]] - q_lens[t[0]] + min((t[1] + 1) * tile_rows, q_lens[t[0]]), reverse=True)
-    elif order != "request":
-        raise ValueError(f"order must be one of {TILE_ORDERS}, got {order!r}")
     return [b for b, _ in tiles], [i for _, i in tiles]
 
 
@@ -114,7 +99,7 @@ class BatchPlan:
         """int32 ``(q_tile_to_batch, q_tile_to_index)`` of ``tile_rows``-row Q tiles, on the
         plan's device; built once per plan and tile size (one host->device copy)."""
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows, self.kv_lens_host)
+            to_batch, to_index = q_tile_schedule(self.q_lens_host, tile_rows)
             flat = torch.tensor(to_batch + to_index, dtype=torch.int32)
             device = self.qo_indptr.device
             if device.type == "cuda" and not torch.compiler.is_compiling():
