@@ -14,6 +14,7 @@ from astrai.extension.abi import dtype_code, stream_handle
 from astrai.extension.batch_plan import q_tile_schedule
 from astrai.extension.ops import _plugin
 from astrai.extension.ops.attention import q_tile_rows
+from astrai.extension.ops.attention import variant_arg as attn_variant_arg
 
 
 def abi(t: torch.Tensor | None):
@@ -34,11 +35,10 @@ def reference(q, k, v, mask=None, causal=False, **variant) -> tuple[torch.Tensor
     return attention_ref64(q, k, v, mask, causal, **variant)
 
 
-def variant_arg(window_left=-1, logits_soft_cap=None, sinks=None, scale=None):
-    """The modules' ``variant`` argument for the keywords of ``attention()`` (None: plain)."""
-    if window_left == -1 and logits_soft_cap is None and sinks is None and scale is None:
-        return None
-    return (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), abi(sinks))
+def variant_arg(**kw):
+    """The modules' positional ``variant`` argument for the keywords of ``attention()`` (None:
+    plain), as the ops layer converts them (``ops.attention.variant_arg``)."""
+    return attn_variant_arg(**kw).get("variant")
 
 
 def assert_close(got: torch.Tensor, ref, dtype: torch.dtype, what: str) -> None:
