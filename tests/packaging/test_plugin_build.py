@@ -396,6 +396,8 @@ def _archs(proc) -> tuple[str, str]:
     ("12.4.131", {}, 0, ("80;86;89;90a", "90")),
     ("13.0.88", {"ASTRAI_CUDA_ARCHS": "all"}, 89, ("89;90a;100a;120", "120")),
     ("12.4.131", {}, 89, ("89;90a", "90")),
+    ("13.0.88", {}, 80, ("80;86;89;90a;100a;120", "120")),  # attention's MIN_SM 80 drops none of the release archs
+    ("12.4.131", {}, 80, ("80;86;89;90a", "90")),
     ("13.0.88", {"ASTRAI_CUDA_ARCHS": "90a"}, 0, ("90a", "90")),
     ("13.0.88", {"ASTRAI_CUDA_ARCHS": "80,90a", "ASTRAI_CUDA_PTX": "0"}, 0, ("80;90a", "")),
     ("13.0.88", {"ASTRAI_CUDA_ARCHS": "sm_90a 120-virtual"}, 0, ("90a", "120")),

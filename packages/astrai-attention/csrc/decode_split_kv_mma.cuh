@@ -33,6 +33,7 @@
 
 #include <type_traits>
 
+#include "capabilities.h"
 #include "common.h"
 #include "decode_unit.cuh"
 #include "layout_policies.cuh"
@@ -56,7 +57,7 @@ namespace astrai::attn {
 // Stages: the K/V ring's depth, 0 for the default below (a knob of the swapped form).
 template <int D, int KvBytes = 2, int Stages = 0>
 struct DecodeMmaConfig {
-    static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+    static_assert(is_head_dim(D), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static_assert(KvBytes == 1 || KvBytes == 2, "K/V values are 16-bit or fp8");
     static constexpr int kWarps = D <= 128 ? 4 : 2;
     static constexpr int kThreads = 32 * kWarps;

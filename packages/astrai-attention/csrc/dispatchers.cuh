@@ -11,6 +11,7 @@
 #include "astrai/check.h"
 #include "astrai/device.cuh"
 #include "astrai/dtype.h"
+#include "capabilities.h"
 #include "common.h"
 #include "heuristics.h"
 #include "decode_split_kv.cuh"
@@ -232,22 +233,23 @@ void launch_prefill_d(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 
 [[noreturn]] inline void bad_dtype_dim(DType dtype, int head_dim) {
     ASTRAI_CHECK(false, "unsupported dtype ", dtype_name(dtype), " / head_dim ", head_dim,
-                 " (bfloat16 or float16; 64, 128 or 256)");
+                 " (" ASTRAI_ATTN_DTYPES_TEXT "; " ASTRAI_ATTN_HEAD_DIMS_TEXT ")");
     throw;  // unreachable
 }
 
 template <typename T, class KV, class KvFmt = Kv16>
 void decode_by_dim(const AttentionParams& p, int head_dim, cudaStream_t stream, bool pdl) {
     switch (head_dim) {
-        case 64: return launch_decode_d<T, 64, KV, KvFmt>(p, stream, pdl);
-        case 128: return launch_decode_d<T, 128, KV, KvFmt>(p, stream, pdl);
-        case 256: return launch_decode_d<T, 256, KV, KvFmt>(p, stream, pdl);
+#define ASTRAI_CASE(D) \
+    case D: return launch_decode_d<T, D, KV, KvFmt>(p, stream, pdl);
+        ASTRAI_ATTN_HEAD_DIMS(ASTRAI_CASE)
+#undef ASTRAI_CASE
     }
     bad_dtype_dim(DType::BFloat16, head_dim);
 }
 
 // The page dtypes the paged decode and prefill read besides the compute dtype (the modules'
-// KV_DTYPES): fp8 needs the mma kernels.
+// KV_DTYPES: ASTRAI_ATTN_FP8_KV_DTYPES): fp8 needs the mma kernels.
 #ifdef ASTRAI_NO_MMA
 constexpr bool kDecodeReadsFp8 = false;
 #else
@@ -258,8 +260,10 @@ constexpr bool kPrefillReadsFp8 = kDecodeReadsFp8;
 template <typename T, class KV>
 void decode_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, cudaStream_t stream, bool pdl) {
     if constexpr (kDecodeReadsFp8 && KV::kPaged) {
-        if (kv_dtype == DType::Float8E4M3) return decode_by_dim<T, KV, KvE4M3>(p, head_dim, stream, pdl);
-        if (kv_dtype == DType::Float8E5M2) return decode_by_dim<T, KV, KvE5M2>(p, head_dim, stream, pdl);
+#define ASTRAI_KV(DT, FMT) \
+    if (kv_dtype == DType::DT) return decode_by_dim<T, KV, FMT>(p, head_dim, stream, pdl);
+        ASTRAI_ATTN_FP8_KV_DTYPES(ASTRAI_KV)
+#undef ASTRAI_KV
     }
     return decode_by_dim<T, KV>(p, head_dim, stream, pdl);
 }
@@ -269,8 +273,10 @@ void decode_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, 
 template <class KV>
 void dispatch_decode(const AttentionParams& p, DType dtype, int head_dim, cudaStream_t stream, bool pdl = false,
                      DType kv_dtype = DType::BFloat16) {
-    if (dtype == DType::BFloat16) return decode_by_kv_dtype<__nv_bfloat16, KV>(p, kv_dtype, head_dim, stream, pdl);
-    if (dtype == DType::Float16) return decode_by_kv_dtype<__half, KV>(p, kv_dtype, head_dim, stream, pdl);
+#define ASTRAI_DT(DT, T) \
+    if (dtype == DType::DT) return decode_by_kv_dtype<T, KV>(p, kv_dtype, head_dim, stream, pdl);
+    ASTRAI_ATTN_DTYPES(ASTRAI_DT)
+#undef ASTRAI_DT
     bad_dtype_dim(dtype, head_dim);
 }
 
@@ -278,9 +284,10 @@ template <typename T, class QSched, class KV, class KvFmt = Kv16>
 void prefill_by_dim(const AttentionParams& p, int head_dim, unsigned num_q_tiles, unsigned batch,
                     cudaStream_t stream) {
     switch (head_dim) {
-        case 64: return launch_prefill_d<T, 64, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
-        case 128: return launch_prefill_d<T, 128, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
-        case 256: return launch_prefill_d<T, 256, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
+#define ASTRAI_CASE(D) \
+    case D: return launch_prefill_d<T, D, QSched, KV, KvFmt>(p, num_q_tiles, batch, stream);
+        ASTRAI_ATTN_HEAD_DIMS(ASTRAI_CASE)
+#undef ASTRAI_CASE
     }
     bad_dtype_dim(DType::BFloat16, head_dim);
 }
@@ -289,10 +296,10 @@ template <typename T, class QSched, class KV>
 void prefill_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim, unsigned num_q_tiles,
                          unsigned batch, cudaStream_t stream) {
     if constexpr (kPrefillReadsFp8 && KV::kPaged) {
-        if (kv_dtype == DType::Float8E4M3)
-            return prefill_by_dim<T, QSched, KV, KvE4M3>(p, head_dim, num_q_tiles, batch, stream);
-        if (kv_dtype == DType::Float8E5M2)
-            return prefill_by_dim<T, QSched, KV, KvE5M2>(p, head_dim, num_q_tiles, batch, stream);
+#define ASTRAI_KV(DT, FMT) \
+    if (kv_dtype == DType::DT) return prefill_by_dim<T, QSched, KV, FMT>(p, head_dim, num_q_tiles, batch, stream);
+        ASTRAI_ATTN_FP8_KV_DTYPES(ASTRAI_KV)
+#undef ASTRAI_KV
     }
     return prefill_by_dim<T, QSched, KV>(p, head_dim, num_q_tiles, batch, stream);
 }
@@ -301,10 +308,10 @@ void prefill_by_kv_dtype(const AttentionParams& p, DType kv_dtype, int head_dim,
 template <class QSched, class KV>
 void dispatch_prefill(const AttentionParams& p, DType dtype, int head_dim, unsigned num_q_tiles,
                       unsigned batch, cudaStream_t stream, DType kv_dtype = DType::BFloat16) {
-    if (dtype == DType::BFloat16)
-        return prefill_by_kv_dtype<__nv_bfloat16, QSched, KV>(p, kv_dtype, head_dim, num_q_tiles, batch, stream);
-    if (dtype == DType::Float16)
-        return prefill_by_kv_dtype<__half, QSched, KV>(p, kv_dtype, head_dim, num_q_tiles, batch, stream);
+#define ASTRAI_DT(DT, T) \
+    if (dtype == DType::DT) return prefill_by_kv_dtype<T, QSched, KV>(p, kv_dtype, head_dim, num_q_tiles, batch, stream);
+    ASTRAI_ATTN_DTYPES(ASTRAI_DT)
+#undef ASTRAI_DT
     bad_dtype_dim(dtype, head_dim);
 }
 

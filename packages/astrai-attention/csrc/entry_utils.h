@@ -14,14 +14,13 @@
 #include "astrai/check.h"
 #include "astrai/dtype.h"
 #include "astrai/tensor_arg.h"
+#include "capabilities.h"
 #include "common.h"
 #include "heuristics.h"
 #include "kv_append.cuh"
 #include "variant.cuh"
 
 namespace astrai::attn {
-
-inline bool is_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 // Rows the kernels copy 16 bytes at a time (cp.async): last dim contiguous, a 16-byte aligned
 // pointer, every other stride a whole number of 16 bytes.
@@ -38,8 +37,8 @@ inline void check_rows16(const TensorArg& t) {
 // q/k/v/o-like operands: 16-bit float, last dim contiguous, 16-byte aligned rows (cp.async).
 inline void check_operand(const TensorArg& t, int ndim, DType dtype) {
     expect_ndim(t, ndim);
-    ASTRAI_CHECK(t.dtype == DType::BFloat16 || t.dtype == DType::Float16, t.name,
-                 ": dtype must be bfloat16 or float16, got ", dtype_name(t.dtype));
+    ASTRAI_CHECK(is_dtype(t.dtype), t.name, ": dtype must be " ASTRAI_ATTN_DTYPES_TEXT ", got ",
+                 dtype_name(t.dtype));
     ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from q's ",
                  dtype_name(dtype));
     check_rows16(t);
@@ -54,7 +53,7 @@ inline void check_index(const TensorArg& t, int64_t len, const char* what) {
 }
 
 inline void check_head_dim(const TensorArg& q) {
-    ASTRAI_CHECK(is_head_dim(q.size(-1)), q.name, ": head_dim must be 64, 128 or 256, got ", q.size(-1));
+    ASTRAI_CHECK(is_head_dim(q.size(-1)), q.name, ": head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT ", got ", q.size(-1));
 }
 
 // The q, k, v and out arguments, first in every module; errors name k and v "k_cache" and
@@ -225,7 +224,7 @@ inline int page_shift_of(int64_t page) {
     return shift;
 }
 
-// fp8 pages (float8_e4m3fn / float8_e5m2, both caches alike): last dim contiguous, 16-byte rows.
+// fp8 pages (ASTRAI_ATTN_FP8_KV_DTYPES, both caches alike): last dim contiguous, 16-byte rows.
 inline void check_fp8_pages(const TensorArg& t, DType dtype) {
     expect_ndim(t, 4);
     ASTRAI_CHECK(t.dtype == dtype, t.name, ": dtype ", dtype_name(t.dtype), " differs from k_cache's ",
@@ -236,7 +235,7 @@ inline void check_fp8_pages(const TensorArg& t, DType dtype) {
 // A paged K/V cache pair's storage: 16-bit pages of `dtype`, or fp8 ones (both alike) where
 // `fp8_ok`; 4-D, of one shape.
 inline void check_cache_pages(const TensorArg& k, const TensorArg& v, DType dtype, bool fp8_ok) {
-    const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
+    const bool fp8 = is_fp8_kv_dtype(k.dtype);
     ASTRAI_CHECK(!fp8 || fp8_ok, "k_cache: this kernel reads ", dtype_name(dtype), " pages, not ",
                  dtype_name(k.dtype));
     if (fp8) {
@@ -329,7 +328,7 @@ inline void set_prefill_heads(AttentionParams& p, int64_t q_tiles, int64_t kv_he
 // kernel on sm_90a runs the same grid).
 inline pybind11::tuple prefill_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
     check_heads(q_heads, kv_heads);
-    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be 64, 128 or 256, got ", head_dim);
+    ASTRAI_CHECK(is_head_dim(head_dim), "head_dim: must be " ASTRAI_ATTN_HEAD_DIMS_TEXT ", got ", head_dim);
     const PrefillLaunch l = prefill_launch(int(q_heads / kv_heads), int(head_dim));
     return pybind11::make_tuple(l.head_block, l.head_groups, l.warps, l.blocks_per_tile);
 }

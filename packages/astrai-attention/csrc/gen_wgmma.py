@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cuda-common" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gen_capabilities
 from astrai_wgmma import accumulators, mnemonic, operands, scale_d_predicate, write_beside  # noqa: E402
+from gen_capabilities import load_statement  # noqa: E402
 
 SS_WIDTHS = (64, 80, 128, 176)  # S = Q K^T: N = K/V rows per tile (80, 176: the wide tiles)
-RS_WIDTHS = (64, 128, 256)  # O += P V: N = head_dim
+RS_WIDTHS = tuple(load_statement().HEAD_DIMS)  # O += P V: N = head_dim (the plugin's capabilities)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 HEADER = """\

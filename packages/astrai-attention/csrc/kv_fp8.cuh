@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "astrai/fp8_convert.cuh"
+#include "capabilities.h"
 #include "mma_utils.cuh"
 
 namespace astrai::attn {
@@ -64,7 +65,7 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t x) {
 // phase) are conflict-free at D = 128 and 256 (at D = 64 the V loads are two-way).
 template <int D>
 struct Fp8Tile {
-    static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+    static_assert(is_head_dim(D), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static constexpr int kChunks = D / 16;
     __device__ __forceinline__ static int swizzle(int r) {
         const int pair = (r >> 1) & 3, odd = r & 1;

@@ -133,5 +133,5 @@ PYBIND11_MODULE(_attn_paged_decode, m) {
     m.attr("APPEND_LAST") = true;  // attn_paged_decode takes append_last
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
     // page dtypes read besides q's (with kv_scales)
-    m.attr("KV_DTYPES") = astrai::attn::kDecodeReadsFp8 ? py::make_tuple("float8_e4m3fn", "float8_e5m2") : py::tuple();
+    m.attr("KV_DTYPES") = astrai::attn::kDecodeReadsFp8 ? py::make_tuple(ASTRAI_ATTN_FP8_KV_DTYPE_NAMES) : py::tuple();
 }

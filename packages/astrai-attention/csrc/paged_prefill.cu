@@ -73,7 +73,7 @@ void gather_pages(py::handle k_a, py::handle v_a, py::handle source_a, py::handl
     const auto [k, v, source, k_out, v_out] = bind::tensor_args({"k_cache", "v_cache", "source", "k_out", "v_out"},
                                                                  {k_a, v_a, source_a, k_out_a, v_out_a});
     const cudaStream_t stream = bind::stream_arg(stream_a);
-    const bool fp8 = k.dtype == DType::Float8E4M3 || k.dtype == DType::Float8E5M2;
+    const bool fp8 = is_fp8_kv_dtype(k.dtype);
     check_cache_pages(k, v, k.dtype, /*fp8_ok=*/true);
     check_head_dim(k);
     const int64_t page = k.size(1), Hkv = k.size(2), D = k.size(3);
@@ -89,8 +89,8 @@ void gather_pages(py::handle k_a, py::handle v_a, py::handle source_a, py::handl
     for (const TensorArg* out : {&k_out, &v_out}) {
         expect_ndim(*out, 4);
         const DType want = fp8 ? k_out.dtype : k.dtype;  // fp8 pages: either 16-bit dtype, both outputs alike
-        ASTRAI_CHECK(out->dtype == DType::BFloat16 || out->dtype == DType::Float16, out->name,
-                     ": dtype must be bfloat16 or float16, got ", dtype_name(out->dtype));
+        ASTRAI_CHECK(is_dtype(out->dtype), out->name, ": dtype must be " ASTRAI_ATTN_DTYPES_TEXT ", got ",
+                     dtype_name(out->dtype));
         ASTRAI_CHECK(out->dtype == want, out->name, ": dtype ", dtype_name(out->dtype), " differs from ",
                      fp8 ? "k_out" : "k_cache", "'s ", dtype_name(want));
         expect_shape(*out, {n, page, Hkv, D}, "[len(source), page_size, Hkv, D] of the cache");
@@ -117,13 +117,12 @@ void gather_pages(py::handle k_a, py::handle v_a, py::handle source_a, py::handl
         p.scale_stride = scales->stride;
     }
     const bool half = k_out.dtype == DType::Float16;
-    if (k.dtype == DType::Float8E4M3) {
-        half ? launch_page_gather<__half, KvE4M3>(p, stream) : launch_page_gather<__nv_bfloat16, KvE4M3>(p, stream);
-    } else if (k.dtype == DType::Float8E5M2) {
-        half ? launch_page_gather<__half, KvE5M2>(p, stream) : launch_page_gather<__nv_bfloat16, KvE5M2>(p, stream);
-    } else {
-        half ? launch_page_gather<__half, Kv16>(p, stream) : launch_page_gather<__nv_bfloat16, Kv16>(p, stream);
-    }
+#define ASTRAI_KV(DT, FMT) \
+    if (k.dtype == DType::DT)   \
+        return half ? launch_page_gather<__half, FMT>(p, stream) : launch_page_gather<__nv_bfloat16, FMT>(p, stream);
+    ASTRAI_ATTN_FP8_KV_DTYPES(ASTRAI_KV)
+#undef ASTRAI_KV
+    half ? launch_page_gather<__half, Kv16>(p, stream) : launch_page_gather<__nv_bfloat16, Kv16>(p, stream);
 }
 
 }  // namespace astrai::attn
@@ -145,5 +144,5 @@ PYBIND11_MODULE(_attn_paged_prefill, m) {
     m.attr("Q_TILE_ROWS") = astrai::attn::kQTileRows;
     m.attr("VARIANTS") = astrai::attn::variant_features();  // the `variant` argument's features
     // page dtypes read besides q's (with kv_scales)
-    m.attr("KV_DTYPES") = astrai::attn::kPrefillReadsFp8 ? py::make_tuple("float8_e4m3fn", "float8_e5m2") : py::tuple();
+    m.attr("KV_DTYPES") = astrai::attn::kPrefillReadsFp8 ? py::make_tuple(ASTRAI_ATTN_FP8_KV_DTYPE_NAMES) : py::tuple();
 }

@@ -22,6 +22,7 @@
 
 #include <type_traits>
 
+#include "capabilities.h"
 #include "kv_fp8.cuh"
 #include "prefill_parts.cuh"
 
@@ -30,7 +31,7 @@ namespace astrai::attn {
 // KV_BYTES: bytes per stored K/V value (2, or 1 for fp8 pages, which add the widened tiles).
 template <int D, int WARPS, int KV_BYTES = 2>
 struct PrefillMmaConfig {
-    static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+    static_assert(is_head_dim(D), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static_assert(WARPS == 4 || (WARPS == 8 && D <= 128), "4 warps, or 8 warps at D <= 128");
     static constexpr int kWarps = WARPS;
     static constexpr int kThreads = 32 * kWarps;

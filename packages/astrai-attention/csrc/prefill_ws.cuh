@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "astrai/sm90.cuh"
+#include "capabilities.h"
 #include "prefill_tensor_maps.h"
 #include "prefill_parts.cuh"
 #include "wgmma_ops.cuh"
@@ -146,7 +147,7 @@ constexpr int kWideTileRows = ASTRAI_PREFILL_WIDE_TILES == 0 ? 0 : D == 128 ? 17
 // V_: the instantiation with the window, soft-cap and sinks (kVariant).
 template <int D_, int BN_ = 0, bool V_ = false>
 struct PrefillWsConfig {
-    static_assert(D_ == 64 || D_ == 128 || D_ == 256, "head_dim must be 64, 128 or 256");
+    static_assert(is_head_dim(D_), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers

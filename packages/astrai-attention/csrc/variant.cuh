@@ -13,15 +13,16 @@
 
 #include <cmath>
 
+#include "capabilities.h"
 #include "common.h"
 
 namespace astrai::attn {
 
 constexpr double kLog2e = 1.4426950408889634;
 
-// The features the kernels apply, by the names of attention()'s arguments; the modules bind it
-// as VARIANTS, and tests/attention/test_attention_plugin.py checks the plugin's manifest states the same.
-constexpr const char* kVariantFeatures[] = {"window_left", "logits_soft_cap", "sinks", "scale"};
+// The features the kernels apply, by the names of attention()'s arguments (capabilities.h, from
+// the plugin's statement the manifest reads); the modules bind it as VARIANTS.
+constexpr const char* kVariantFeatures[] = {ASTRAI_ATTN_VARIANT_NAMES};
 
 // Host: the variant fields of p from validated values. scale <= 0 means 1/sqrt(head_dim),
 // soft_cap <= 0 none, window_left -1 none, sinks null none. With a soft-cap the transform

@@ -5,7 +5,9 @@ attention``; the compiled modules ``astrai_attention._attn_*`` are imported by t
 only when an op first runs. What the binaries hold (CUDA version, SASS and PTX archs)
 comes from ``build_info.json``, written by the build next to the modules. The launch
 heuristics live in one place, ``csrc/heuristics.h``; the compiled modules expose them
-(``decode_plan``, ``prefill_plan``, ``Q_TILE_ROWS``, ``MAX_SPLITS``).
+(``decode_plan``, ``prefill_plan``, ``Q_TILE_ROWS``, ``MAX_SPLITS``). What the kernels
+serve (dtypes, head dims, page dtypes, variants, min arch) is stated once, in
+:mod:`astrai_attention.capabilities`; the ops' specs below and the C++ read it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 from importlib.resources import files
 from typing import Any
 
-from . import prefill_table
+from . import capabilities, prefill_table
 
 __all__ = ["build_info", "manifest"]
 
@@ -26,15 +28,13 @@ FROM_BUILD = ("version", "cuda", "sass_archs", "ptx_archs")
 
 _COMMON: dict[str, Any] = {
     "abi": 1,
-    "dtypes": ["bfloat16", "float16"],
-    "head_dims": [64, 128, 256],
-    "min_sm": 80,
-    # the variant features every kernel applies (csrc/variant.cuh; the modules' `variant` argument)
-    "variants": ["window_left", "logits_soft_cap", "sinks", "scale"],
+    "dtypes": list(capabilities.DTYPES),
+    "head_dims": list(capabilities.HEAD_DIMS),
+    "min_sm": capabilities.MIN_SM,
+    "variants": list(capabilities.VARIANTS),
 }
 
-# page dtypes the paged decode reads with the layer's scales (csrc/kv_fp8.cuh)
-FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_KV_DTYPES = capabilities.FP8_KV_DTYPES
 
 _OPS: dict[str, dict[str, Any]] = {
     op: {"module": f"astrai_attention._{op}", **_COMMON}
