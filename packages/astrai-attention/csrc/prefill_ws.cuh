@@ -456,6 +456,96 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
     }
 }
 
+// The consumer's stages over one work item's K/V tiles (prefill_ws_consume): stage(t) and
+// parity(t) give tile t's ring slot and the parity of its use, my_turn / your_turn the
+// ping-pong between the warpgroups, softmax_tile(t, alpha) masks S_t and runs the online
+// softmax (true: O needs the rescale by alpha).
+
+// Tile 0: S_0 alone, its softmax, P_0 packed.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn, class Softmax>
+__device__ __forceinline__ void consume_first_tile(const PrefillWsSmem<C>& sm, uint32_t q_wg, Stage&& stage,
+                                                   Parity&& parity, MyTurn&& my_turn, YourTurn&& your_turn,
+                                                   Softmax&& softmax_tile, float (&s)[C::kBN / 8][4],
+                                                   uint32_t (&pa)[C::kBN / 16][4], float (&alpha)[2], int item) {
+    using namespace sm90;
+    mbar_wait(sm.full_k(stage(0)), parity(0));
+    PREFILL_TRACE(item, 3, clock64());
+    fence_proxy_async();
+    my_turn();
+    wgmma_fence();
+    issue_qk<T, C>(s, q_wg, sm.k_stage(stage(0)));
+    wgmma_commit();
+    your_turn();
+    wgmma_wait<0>();
+    fence_accumulators(s);
+    mbar_arrive(sm.empty_k(stage(0)));
+    softmax_tile(0, alpha);
+    pack_probs<T>(s, pa);
+    PREFILL_TRACE(item, 4, clock64());
+}
+
+// Tile t >= 1: S_t = Q K_t^T and O += P_{t-1} V_{t-1} issued together, the softmax of S_t
+// while P V runs, then O's rescale and P_t packed.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn, class Softmax>
+__device__ __forceinline__ void consume_tile(const PrefillWsSmem<C>& sm, uint32_t q_wg, int t, Stage&& stage,
+                                             Parity&& parity, MyTurn&& my_turn, YourTurn&& your_turn,
+                                             Softmax&& softmax_tile, float (&s)[C::kBN / 8][4],
+                                             float (&o)[C::D / 8][4], uint32_t (&pa)[C::kBN / 16][4],
+                                             float (&alpha)[2]) {
+    using namespace sm90;
+    const int sk = stage(t), sv = stage(t - 1);
+    // Both waits before the issue: a branch between the two GEMMs' issue makes
+    // ptxas insert a warpgroup.arrive ahead of P V. V_{t-1} has had a whole tile.
+    mbar_wait(sm.full_k(sk), parity(t));
+    mbar_wait(sm.full_v(sv), parity(t - 1));
+    fence_proxy_async();
+    my_turn();
+    fence_accumulators(o);
+    fence_fragments(pa);
+    wgmma_fence();
+    issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
+    wgmma_commit();
+    issue_pv<T, C>(o, pa, sm.v_stage(sv));
+    wgmma_commit();
+    your_turn();
+    wgmma_wait<1>();  // S_t is ready; P V still runs
+    fence_accumulators(s);
+    mbar_arrive(sm.empty_k(sk));
+    const bool rescale = softmax_tile(t, alpha);
+    wgmma_wait<0>();
+    fence_accumulators(o);
+    mbar_arrive(sm.empty_v(sv));
+    if (rescale) rescale_rows(o, alpha);
+    pack_probs<T>(s, pa);
+}
+
+// The last P V (tile n - 1), its stale V rows zeroed first where whole page boxes staged it.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn>
+__device__ __forceinline__ void consume_last_pv(const PrefillWsSmem<C>& sm, const PrefillSpan& sp, int n, int wg,
+                                                bool stale_tail, Stage&& stage, Parity&& parity, MyTurn&& my_turn,
+                                                YourTurn&& your_turn, float (&o)[C::D / 8][4],
+                                                uint32_t (&pa)[C::kBN / 16][4], int item) {
+    using namespace sm90;
+    const int sv = stage(n - 1);
+    mbar_wait(sm.full_v(sv), parity(n - 1));
+    fence_proxy_async();
+    const int last0 = (sp.t_begin + n - 1) * C::kBN;  // the last tile's first position
+    if (stale_tail && last0 + C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - last0, wg);
+    my_turn();
+    fence_accumulators(o);
+    fence_fragments(pa);
+    wgmma_fence();
+    issue_pv<T, C>(o, pa, sm.v_stage(sv));
+    wgmma_commit();
+    if (wg == 0) your_turn();  // warpgroup 1's last turn is never awaited
+    wgmma_wait<0>();
+    fence_accumulators(o);
+    mbar_arrive(sm.empty_v(sv));
+    PREFILL_TRACE(item, 5, clock64());
+}
+
+// Warpgroups 1 and 2 over one work item: Q's wait, the K/V tiles (consume_first_tile,
+// consume_tile, consume_last_pv), then O's store and Q's slot released.
 template <typename T, class C, class QSched, class KV>
 __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const PrefillTensorMaps& maps,
                                                    const QWork& qw, const PrefillSpan& sp,
@@ -521,66 +611,11 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         // Ring position of tile t of this item: stage, and the parity of its use.
         auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };
         auto parity = [&](int t) { return uint32_t((pos.tiles + t) / C::kStages) & 1; };
-        // Tile 0: S_0 alone.
-        mbar_wait(sm.full_k(stage(0)), parity(0));
-        PREFILL_TRACE(item, 3, clock64());
-        fence_proxy_async();
-        my_turn();
-        wgmma_fence();
-        issue_qk<T, C>(s, q_wg, sm.k_stage(stage(0)));
-        wgmma_commit();
-        your_turn();
-        wgmma_wait<0>();
-        fence_accumulators(s);
-        mbar_arrive(sm.empty_k(stage(0)));
         float alpha[2];
-        softmax_tile(0, alpha);
-        pack_probs<T>(s, pa);
-        PREFILL_TRACE(item, 4, clock64());
-
-        for (int t = 1; t < n; ++t) {
-            const int sk = stage(t), sv = stage(t - 1);
-            // Both waits before the issue: a branch between the two GEMMs' issue makes
-            // ptxas insert a warpgroup.arrive ahead of P V. V_{t-1} has had a whole tile.
-            mbar_wait(sm.full_k(sk), parity(t));
-            mbar_wait(sm.full_v(sv), parity(t - 1));
-            fence_proxy_async();
-            my_turn();
-            fence_accumulators(o);
-            fence_fragments(pa);
-            wgmma_fence();
-            issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
-            wgmma_commit();
-            issue_pv<T, C>(o, pa, sm.v_stage(sv));
-            wgmma_commit();
-            your_turn();
-            wgmma_wait<1>();  // S_t is ready; P V still runs
-            fence_accumulators(s);
-            mbar_arrive(sm.empty_k(sk));
-            const bool rescale = softmax_tile(t, alpha);
-            wgmma_wait<0>();
-            fence_accumulators(o);
-            mbar_arrive(sm.empty_v(sv));
-            if (rescale) rescale_rows(o, alpha);
-            pack_probs<T>(s, pa);
-        }
-        // The last P V.
-        const int sv = stage(n - 1);
-        mbar_wait(sm.full_v(sv), parity(n - 1));
-        fence_proxy_async();
-        const int last0 = (sp.t_begin + n - 1) * C::kBN;  // the last tile's first position
-        if (stale_tail && last0 + C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - last0, wg);
-        my_turn();
-        fence_accumulators(o);
-        fence_fragments(pa);
-        wgmma_fence();
-        issue_pv<T, C>(o, pa, sm.v_stage(sv));
-        wgmma_commit();
-        if (wg == 0) your_turn();  // warpgroup 1's last turn is never awaited
-        wgmma_wait<0>();
-        fence_accumulators(o);
-        mbar_arrive(sm.empty_v(sv));
-        PREFILL_TRACE(item, 5, clock64());
+        consume_first_tile<T, C>(sm, q_wg, stage, parity, my_turn, your_turn, softmax_tile, s, pa, alpha, item);
+        for (int t = 1; t < n; ++t)
+            consume_tile<T, C>(sm, q_wg, t, stage, parity, my_turn, your_turn, softmax_tile, s, o, pa, alpha);
+        consume_last_pv<T, C>(sm, sp, n, wg, stale_tail, stage, parity, my_turn, your_turn, o, pa, item);
         pos.tiles += n;
     }
     // O leaves through the Q slot where every row start is 16-byte aligned.
