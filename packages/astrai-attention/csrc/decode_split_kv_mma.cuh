@@ -266,328 +266,388 @@ __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s
     });
 }
 
-// kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
-// unlike the other variants: the transform's registers spilled the d256 body at its 255.
-// KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
-// bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
-// in-kernel append: the caller quantizes the step's token into the cache first).
-// kSwapAB: over fp8 pages, for a GQA group of at most kSwapHeads heads, the swapped operands
-// of decode_swap_ab.cuh (heads as the mma's n8 dimension); the loads and the split are the same.
-template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16, bool kSwapAB = false>
-__global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
-    decode_mma_kernel(const AttentionParams p) {
-#if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-    constexpr bool kFp8 = KvFmt::kBytes == 1;
-    constexpr bool kPdlEarlyWait = ASTRAI_DECODE_PDL_EARLY_WAIT != 0;
-    static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
+// The decode kernel's compile-time shape, shared by its stages below (the kernel's template
+// arguments, and what follows from them).
+template <typename T_, int D_, class KV_, bool kSoftCap_, class KvFmt_, bool kSwapAB_>
+struct DecodeMma {
+    using T = T_;
+    using KV = KV_;
+    using KvFmt = KvFmt_;
+    static constexpr int D = D_;
+    static constexpr bool kSoftCap = kSoftCap_;
+    static constexpr bool kSwapAB = kSwapAB_;
+    static constexpr bool kFp8 = KvFmt::kBytes == 1;
+    static constexpr bool kPdlEarlyWait = ASTRAI_DECODE_PDL_EARLY_WAIT != 0;
     using C = DecodeMmaConfig<D, KvFmt::kBytes, kSwapAB ? kSwapStages : 0>;
     using Tile = SwizzledTile<D>;
     using KvT = std::conditional_t<kFp8, uint8_t, T>;
-    extern __shared__ __align__(128) uint8_t smem[];
-    const uint32_t sK = smem_u32(smem);
-    const uint32_t sV = sK + C::kStages * C::kTileBytes;
-    const uint32_t sQ = sK + C::kQSmemOffset;
+    using State = std::conditional_t<kSwapAB, HeadState, RowState>;  // the online softmax's rows
+    static constexpr int kOTiles = kSwapAB ? D / 16 : D / 8;  // O's n-tiles (swapped: O^T's m-tiles)
+    static constexpr int kRows = kSwapAB ? kSwapHeads : C::kHeads;  // query heads of the warp merge
+};
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const DecodeUnit u = decode_unit<C::kHeads>(p);
-    const int unit = u.unit, split = u.split, hgrp = u.hgrp, kvh = u.kvh, b = u.b, head0 = u.head0, nh = u.nh;
-    // Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q,
-    // the cache, the page table, kv_lens) is read, and nothing it reads is written, before
-    // that grid has completed. With ASTRAI_DECODE_PDL_EARLY_WAIT the wait moves behind the
-    // reads of kv_lens and the first page ids (below), which the previous kernel must then
-    // not write (a model's decode: the QKV projection or the rope + append before it).
-    auto pdl_wait = [] {
+// Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q, the
+// cache, the page table, kv_lens) is read, and nothing it reads is written, before that grid
+// has completed. With ASTRAI_DECODE_PDL_EARLY_WAIT the wait moves behind the reads of kv_lens
+// and the first page ids (DecodeKvLoader::start), which the previous kernel must then not
+// write (a model's decode: the QKV projection or the rope + append before it).
+__device__ __forceinline__ void decode_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    };
-    if constexpr (!kPdlEarlyWait) pdl_wait();
+}
 
-    const int kv_len = KV::kv_len(p, b);
-    // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
-    const typename KV::Request req = KV::request(p, b);
-    const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
-    // The window's first key: the splits share the tiles from its tile on (none skipped without one).
-    const int first_key = window_first_key(p, kv_len - 1);
-    const int t_lo = first_key / C::kBN;
-    const int per_split = (n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
-    const int t_begin = min(n_tiles, t_lo + split * per_split);
-    const int t_end = min(n_tiles, t_begin + per_split);
-    const int my_tiles = t_end - t_begin;
-    // The in-kernel append's position (the header explains the scheme); -1 matches none.
-    const int new_pos = KV::kPaged && !kFp8 && p.k_new != nullptr ? kv_len - 1 : -1;
+// What a decode block works on: its unit and split (decode_unit), its request's length and
+// page table, and its share [t_begin, t_end) of the request's KV tiles. The kernel body fills
+// it (its first stage; as a function of its own the prologue gave other SASS).
+template <class M>
+struct DecodeMmaBlock {
+    uint8_t* smem;
+    uint32_t sK, sV, sQ;  // the K ring, the V ring, Q's slot
+    int tid, warp, lane;
+    int unit, split, hgrp, kvh, b, head0, nh;
+    int kv_len;
+    typename M::KV::Request req;
+    int n_tiles, first_key, t_begin, t_end, my_tiles;
+    int new_pos;  // the in-kernel append's position (the header explains the scheme); -1 matches none
+};
 
-    auto copy_q = [&] {
-        const T* q = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b;
-        for (int i = tid; i < C::kHeads * Tile::kChunks; i += C::kThreads) {
-            const int r = i / Tile::kChunks, c = i % Tile::kChunks;
-            const bool ok = r < nh;
-            cp_async_16(sQ + Tile::offset(r, c), ok ? q + int64_t(head0 + r) * p.q_stride_h + c * 8 : q, ok);
-        }
-        cp_async_commit();
-    };
-    if constexpr (!kPdlEarlyWait) copy_q();
+// Q's 16 rows (the block's query heads; rows past nh zero-filled) into its slot: one cp.async group.
+template <class M>
+__device__ __forceinline__ void decode_copy_q(const AttentionParams& p, const DecodeMmaBlock<M>& k) {
+    using C = typename M::C;
+    using Tile = typename M::Tile;
+    const typename M::T* q = static_cast<const typename M::T*>(p.q) + int64_t(k.b) * p.q_stride_b;
+    for (int i = k.tid; i < C::kHeads * Tile::kChunks; i += C::kThreads) {
+        const int r = i / Tile::kChunks, c = i % Tile::kChunks;
+        const bool ok = r < k.nh;
+        cp_async_16(k.sQ + Tile::offset(r, c), ok ? q + int64_t(k.head0 + r) * p.q_stride_h + c * 8 : q, ok);
+    }
+    cp_async_commit();
+}
 
-    const KvT* kg = static_cast<const KvT*>(p.k);
-    const KvT* vg = static_cast<const KvT*>(p.v);
-    const int ld_c = tid % C::kChunks, ld_r = tid / C::kChunks;
-    constexpr int kPasses = C::kBN / C::kRowsPerPass;
-    // Page ids run ahead of the copies: hnd holds the ids of the tile copied next; a paged
-    // source reads them one more tile ahead (hnd_ahead), so a page-table read has two
-    // iterations to land before its copies are issued.
-    constexpr bool kAhead = KV::kPaged;
-    typename KV::Handle hnd[kPasses], hnd_ahead[kAhead ? kPasses : 1];
-    auto fetch_tile = [&](int tile, typename KV::Handle* h) {
+// Load: the block's K/V tiles through the kStages-deep cp.async ring, kPasses rows a thread.
+// Page ids run ahead of the copies: hnd holds the ids of the tile copied next; a paged source
+// reads them one more tile ahead (hnd_ahead), so a page-table read has two iterations to land
+// before its copies are issued.
+template <class M>
+struct DecodeKvLoader {
+    using C = typename M::C;
+    using KV = typename M::KV;
+    using KvT = typename M::KvT;
+    using Handle = typename KV::Handle;
+    static constexpr int kPasses = C::kBN / C::kRowsPerPass;
+    static constexpr bool kAhead = KV::kPaged;
+    // The page ids of the tile copied next, and (paged) of the one after it.
+    using Ids = Handle[kPasses];
+    using IdsAhead = Handle[kAhead ? kPasses : 1];
+    Ids& hnd;
+    IdsAhead& hnd_ahead;
+    const KvT* kg;
+    const KvT* vg;
+    int ld_c, ld_r;
+
+    __device__ __forceinline__ DecodeKvLoader(const AttentionParams& p, const DecodeMmaBlock<M>& k, Ids& hnd_,
+                                              IdsAhead& hnd_ahead_)
+        : hnd(hnd_), hnd_ahead(hnd_ahead_), kg(static_cast<const KvT*>(p.k)), vg(static_cast<const KvT*>(p.v)),
+          ld_c(k.tid % C::kChunks), ld_r(k.tid / C::kChunks) {}
+
+    __device__ __forceinline__ void fetch_tile(const AttentionParams& p, const DecodeMmaBlock<M>& k, int tile,
+                                               Handle* h) const {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int pos = tile * C::kBN + ld_r + pass * C::kRowsPerPass;
-            h[pass] = pos < kv_len ? KV::fetch(p, req, pos) : 0;
+            h[pass] = pos < k.kv_len ? KV::fetch(p, k.req, pos) : 0;
         }
-    };
-    auto load_kv = [&](int tile, int stage) {
+    }
+    __device__ __forceinline__ void load_kv(const AttentionParams& p, const DecodeMmaBlock<M>& k, int tile,
+                                            int stage) const {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int r = ld_r + pass * C::kRowsPerPass;
             const int pos = tile * C::kBN + r;
-            const bool ok = pos < kv_len;
+            const bool ok = pos < k.kv_len;
             // Branch-free: every pass's address math is independent, so the passes
             // interleave; a position past the end reads nothing (zero fill) from offset 0.
             int64_t ko, vo;
-            KV::offsets(p, req, hnd[pass], pos, kvh, ko, vo);
+            KV::offsets(p, k.req, hnd[pass], pos, k.kvh, ko, vo);
             ko = ok ? ko : 0;
             vo = ok ? vo : 0;
             const KvT* k_src = kg + ko;
             const KvT* v_src = vg + vo;
-            if constexpr (KV::kPaged && !kFp8) {
-                if (pos == new_pos) {  // this step's token: from k_new / v_new, not the cache
-                    k_src = static_cast<const T*>(p.k_new) + int64_t(b) * p.k_new_stride_b + kvh * p.k_new_stride_h;
-                    v_src = static_cast<const T*>(p.v_new) + int64_t(b) * p.v_new_stride_b + kvh * p.v_new_stride_h;
+            if constexpr (KV::kPaged && !M::kFp8) {
+                if (pos == k.new_pos) {  // this step's token: from k_new / v_new, not the cache
+                    using T = typename M::T;
+                    k_src = static_cast<const T*>(p.k_new) + int64_t(k.b) * p.k_new_stride_b + k.kvh * p.k_new_stride_h;
+                    v_src = static_cast<const T*>(p.v_new) + int64_t(k.b) * p.v_new_stride_b + k.kvh * p.v_new_stride_h;
                 }
             }
-            const uint32_t off = kFp8 ? Fp8Tile<D>::offset(r, ld_c) : Tile::offset(r, ld_c);
-            cp_async_16(sK + stage * C::kTileBytes + off, k_src + ld_c * (16 / KvFmt::kBytes), ok);
-            cp_async_16(sV + stage * C::kTileBytes + off, v_src + ld_c * (16 / KvFmt::kBytes), ok);
+            const uint32_t off = M::kFp8 ? Fp8Tile<M::D>::offset(r, ld_c) : M::Tile::offset(r, ld_c);
+            cp_async_16(k.sK + stage * C::kTileBytes + off, k_src + ld_c * (16 / M::KvFmt::kBytes), ok);
+            cp_async_16(k.sV + stage * C::kTileBytes + off, v_src + ld_c * (16 / M::KvFmt::kBytes), ok);
         }
-    };
+    }
     // After the copies of tile j - 1: make hnd the ids of tile j (relative indices).
-    auto advance = [&](int j) {
-        if (j >= my_tiles) return;
+    __device__ __forceinline__ void advance(const AttentionParams& p, const DecodeMmaBlock<M>& k, int j) const {
+        if (j >= k.my_tiles) return;
         if constexpr (kAhead) {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) hnd[pass] = hnd_ahead[pass];
-            if (j + 1 < my_tiles) fetch_tile(t_begin + j + 1, hnd_ahead);
+            if (j + 1 < k.my_tiles) fetch_tile(p, k, k.t_begin + j + 1, hnd_ahead);
         } else {
-            fetch_tile(t_begin + j, hnd);
+            fetch_tile(p, k, k.t_begin + j, hnd);
         }
-    };
-
+    }
     // Q is group 0; the first kStages - 1 K/V tiles follow without waiting for it (Q sits
     // in the last V slot, which only tile kStages - 1 overwrites, after the loop's first
     // barrier), so Q's round trip overlaps the K/V requests instead of preceding them.
-    if (my_tiles > 0) fetch_tile(t_begin, hnd);
-    if constexpr (kAhead) {
-        if (my_tiles > 1) fetch_tile(t_begin + 1, hnd_ahead);
-    }
-    if constexpr (kPdlEarlyWait) {  // the page ids are on their way; q and the new token are not read yet
-        pdl_wait();
-        copy_q();
-    }
+    __device__ __forceinline__ void start(const AttentionParams& p, const DecodeMmaBlock<M>& k) const {
+        if (k.my_tiles > 0) fetch_tile(p, k, k.t_begin, hnd);
+        if constexpr (kAhead) {
+            if (k.my_tiles > 1) fetch_tile(p, k, k.t_begin + 1, hnd_ahead);
+        }
+        if constexpr (M::kPdlEarlyWait) {  // the page ids are on their way; q and the new token are not read yet
+            decode_pdl_wait();
+            decode_copy_q<M>(p, k);
+        }
 #pragma unroll
-    for (int s = 0; s < C::kStages - 1; ++s) {
-        if (s < my_tiles) {
-            load_kv(t_begin + s, s);
-            advance(s + 1);
+        for (int s = 0; s < C::kStages - 1; ++s) {
+            if (s < k.my_tiles) {
+                load_kv(p, k, k.t_begin + s, s);
+                advance(p, k, s + 1);
+            }
+            cp_async_commit();
+        }
+        cp_async_wait<C::kStages - 1>();  // group 0 (Q) has landed
+        __syncthreads();
+    }
+    // Before tile i: its copies have landed and every warp is done with tile i - 1, whose
+    // stage takes tile i + kStages - 1.
+    __device__ __forceinline__ void next(const AttentionParams& p, const DecodeMmaBlock<M>& k, int i) const {
+        cp_async_wait<C::kStages - 2>();
+        __syncthreads();
+        const int nxt = i + C::kStages - 1;
+        if (nxt < k.my_tiles) {
+            load_kv(p, k, k.t_begin + nxt, nxt % C::kStages);
+            advance(p, k, nxt + 1);
         }
         cp_async_commit();
     }
-    cp_async_wait<C::kStages - 1>();  // group 0 (Q) has landed
-    __syncthreads();
-    // fp8 pages: the scores run on float16 (kv_fp8.cuh); a bfloat16 Q is converted in place,
-    // row r times 1 / q_unit[r], and each score row carries q_unit back with the K scale
-    __shared__ float q_unit[C::kHeads];
-    if constexpr (kFp8 && !std::is_same_v<T, __half>) {
-        q_rows_to_half<D, C::kThreads>(smem + C::kQSmemOffset, q_unit, tid);
+};
+
+// Q's A fragment of k-step ks from shared memory; over fp8 pages with the head-dim permutation
+// of kv_fp8.cuh: the thread's elements e .. e + 3, e = 64 * (ks / 4) + 16 * t + 4 * (ks % 4),
+// rows g, g + 8.
+template <class M>
+__device__ __forceinline__ void decode_q_fragment(const DecodeMmaBlock<M>& k, int ks, uint32_t (&qa)[4]) {
+    using Tile = typename M::Tile;
+    if constexpr (M::kFp8) {
+        const int e = 64 * (ks / 4) + 16 * (k.lane & 3) + 4 * (ks % 4);
+        const uint32_t in_chunk = 2 * (e % 8);
+        const uint8_t* q_s = k.smem + M::C::kQSmemOffset;
+        const uint2 lo = *reinterpret_cast<const uint2*>(q_s + Tile::offset(k.lane >> 2, e / 8) + in_chunk);
+        const uint2 hi = *reinterpret_cast<const uint2*>(q_s + Tile::offset((k.lane >> 2) + 8, e / 8) + in_chunk);
+        qa[0] = lo.x, qa[1] = hi.x, qa[2] = lo.y, qa[3] = hi.y;
+    } else {
+        ldmatrix_x4(qa, k.sQ + Tile::offset(k.lane & 15, 2 * ks + (k.lane >> 4)));
+    }
+}
+
+// Q in registers (d <= 128): the A fragments, or Q^T's B fragments of the swapped operands.
+template <class M>
+struct DecodeQRegs {
+    static constexpr bool kInRegs = M::C::kQInRegs;
+    uint32_t qf[kInRegs && !M::kSwapAB ? M::D / 16 : 1][4];
+    uint32_t qb[kInRegs && M::kSwapAB ? M::D / 16 : 1][2];
+};
+
+// After the landed Q: over fp8 pages the scores run on float16 (kv_fp8.cuh), so a bfloat16 Q
+// is converted in place, row r times 1 / q_unit[r], and each score row carries q_unit back
+// with the K scale; then Q's fragments into registers where they live there.
+template <class M>
+__device__ __forceinline__ void decode_load_q(const DecodeMmaBlock<M>& k, float* q_unit, DecodeQRegs<M>& q) {
+    using C = typename M::C;
+    if constexpr (M::kFp8 && !std::is_same_v<typename M::T, __half>) {
+        q_rows_to_half<M::D, C::kThreads>(k.smem + C::kQSmemOffset, q_unit, k.tid);
         __syncthreads();
     }
-    // Q's A fragment of k-step ks; over fp8 pages with the head-dim permutation of kv_fp8.cuh:
-    // the thread's elements e .. e + 3, e = 64 * (ks / 4) + 16 * t + 4 * (ks % 4), rows g, g + 8.
-    auto load_q = [&](int ks, uint32_t (&qa)[4]) {
-        if constexpr (kFp8) {
-            const int e = 64 * (ks / 4) + 16 * (lane & 3) + 4 * (ks % 4);
-            const uint32_t in_chunk = 2 * (e % 8);
-            const uint8_t* q_s = smem + C::kQSmemOffset;
-            const uint2 lo = *reinterpret_cast<const uint2*>(q_s + Tile::offset(lane >> 2, e / 8) + in_chunk);
-            const uint2 hi = *reinterpret_cast<const uint2*>(q_s + Tile::offset((lane >> 2) + 8, e / 8) + in_chunk);
-            qa[0] = lo.x, qa[1] = hi.x, qa[2] = lo.y, qa[3] = hi.y;
-        } else {
-            ldmatrix_x4(qa, sQ + Tile::offset(lane & 15, 2 * ks + (lane >> 4)));
-        }
-    };
-    uint32_t qf[C::kQInRegs && !kSwapAB ? D / 16 : 1][4];
-    uint32_t qb[C::kQInRegs && kSwapAB ? D / 16 : 1][2];  // Q^T's B fragments (swapped operands)
-    if constexpr (kSwapAB && C::kQInRegs) {
+    if constexpr (M::kSwapAB && C::kQInRegs) {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) swap_q_fragment<D>(qb[ks], smem + C::kQSmemOffset, ks, lane);  // as below
-    } else if constexpr (C::kQInRegs && !kSwapAB) {
+        for (int ks = 0; ks < M::D / 16; ++ks) swap_q_fragment<M::D>(q.qb[ks], k.smem + C::kQSmemOffset, ks, k.lane);
+    } else if constexpr (C::kQInRegs && !M::kSwapAB) {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) load_q(ks, qf[ks]);
+        for (int ks = 0; ks < M::D / 16; ++ks) decode_q_fragment<M>(k, ks, q.qf[ks]);
         // No barrier here: Q's slot is next written after the main loop's first barrier
         // (or, with no tile, after the one before the warp merge).
     }
+}
 
-    const uint8_t* mask = p.mask ? p.mask + int64_t(b) * p.mask_stride_b : nullptr;
-    // fp8 pages: the layer's K / V scales of this kv head (per tensor: stride 0)
-    const float k_scale = kFp8 ? __ldg(p.k_scale + kvh * p.kv_scale_stride) : 1.f;
-    const float v_scale = kFp8 ? __ldg(p.v_scale + kvh * p.kv_scale_stride) : 1.f;
-    // what a raw fp8 score of rows g and g + 8 (swapped: of head columns 2t and 2t + 1) is
-    // multiplied by to be q.k, and the softmax's scale of those (the cap, if any, has applied
-    // the factor already)
-    float score_factor[2] = {1.f, 1.f}, row_scale_log2[2] = {p.scale_log2, p.scale_log2};
-    if constexpr (kFp8) {
+// fp8 pages: what a raw score of rows g and g + 8 (swapped: of head columns 2t and 2t + 1)
+// is multiplied by to be q.k, and the softmax's scale of those (the cap, if any, has applied
+// the factor already); they stay 1 and p.scale_log2 over 16-bit pages.
+template <class M>
+__device__ __forceinline__ void decode_fp8_score_scales(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                        const float* q_unit, float k_scale, float (&score_factor)[2],
+                                                        float (&row_scale_log2)[2]) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int head = kSwapAB ? 2 * (lane & 3) + r : (lane >> 2) + 8 * r;
-            score_factor[r] = k_scale * (std::is_same_v<T, __half> ? 1.f : q_unit[head]);
-            if constexpr (!kSoftCap) row_scale_log2[r] = p.scale_log2 * score_factor[r];
+    for (int r = 0; r < 2; ++r) {
+        const int head = M::kSwapAB ? 2 * (k.lane & 3) + r : (k.lane >> 2) + 8 * r;
+        score_factor[r] = k_scale * (std::is_same_v<typename M::T, __half> ? 1.f : q_unit[head]);
+        if constexpr (!M::kSoftCap) row_scale_log2[r] = p.scale_log2 * score_factor[r];
+    }
+}
+
+// Score and mask of tile i in the swapped form (decode_swap_ab.cuh): S^T of the warp's 16 keys,
+// soft-capped in the kSoftCap instantiation, keys outside [first_key, kv_len) or masked out -inf.
+template <class M>
+__device__ __forceinline__ void decode_swap_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                   const DecodeQRegs<M>& q, const float (&score_factor)[2],
+                                                   const uint8_t* mask, float (&s)[1][4], int i, int stage) {
+    using C = typename M::C;
+    const int warp = k.warp, lane = k.lane;
+    swap_scores<M::D, typename M::KvFmt>(s[0], k.smem + stage * C::kTileBytes, warp, lane,
+                                         [&](int ks, uint32_t (&b)[2]) {
+                                             if constexpr (C::kQInRegs) {
+                                                 b[0] = q.qb[ks][0];
+                                                 b[1] = q.qb[ks][1];
+                                             } else {
+                                                 swap_q_fragment<M::D>(b, k.smem + C::kQSmemOffset, ks, lane);
+                                             }
+                                         });
+    if constexpr (M::kSoftCap) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][e] *= score_factor[e & 1];
+        soft_cap_tile(s, p);
+    }
+    const int key0 = (k.t_begin + i) * C::kBN + warp * 16;
+    if (mask || key0 < k.first_key || key0 + 16 > k.kv_len) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + (lane >> 2) + 8 * (e >> 1);
+            bool keep = key < k.kv_len && key >= k.first_key;
+            if (keep && mask) keep = mask[int64_t(key) * p.mask_stride_k] != 0;
+            if (!keep) s[0][e] = -INFINITY;
         }
     }
-    constexpr int kOTiles = kSwapAB ? D / 16 : D / 8;  // O's n-tiles (swapped: O^T's m-tiles)
-    float o[kOTiles][4];
-#pragma unroll
-    for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    std::conditional_t<kSwapAB, HeadState, RowState> st;
+}
 
-    for (int i = 0; i < my_tiles; ++i) {
-        cp_async_wait<C::kStages - 2>();
-        __syncthreads();
-        const int next = i + C::kStages - 1;
-        if (next < my_tiles) {
-            load_kv(t_begin + next, next % C::kStages);
-            advance(next + 1);
-        }
-        cp_async_commit();
+// The scores of a warp's 16 rows of one 16-bit K tile (ldmatrix B fragments); q_frag(ks, qa)
+// gives Q's A fragment of k-step ks.
+template <typename T, int D, class QFrag>
+__device__ __forceinline__ void b16_scores(float (&s)[2][4], uint32_t k_tile, int warp, int lane, QFrag&& q_frag,
+                                           uint32_t (&qa)[4], uint32_t (&kb)[4]) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        q_frag(ks, qa);
+        ldmatrix_x4(kb, k_tile + SwizzledTile<D>::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
+                                                         2 * ks + ((lane >> 3) & 1)));
+        mma_sync<T>(s[0], qa, {kb[0], kb[1]});
+        mma_sync<T>(s[1], qa, {kb[2], kb[3]});
+    }
+}
 
-        const int stage = i % C::kStages;
-        if constexpr (kSwapAB) {
-            float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-            swap_scores<D, KvFmt>(s[0], smem + stage * C::kTileBytes, warp, lane, [&](int ks, uint32_t (&b)[2]) {
-                if constexpr (C::kQInRegs) {
-                    b[0] = qb[ks][0];
-                    b[1] = qb[ks][1];
-                } else {
-                    swap_q_fragment<D>(b, smem + C::kQSmemOffset, ks, lane);
-                }
-            });
-            if constexpr (kSoftCap) {
+// Score: S = Q K^T of the warp's 16 keys of ring stage `stage` (16-bit K at k_st, or fp8),
+// soft-capped in the kSoftCap instantiation. qa, kb: the 16-bit loop's fragments, declared
+// by the caller (the kernel body): declared here, they changed the kernel's SASS.
+template <class M>
+__device__ __forceinline__ void decode_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                              const DecodeQRegs<M>& q, const float (&score_factor)[2],
+                                              float (&s)[2][4], int stage, uint32_t k_st, uint32_t (&qa)[4],
+                                              uint32_t (&kb)[4]) {
+    using C = typename M::C;
+    // Q's A fragment of k-step ks: from registers, or re-read from shared memory (d256)
+    auto q_frag = [&](int ks, uint32_t (&a)[4]) {
+        if constexpr (C::kQInRegs) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[0][e] *= score_factor[e & 1];
-                soft_cap_tile(s, p);
-            }
-            const int key0 = (t_begin + i) * C::kBN + warp * 16;
-            if (mask || key0 < first_key || key0 + 16 > kv_len) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + (lane >> 2) + 8 * (e >> 1);
-                    bool keep = key < kv_len && key >= first_key;
-                    if (keep && mask) keep = mask[int64_t(key) * p.mask_stride_k] != 0;
-                    if (!keep) s[0][e] = -INFINITY;
-                }
-            }
-            float alpha[2];
-            const bool rescale = swap_softmax_lazy(st, s[0], row_scale_log2, alpha);
-            swap_output<D, KvFmt>(o, s[0], alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
+            for (int x = 0; x < 4; ++x) a[x] = q.qf[ks][x];
         } else {
-            const uint32_t k_st = sK + stage * C::kTileBytes;
-            const uint32_t v_st = sV + stage * C::kTileBytes;
-            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            // Q's A fragment of k-step ks: from registers, or re-read from shared memory (d256)
-            auto q_frag = [&](int ks, uint32_t (&qa)[4]) {
-                if constexpr (C::kQInRegs) {
-    #pragma unroll
-                    for (int x = 0; x < 4; ++x) qa[x] = qf[ks][x];
-                } else {
-                    load_q(ks, qa);
-                }
-            };
-            if constexpr (kFp8) {
-                fp8_scores<D, KvFmt>(s, smem + stage * C::kTileBytes, warp, lane, q_frag);
-                if constexpr (kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
-    #pragma unroll
-                    for (int j = 0; j < 2; ++j)
-    #pragma unroll
-                        for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e / 2];
-                }
-            } else {
-    #pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks) {
-                    uint32_t qa[4];
-                    q_frag(ks, qa);
-                    uint32_t kb[4];
-                    ldmatrix_x4(kb, k_st + Tile::offset(warp * 16 + ((lane >> 4) << 3) + (lane & 7),
-                                                        2 * ks + ((lane >> 3) & 1)));
-                    mma_sync<T>(s[0], qa, {kb[0], kb[1]});
-                    mma_sync<T>(s[1], qa, {kb[2], kb[3]});
-                }
-            }
-            if constexpr (kSoftCap) soft_cap_tile(s, p);
-            const int col0 = (t_begin + i) * C::kBN + warp * 16;
-            // the warp's 16 keys need masking only at the ends of the window and the context (or with a
-            // mask); the 16-bit d256 body spilled with the test, so it always masks
-            if (!kFp8 || mask || col0 < first_key || col0 + 16 > kv_len) {
-    #pragma unroll
-                for (int j = 0; j < 2; ++j)
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                        bool keep = col < kv_len && col >= window_first_key(p, kv_len - 1);  // recomputed: d256's registers
-                        if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
-                        if (!keep) s[j][e] = -INFINITY;
-                    }
-            }
-            float alpha[2];
-            // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
-            // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
-            bool rescale = true;
-            if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, row_scale_log2, alpha);
-            else online_softmax<2>(st, s, p.scale_log2, alpha);
-            if constexpr (kFp8) {
-                fp8_output<D, KvFmt>(o, s, alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, warp, lane);
-            } else {
-                b16_output<T, D>(o, s, alpha, rescale, v_st, warp, lane);
-            }
+            decode_q_fragment<M>(k, ks, a);
         }
-    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The next kernel (the combine, or the stream's next PDL launch) may be scheduled now;
-    // it waits in griddepcontrol.wait until this grid has completed.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    if constexpr (KV::kPaged && !kFp8) {
-        // The in-kernel append's one writer: the new row is row r of the last tile, whose
-        // stage the loop's last barrier made visible and which no later copy overwrote.
-        const bool writer = new_pos >= 0 && hgrp == 0 && my_tiles > 0 && t_end == n_tiles;
-        if (writer && tid < 2 * C::kChunks) {
-            const int c = tid % C::kChunks;
-            const bool is_v = tid >= C::kChunks;
-            const int r = new_pos - (n_tiles - 1) * C::kBN;
-            const int stage = (my_tiles - 1) % C::kStages;
-            const uint4 row = *reinterpret_cast<const uint4*>(
-                smem + (is_v ? C::kStages : 0) * C::kTileBytes + stage * C::kTileBytes + Tile::offset(r, c));
-            int64_t ko, vo;
-            KV::offsets(p, req, KV::fetch(p, req, new_pos), new_pos, kvh, ko, vo);
-            T* dst = const_cast<T*>(is_v ? vg + vo : kg + ko) + c * 8;  // the caller's mutable cache
-            *reinterpret_cast<uint4*>(dst) = row;
+    };
+    if constexpr (M::kFp8) {
+        fp8_scores<M::D, typename M::KvFmt>(s, k.smem + stage * C::kTileBytes, k.warp, k.lane, q_frag);
+        if constexpr (M::kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e / 2];
         }
+    } else {
+        b16_scores<typename M::T, M::D>(s, k_st, k.warp, k.lane, q_frag, qa, kb);
     }
-    cp_async_wait<0>();
-    __syncthreads();  // the ring is reused for the warp merge below
+    if constexpr (M::kSoftCap) soft_cap_tile(s, p);
+}
 
-    // Merge the warps: sO[w][row][d] (unnormalized), sM / sL [w][row]; a row is a query head.
-    constexpr int kRows = kSwapAB ? kSwapHeads : C::kHeads;
-    float* sO = reinterpret_cast<float*>(smem);
+// The scores of keys outside [first_key, kv_len) or masked out, -inf.
+template <class M>
+__device__ __forceinline__ void decode_mask_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                   const uint8_t* mask, float (&s)[2][4], int i) {
+    const int lane = k.lane;
+    const int col0 = (k.t_begin + i) * M::C::kBN + k.warp * 16;
+    // the warp's 16 keys need masking only at the ends of the window and the context (or with a
+    // mask); the 16-bit d256 body spilled with the test, so it always masks
+    if (!M::kFp8 || mask || col0 < k.first_key || col0 + 16 > k.kv_len) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
+                bool keep = col < k.kv_len && col >= window_first_key(p, k.kv_len - 1);  // recomputed: d256's registers
+                if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
+                if (!keep) s[j][e] = -INFINITY;
+            }
+    }
+}
+
+// Accumulate: O += P V of the tile (16-bit V at v_st, or fp8), after O's rescale by alpha
+// where `rescale`.
+template <class M>
+__device__ __forceinline__ void decode_pv(const DecodeMmaBlock<M>& k, const float (&s)[2][4], const float (&alpha)[2],
+                                          bool rescale, float (&o)[M::kOTiles][4], int stage, uint32_t v_st) {
+    using C = typename M::C;
+    if constexpr (M::kFp8) {
+        fp8_output<M::D, typename M::KvFmt>(o, s, alpha, rescale, k.smem + (C::kStages + stage) * C::kTileBytes,
+                                            k.warp, k.lane);
+    } else {
+        b16_output<typename M::T, M::D>(o, s, alpha, rescale, v_st, k.warp, k.lane);
+    }
+}
+
+// The in-kernel append's one writer: the new row is row r of the last tile, whose stage the
+// loop's last barrier made visible and which no later copy overwrote.
+template <class M>
+__device__ __forceinline__ void decode_append_new_row(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                      const DecodeKvLoader<M>& ld) {
+    using C = typename M::C;
+    using KV = typename M::KV;
+    const bool writer = k.new_pos >= 0 && k.hgrp == 0 && k.my_tiles > 0 && k.t_end == k.n_tiles;
+    if (writer && k.tid < 2 * C::kChunks) {
+        const int c = k.tid % C::kChunks;
+        const bool is_v = k.tid >= C::kChunks;
+        const int r = k.new_pos - (k.n_tiles - 1) * C::kBN;
+        const int stage = (k.my_tiles - 1) % C::kStages;
+        const uint4 row = *reinterpret_cast<const uint4*>(
+            k.smem + (is_v ? C::kStages : 0) * C::kTileBytes + stage * C::kTileBytes + M::Tile::offset(r, c));
+        int64_t ko, vo;
+        KV::offsets(p, k.req, KV::fetch(p, k.req, k.new_pos), k.new_pos, k.kvh, ko, vo);
+        using T = typename M::T;
+        T* dst = const_cast<T*>(is_v ? ld.vg + vo : ld.kg + ko) + c * 8;  // the caller's mutable cache
+        *reinterpret_cast<uint4*>(dst) = row;
+    }
+}
+
+// Epilogue, first half: each warp's unnormalized O and its rows' m and l into the reused ring,
+// sO[w][row][d], sM / sL [w][row]; a row is a query head.
+template <class M>
+__device__ __forceinline__ void decode_stash_warp(const DecodeMmaBlock<M>& k, const float (&o)[M::kOTiles][4],
+                                                  const typename M::State& st) {
+    using C = typename M::C;
+    constexpr int D = M::D, kRows = M::kRows;
+    const int warp = k.warp, lane = k.lane;
+    float* sO = reinterpret_cast<float*>(k.smem);
     float* sM = sO + C::kWarps * kRows * D;
     float* sL = sM + C::kWarps * kRows;
-    if constexpr (kSwapAB) {
+    if constexpr (M::kSwapAB) {
         // O^T's row g of m-tile mt is head-dim element g * D/8 + 2 mt, row g + 8 the next one
         const int h = 2 * (lane & 3), d0 = (lane >> 2) * (D / 8);
 #pragma unroll
@@ -605,7 +665,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
         }
     }
 #pragma unroll
-    for (int r = 0; r < 2 && !kSwapAB; ++r) {
+    for (int r = 0; r < 2 && !M::kSwapAB; ++r) {
         const float l = warp_reduce_sum<4>(st.l[r]);
         const int row = (lane >> 2) + 8 * r;
         if ((lane & 3) == 0) {
@@ -618,15 +678,26 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
         for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
     }
-    __syncthreads();
+}
 
-    const int bh0 = b * p.q_heads + head0;
+// Epilogue, second half: the warps' rows merged, normalized and written: the output with one
+// split, else the split's partial and its log2-sum-exp.
+template <class M>
+__device__ __forceinline__ void decode_write_rows(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                  float v_scale) {
+    using C = typename M::C;
+    using T = typename M::T;
+    constexpr int D = M::D, kRows = M::kRows;
+    const float* sO = reinterpret_cast<const float*>(k.smem);
+    const float* sM = sO + C::kWarps * kRows * D;
+    const float* sL = sM + C::kWarps * kRows;
+    const int bh0 = k.b * p.q_heads + k.head0;
     // fp8 pages: O's factor, and the head-dim element of the accumulator at sO column c
     float o_factor = 1.f;
-    if constexpr (kFp8) o_factor = v_scale;  // V's float16 values are exact (kv_fp8.cuh)
-    for (int idx = tid; idx < nh * D; idx += C::kThreads) {
+    if constexpr (M::kFp8) o_factor = v_scale;  // V's float16 values are exact (kv_fp8.cuh)
+    for (int idx = k.tid; idx < k.nh * D; idx += C::kThreads) {
         const int row = idx / D, c = idx % D;
-        const int d = kFp8 && !kSwapAB ? (c % 8) * (D / 8) + c / 8 : c;
+        const int d = M::kFp8 && !M::kSwapAB ? (c % 8) * (D / 8) + c / 8 : c;
         float m = -INFINITY;
 #pragma unroll
         for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sM[w * kRows + row]);
@@ -639,37 +710,148 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
             l += f * sL[w * kRows + row];
         }
         // one split: the sink joins the denominator here; several: in the merge of the splits
-        const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, head0 + row))
-                          : l > 0.f                            ? 1.f / l
-                                                               : 0.f;
+        const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, k.head0 + row))
+                          : l > 0.f                              ? 1.f / l
+                                                                 : 0.f;
         const float out = acc * inv * o_factor;
         if (p.num_splits == 1) {
-            T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(head0 + row) * p.o_stride_h;
+            T* dst = static_cast<T*>(p.o) + int64_t(k.b) * p.o_stride_b + int64_t(k.head0 + row) * p.o_stride_h;
             dst[d] = Elem<T>::from_float(out);
         } else {
-            const int64_t bh = int64_t(split) * p.batch * p.q_heads + bh0 + row;
+            const int64_t bh = int64_t(k.split) * p.batch * p.q_heads + bh0 + row;
             p.ws_o[bh * D + d] = out;
             if (d == 0) p.ws_lse[bh] = l > 0.f ? m + __log2f(l) : -INFINITY;
         }
     }
-    if (p.num_splits == 1 || p.ws_count == nullptr) return;
+}
 
-    // Arrival: the barrier orders every thread's partial stores before thread 0's fence
-    // (cumulative), so the unit's last arrival sees all num_splits partials.
-    __shared__ int s_last;
+// Arrival of a split (p.ws_count set): the barrier orders every thread's partial stores before
+// thread 0's fence (cumulative), so the unit's last arrival sees all num_splits partials.
+// True in the block that arrived last, which then merges them.
+template <class M>
+__device__ __forceinline__ bool decode_arrive_last(const AttentionParams& p, const DecodeMmaBlock<M>& k, int& s_last) {
     __syncthreads();
-    if (tid == 0) {
+    if (k.tid == 0) {
         asm volatile("fence.acq_rel.gpu;" ::: "memory");  // release the block's partials
-        const bool last = atomicAdd(p.ws_count + unit, 1) == p.num_splits - 1;
+        const bool last = atomicAdd(p.ws_count + k.unit, 1) == p.num_splits - 1;
         if (last) {
-            p.ws_count[unit] = 0;  // every split has arrived: ready for the next launch
+            p.ws_count[k.unit] = 0;  // every split has arrived: ready for the next launch
             asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire the other partials
         }
         s_last = last;
     }
     __syncthreads();
-    if (!s_last) return;
-    decode_merge_splits<T, D, C::kThreads>(p, smem, C::kSmemBytes, b, head0, nh);
+    return s_last;
+}
+
+// kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
+// unlike the other variants: the transform's registers spilled the d256 body at its 255.
+// KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
+// bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
+// in-kernel append: the caller quantizes the step's token into the cache first).
+// kSwapAB: over fp8 pages, for a GQA group of at most kSwapHeads heads, the swapped operands
+// of decode_swap_ab.cuh (heads as the mma's n8 dimension); the loads and the split are the same.
+// The body runs the stages above: the block's tiles; Q and the first K/V tiles in flight; per
+// tile load, score, mask, softmax and accumulate; then the epilogue (the append's row, the
+// warps' merge, the split's arrival).
+template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16, bool kSwapAB = false>
+__global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
+    decode_mma_kernel(const AttentionParams p) {
+#if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+    using M = DecodeMma<T, D, KV, kSoftCap, KvFmt, kSwapAB>;
+    using C = typename M::C;
+    constexpr bool kFp8 = M::kFp8;
+    static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
+    extern __shared__ __align__(128) uint8_t smem[];
+    // The block: its unit, its tiles.
+    DecodeMmaBlock<M> k;
+    k.smem = smem;
+    k.sK = smem_u32(smem);
+    k.sV = k.sK + C::kStages * C::kTileBytes;
+    k.sQ = k.sK + C::kQSmemOffset;
+
+    k.tid = threadIdx.x, k.warp = k.tid / 32, k.lane = k.tid % 32;
+    const DecodeUnit u = decode_unit<C::kHeads>(p);
+    k.unit = u.unit, k.split = u.split, k.hgrp = u.hgrp, k.kvh = u.kvh, k.b = u.b, k.head0 = u.head0, k.nh = u.nh;
+    if constexpr (!M::kPdlEarlyWait) decode_pdl_wait();
+
+    k.kv_len = KV::kv_len(p, k.b);
+    // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
+    k.req = KV::request(p, k.b);
+    k.n_tiles = (k.kv_len + C::kBN - 1) / C::kBN;
+    // The window's first key: the splits share the tiles from its tile on (none skipped without one).
+    k.first_key = window_first_key(p, k.kv_len - 1);
+    const int t_lo = k.first_key / C::kBN;
+    const int per_split = (k.n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
+    k.t_begin = min(k.n_tiles, t_lo + k.split * per_split);
+    k.t_end = min(k.n_tiles, k.t_begin + per_split);
+    k.my_tiles = k.t_end - k.t_begin;
+    k.new_pos = KV::kPaged && !M::kFp8 && p.k_new != nullptr ? k.kv_len - 1 : -1;
+
+    // Load: Q, the first K/V tiles in flight.
+    if constexpr (!M::kPdlEarlyWait) decode_copy_q<M>(p, k);
+    typename DecodeKvLoader<M>::Ids hnd;
+    typename DecodeKvLoader<M>::IdsAhead hnd_ahead;
+    const DecodeKvLoader<M> ld(p, k, hnd, hnd_ahead);
+    ld.start(p, k);
+
+    // Q's fragments and the scores' scales.
+    __shared__ float q_unit[C::kHeads];
+    DecodeQRegs<M> q;
+    decode_load_q<M>(k, q_unit, q);
+    const uint8_t* mask = p.mask ? p.mask + int64_t(k.b) * p.mask_stride_b : nullptr;
+    // fp8 pages: the layer's K / V scales of this kv head (per tensor: stride 0)
+    const float k_scale = kFp8 ? __ldg(p.k_scale + k.kvh * p.kv_scale_stride) : 1.f;
+    const float v_scale = kFp8 ? __ldg(p.v_scale + k.kvh * p.kv_scale_stride) : 1.f;
+    float score_factor[2] = {1.f, 1.f}, row_scale_log2[2] = {p.scale_log2, p.scale_log2};
+    if constexpr (kFp8) decode_fp8_score_scales<M>(p, k, q_unit, k_scale, score_factor, row_scale_log2);
+    float o[M::kOTiles][4];
+#pragma unroll
+    for (int j = 0; j < M::kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    typename M::State st;
+
+    for (int i = 0; i < k.my_tiles; ++i) {
+        ld.next(p, k, i);
+        const int stage = i % C::kStages;
+        if constexpr (kSwapAB) {
+            float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+            decode_swap_scores<M>(p, k, q, score_factor, mask, s, i, stage);
+            float alpha[2];
+            const bool rescale = swap_softmax_lazy(st, s[0], row_scale_log2, alpha);
+            swap_output<D, KvFmt>(o, s[0], alpha, rescale, smem + (C::kStages + stage) * C::kTileBytes, k.warp, k.lane);
+        } else {
+            const uint32_t k_st = k.sK + stage * C::kTileBytes;
+            const uint32_t v_st = k.sV + stage * C::kTileBytes;
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            uint32_t qa[4], kb[4];
+            decode_scores<M>(p, k, q, score_factor, s, stage, k_st, qa, kb);
+            decode_mask_scores<M>(p, k, mask, s, i);
+            float alpha[2];
+            // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
+            // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)
+            bool rescale = true;
+            if constexpr (kFp8) rescale = online_softmax_lazy<2>(st, s, row_scale_log2, alpha);
+            else online_softmax<2>(st, s, p.scale_log2, alpha);
+            decode_pv<M>(k, s, alpha, rescale, o, stage, v_st);
+        }
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The next kernel (the combine, or the stream's next PDL launch) may be scheduled now;
+    // it waits in griddepcontrol.wait until this grid has completed.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    if constexpr (KV::kPaged && !kFp8) decode_append_new_row<M>(p, k, ld);
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is reused for the warp merge below
+
+    decode_stash_warp<M>(k, o, st);
+    __syncthreads();
+    decode_write_rows<M>(p, k, v_scale);
+    if (p.num_splits == 1 || p.ws_count == nullptr) return;
+
+    __shared__ int s_last;
+    if (!decode_arrive_last<M>(p, k, s_last)) return;
+    decode_merge_splits<T, D, C::kThreads>(p, smem, C::kSmemBytes, k.b, k.head0, k.nh);
 #endif
 }
 

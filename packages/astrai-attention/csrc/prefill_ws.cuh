@@ -46,36 +46,15 @@ struct PanelTile {
     }
 };
 
-// Tuning knobs, fixed at build time; ci/gpu-tune-prefill builds and times the variants.
-// Measured on an H200 (GQA 32/8 bf16, TFLOP/s at 4x4096 / 1x16384 / 16x1024, causal):
-//   ping-pong           d64 +6-8 %, d128 -3..+5 %, d256 -3 %: on for d <= 128
-//   persistent grid     d128 453 / 519 / 297 against 470 / 560 / 274 one block per item
-//                       (a static round-robin of items; long sequences lose): off (with
-//                       the TMA producer 491 / 583 / 302 against 542 / 648 / 300: still off;
-//                       a snake order of the round-robin measured worse still)
-//   K/V by TMA          d128 542 / 648 / 300 against 463 / 503 / 276 by cp.async (whose
-//                       address arithmetic was a third of all issued instructions), paged
-//                       (page 16) 458 / 560 / 262 against 391 / 454 / 238: on
-//   3 stages at d128    (room made by one Q slot) 541 / 658 / 297: no gain, 2 kept
-//   TMA-only producer   (contiguous K/V, producer 40 / consumers 232 registers) 1-3 % slower
-//                       at every head dim than 104 / 200 (216 at d256): not kept
-//   (K/V tiles of 192 rows at d64 and 80 at d256 spilled, and serialized the wgmma at d64)
-//   Q by TMA + causal mask as a per-row limit (default since 2026-12-01): d128 602 / 602-635
-//                       / 386 against 538 / 654 / 293 (the mask alone: 577 / 608 / 345)
-//   persistent, dynamic (atomic counter, producer one item ahead, Q by TMA): 567 / 609 /
-//                       401 against 602 / 602 / 386: the per-item gap shrinks (2.5k -> 2.0k
-//                       cycles) but steady-state tiles run ~8 % slower (2.9k against 2.7k
-//                       cycles; cause not found): off
-//   O through the Q slot (16-byte global stores) d128 607 / 624 / 397, paged 513 / 548 / 346,
-//                       d256 16x1024 468 against 589-602 / 602-635 / 377-386, 510-515 /
-//                       555-575 / 325-333 and 427-437 with 4-byte stores: kept
-//   O by TMA store      16x1024 causal / full d128 419 / 565 against 397 / 545 with the chunk
-//                       loop alone (d64 266 / 366 vs 257 / 357, d256 494 / 602 vs 470 / 581): on
-//   persistent, warp-uniform item (tiles back to 2.7-2.8k cycles) 599 / 613 / 432 against
-//                       612 / 666 / 419 with the TMA store: still off
+// Tuning knobs, fixed at build time; ci/gpu-tune-prefill builds and times the variants. The
+// measurements behind each default, and the variants tried and dropped: docs/kernels/attention.md,
+// "Hopper prefill: what was tried".
+// 1: the consumer warpgroups take turns issuing their GEMMs (d <= 128 only: PrefillWsConfig)
 #ifndef ASTRAI_PREFILL_PINGPONG
 #define ASTRAI_PREFILL_PINGPONG 1
 #endif
+// 1: Q, K/V and O by TMA where their tensor maps encode (launch_prefill_ws_tiles); 0: no maps
+// (cp.async copies, chunk stores)
 #ifndef ASTRAI_PREFILL_TMA
 #define ASTRAI_PREFILL_TMA 1
 #endif
@@ -91,13 +70,12 @@ struct PanelTile {
 // 1: multi-head attention (one query head per K/V head, HB = 1) runs this kernel too, a block
 // taking 128 rows of its head (two host Q tiles; tiles_per_block); 0: the mma.sync kernel.
 // Groups that leave head slots empty (3, 5, 6, 7) take such blocks too (launch_prefill_ws).
-// Measured 1.9-2.4x the mma.sync kernel at 32 / 32 heads d128.
 #ifndef ASTRAI_PREFILL_WS_MHA
 #define ASTRAI_PREFILL_WS_MHA 1
 #endif
 // 1: a row's softmax base moves only when a tile's max exceeds it by more than 2^8
 // (online_softmax_lazy), and tiles where no row of a warp moved skip O's rescale; 0: every
-// tile rescales. Off until measured (predicted: d256 +2-4 %, d128 +1-2 %).
+// tile rescales. Off until measured.
 #ifndef ASTRAI_PREFILL_LAZY_RESCALE
 #define ASTRAI_PREFILL_LAZY_RESCALE 0
 #endif
@@ -110,8 +88,7 @@ struct PanelTile {
 #endif
 // k > 0: the exponents of every k-th 8-column n-tile of S run on the FMA pipe (exp2_fma), the
 // rest on the special-function unit, whose 16 results per clock per SM take as long as the
-// tensor cores' work per tile at d64; 0: all on the special-function unit. Off until measured
-// (predicted at d64 with k = 4 or 8: +5-15 %; at d128 / d256, where ex2 is not the limit, none).
+// tensor cores' work per tile at d64; 0: all on the special-function unit. Off until measured.
 #ifndef ASTRAI_PREFILL_EXP2_EMULATE
 #define ASTRAI_PREFILL_EXP2_EMULATE 0
 #endif
@@ -119,8 +96,7 @@ struct PanelTile {
 // whose tanh takes the special-function unit too: ex2 + tanh then need twice the tensor cores'
 // cycles per tile at d64, as many at d128 and half at d256. Not at d128, whose consumers spill
 // with a second softmax's registers (160 bytes of spills even with 208 registers). 0: capped tiles as the
-// others (ASTRAI_PREFILL_EXP2_EMULATE). Off until an A/B decides (predicted with k = 3: the
-// soft-cap's cost at d64 down by ~10 % of the plain kernel's time, at d256 about none).
+// others (ASTRAI_PREFILL_EXP2_EMULATE). Off until an A/B decides.
 #ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
 #define ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE 0
 #endif
@@ -481,6 +457,96 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
     }
 }
 
+// The consumer's stages over one work item's K/V tiles (prefill_ws_consume): stage(t) and
+// parity(t) give tile t's ring slot and the parity of its use, my_turn / your_turn the
+// ping-pong between the warpgroups, softmax_tile(t, alpha) masks S_t and runs the online
+// softmax (true: O needs the rescale by alpha).
+
+// Tile 0: S_0 alone, its softmax, P_0 packed.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn, class Softmax>
+__device__ __forceinline__ void consume_first_tile(const PrefillWsSmem<C>& sm, uint32_t q_wg, Stage&& stage,
+                                                   Parity&& parity, MyTurn&& my_turn, YourTurn&& your_turn,
+                                                   Softmax&& softmax_tile, float (&s)[C::kBN / 8][4],
+                                                   uint32_t (&pa)[C::kBN / 16][4], float (&alpha)[2], int item) {
+    using namespace sm90;
+    mbar_wait(sm.full_k(stage(0)), parity(0));
+    PREFILL_TRACE(item, 3, clock64());
+    fence_proxy_async();
+    my_turn();
+    wgmma_fence();
+    issue_qk<T, C>(s, q_wg, sm.k_stage(stage(0)));
+    wgmma_commit();
+    your_turn();
+    wgmma_wait<0>();
+    fence_accumulators(s);
+    mbar_arrive(sm.empty_k(stage(0)));
+    softmax_tile(0, alpha);
+    pack_probs<T>(s, pa);
+    PREFILL_TRACE(item, 4, clock64());
+}
+
+// Tile t >= 1: S_t = Q K_t^T and O += P_{t-1} V_{t-1} issued together, the softmax of S_t
+// while P V runs, then O's rescale and P_t packed.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn, class Softmax>
+__device__ __forceinline__ void consume_tile(const PrefillWsSmem<C>& sm, uint32_t q_wg, int t, Stage&& stage,
+                                             Parity&& parity, MyTurn&& my_turn, YourTurn&& your_turn,
+                                             Softmax&& softmax_tile, float (&s)[C::kBN / 8][4],
+                                             float (&o)[C::D / 8][4], uint32_t (&pa)[C::kBN / 16][4],
+                                             float (&alpha)[2]) {
+    using namespace sm90;
+    const int sk = stage(t), sv = stage(t - 1);
+    // Both waits before the issue: a branch between the two GEMMs' issue makes
+    // ptxas insert a warpgroup.arrive ahead of P V. V_{t-1} has had a whole tile.
+    mbar_wait(sm.full_k(sk), parity(t));
+    mbar_wait(sm.full_v(sv), parity(t - 1));
+    fence_proxy_async();
+    my_turn();
+    fence_accumulators(o);
+    fence_fragments(pa);
+    wgmma_fence();
+    issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
+    wgmma_commit();
+    issue_pv<T, C>(o, pa, sm.v_stage(sv));
+    wgmma_commit();
+    your_turn();
+    wgmma_wait<1>();  // S_t is ready; P V still runs
+    fence_accumulators(s);
+    mbar_arrive(sm.empty_k(sk));
+    const bool rescale = softmax_tile(t, alpha);
+    wgmma_wait<0>();
+    fence_accumulators(o);
+    mbar_arrive(sm.empty_v(sv));
+    if (rescale) rescale_rows(o, alpha);
+    pack_probs<T>(s, pa);
+}
+
+// The last P V (tile n - 1), its stale V rows zeroed first where whole page boxes staged it.
+template <typename T, class C, class Stage, class Parity, class MyTurn, class YourTurn>
+__device__ __forceinline__ void consume_last_pv(const PrefillWsSmem<C>& sm, const PrefillSpan& sp, int n, int wg,
+                                                bool stale_tail, Stage&& stage, Parity&& parity, MyTurn&& my_turn,
+                                                YourTurn&& your_turn, float (&o)[C::D / 8][4],
+                                                uint32_t (&pa)[C::kBN / 16][4], int item) {
+    using namespace sm90;
+    const int sv = stage(n - 1);
+    mbar_wait(sm.full_v(sv), parity(n - 1));
+    fence_proxy_async();
+    const int last0 = (sp.t_begin + n - 1) * C::kBN;  // the last tile's first position
+    if (stale_tail && last0 + C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - last0, wg);
+    my_turn();
+    fence_accumulators(o);
+    fence_fragments(pa);
+    wgmma_fence();
+    issue_pv<T, C>(o, pa, sm.v_stage(sv));
+    wgmma_commit();
+    if (wg == 0) your_turn();  // warpgroup 1's last turn is never awaited
+    wgmma_wait<0>();
+    fence_accumulators(o);
+    mbar_arrive(sm.empty_v(sv));
+    PREFILL_TRACE(item, 5, clock64());
+}
+
+// Warpgroups 1 and 2 over one work item: Q's wait, the K/V tiles (consume_first_tile,
+// consume_tile, consume_last_pv), then O's store and Q's slot released.
 template <typename T, class C, class QSched, class KV>
 __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, const PrefillTensorMaps& maps,
                                                    const QWork& qw, const PrefillSpan& sp,
@@ -546,66 +612,11 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
         // Ring position of tile t of this item: stage, and the parity of its use.
         auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };
         auto parity = [&](int t) { return uint32_t((pos.tiles + t) / C::kStages) & 1; };
-        // Tile 0: S_0 alone.
-        mbar_wait(sm.full_k(stage(0)), parity(0));
-        PREFILL_TRACE(item, 3, clock64());
-        fence_proxy_async();
-        my_turn();
-        wgmma_fence();
-        issue_qk<T, C>(s, q_wg, sm.k_stage(stage(0)));
-        wgmma_commit();
-        your_turn();
-        wgmma_wait<0>();
-        fence_accumulators(s);
-        mbar_arrive(sm.empty_k(stage(0)));
         float alpha[2];
-        softmax_tile(0, alpha);
-        pack_probs<T>(s, pa);
-        PREFILL_TRACE(item, 4, clock64());
-
-        for (int t = 1; t < n; ++t) {
-            const int sk = stage(t), sv = stage(t - 1);
-            // Both waits before the issue: a branch between the two GEMMs' issue makes
-            // ptxas insert a warpgroup.arrive ahead of P V. V_{t-1} has had a whole tile.
-            mbar_wait(sm.full_k(sk), parity(t));
-            mbar_wait(sm.full_v(sv), parity(t - 1));
-            fence_proxy_async();
-            my_turn();
-            fence_accumulators(o);
-            fence_fragments(pa);
-            wgmma_fence();
-            issue_qk<T, C>(s, q_wg, sm.k_stage(sk));
-            wgmma_commit();
-            issue_pv<T, C>(o, pa, sm.v_stage(sv));
-            wgmma_commit();
-            your_turn();
-            wgmma_wait<1>();  // S_t is ready; P V still runs
-            fence_accumulators(s);
-            mbar_arrive(sm.empty_k(sk));
-            const bool rescale = softmax_tile(t, alpha);
-            wgmma_wait<0>();
-            fence_accumulators(o);
-            mbar_arrive(sm.empty_v(sv));
-            if (rescale) rescale_rows(o, alpha);
-            pack_probs<T>(s, pa);
-        }
-        // The last P V.
-        const int sv = stage(n - 1);
-        mbar_wait(sm.full_v(sv), parity(n - 1));
-        fence_proxy_async();
-        const int last0 = (sp.t_begin + n - 1) * C::kBN;  // the last tile's first position
-        if (stale_tail && last0 + C::kBN > sp.kv_len) zero_stale_v<C>(sm.v_stage(sv), sp.kv_len - last0, wg);
-        my_turn();
-        fence_accumulators(o);
-        fence_fragments(pa);
-        wgmma_fence();
-        issue_pv<T, C>(o, pa, sm.v_stage(sv));
-        wgmma_commit();
-        if (wg == 0) your_turn();  // warpgroup 1's last turn is never awaited
-        wgmma_wait<0>();
-        fence_accumulators(o);
-        mbar_arrive(sm.empty_v(sv));
-        PREFILL_TRACE(item, 5, clock64());
+        consume_first_tile<T, C>(sm, q_wg, stage, parity, my_turn, your_turn, softmax_tile, s, pa, alpha, item);
+        for (int t = 1; t < n; ++t)
+            consume_tile<T, C>(sm, q_wg, t, stage, parity, my_turn, your_turn, softmax_tile, s, o, pa, alpha);
+        consume_last_pv<T, C>(sm, sp, n, wg, stale_tail, stage, parity, my_turn, your_turn, o, pa, item);
         pos.tiles += n;
     }
     // O leaves through the Q slot where every row start is 16-byte aligned.
