@@ -475,9 +475,7 @@ def test_standalone_tests_compile():
 # swapped fp8 decode, instantiated by pending_decode_knobs.cu; the decode's early PDL wait): they
 # must keep compiling to sm_90a code without spills or serialized wgmma until they are measured.
 PENDING_KNOBS = ("-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
-                 "-DASTRAI_PREFILL_EXP2_EMULATE=4", "-DASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE=3",
-                 "-DASTRAI_DECODE_FP8_SWAP_STAGES=3",
-                 "-DASTRAI_DECODE_PDL_EARLY_WAIT=1")
+                 "-DASTRAI_PREFILL_EXP2_EMULATE=4", "-DASTRAI_DECODE_PDL_EARLY_WAIT=1")
 PENDING_UNITS = (*STANDALONE, "pending_decode_knobs.cu")
 
 

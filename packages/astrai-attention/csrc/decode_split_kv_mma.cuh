@@ -54,8 +54,7 @@
 namespace astrai::attn {
 
 // KvBytes: bytes per K/V value in the pages (2: the compute dtype, 1: fp8, kv_fp8.cuh).
-// Stages: the K/V ring's depth, 0 for the default below (a knob of the swapped form).
-template <int D, int KvBytes = 2, int Stages = 0>
+template <int D, int KvBytes = 2>
 struct DecodeMmaConfig {
     static_assert(is_head_dim(D), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static_assert(KvBytes == 1 || KvBytes == 2, "K/V values are 16-bit or fp8");
@@ -63,7 +62,7 @@ struct DecodeMmaConfig {
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBN = 16 * kWarps;  // K/V rows per tile
     // fp8 tiles are half the bytes: one more stage keeps as many bytes in flight
-    static constexpr int kStages = Stages > 0 ? Stages : (D <= 128 ? 3 : 2) + (KvBytes == 1 ? 1 : 0);
+    static constexpr int kStages = (D <= 128 ? 3 : 2) + (KvBytes == 1 ? 1 : 0);
     static constexpr int kHeads = 16;  // query heads per block (mma rows)
     static constexpr bool kQInRegs = D <= 128;  // else Q fragments are re-read from smem
     static constexpr int kChunks = D * KvBytes / 16;  // 16-byte copies per K/V row
@@ -278,7 +277,7 @@ struct DecodeMma {
     static constexpr bool kSwapAB = kSwapAB_;
     static constexpr bool kFp8 = KvFmt::kBytes == 1;
     static constexpr bool kPdlEarlyWait = ASTRAI_DECODE_PDL_EARLY_WAIT != 0;
-    using C = DecodeMmaConfig<D, KvFmt::kBytes, kSwapAB ? kSwapStages : 0>;
+    using C = DecodeMmaConfig<D, KvFmt::kBytes>;
     using Tile = SwizzledTile<D>;
     using KvT = std::conditional_t<kFp8, uint8_t, T>;
     using State = std::conditional_t<kSwapAB, HeadState, RowState>;  // the online softmax's rows

@@ -21,14 +21,6 @@ namespace astrai::attn {
 
 constexpr int kSwapHeads = 8;  // query heads per block of the swapped form (mma n8)
 
-// The swapped form's K/V ring depth: 0 keeps the 16-row form's (4 stages at d128, 64 KB: 3
-// blocks an SM by shared memory, where its 126 registers would allow 4); 3 makes 48 KB rings.
-// A knob for the A/B, off with the form.
-#ifndef ASTRAI_DECODE_FP8_SWAP_STAGES
-#define ASTRAI_DECODE_FP8_SWAP_STAGES 0
-#endif
-constexpr int kSwapStages = ASTRAI_DECODE_FP8_SWAP_STAGES;
-
 // The transpose of the 8x8 16-bit matrix whose row g, columns 2t, 2t + 1 this thread holds.
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
     uint32_t y;

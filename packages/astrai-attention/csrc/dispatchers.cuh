@@ -113,9 +113,8 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     bool swapped = false;
     if constexpr (KvFmt::kBytes == 1 && ASTRAI_DECODE_FP8_SWAP_AB != 0) {
         swapped = p.group <= kSwapHeads;
-        constexpr int kSmem = DecodeMmaConfig<D, KvFmt::kBytes, kSwapStages>::kSmemBytes;
-        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1], kSmem);
-        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0], kSmem);
+        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1]);
+        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0]);
     }
     if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt>, done[0][1]);
     else if (!swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt>, done[0][0]);

@@ -92,17 +92,6 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_EXP2_EMULATE
 #define ASTRAI_PREFILL_EXP2_EMULATE 0
 #endif
-// k > 0: the same for the tiles of calls with a logit soft-cap (the variant instantiation),
-// whose tanh takes the special-function unit too: ex2 + tanh then need twice the tensor cores'
-// cycles per tile at d64, as many at d128 and half at d256. Not at d128, whose consumers spill
-// with a second softmax's registers (160 bytes of spills even with 208 registers). 0: capped tiles as the
-// others (ASTRAI_PREFILL_EXP2_EMULATE). Off until an A/B decides.
-#ifndef ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE
-#define ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE 0
-#endif
-template <int D>
-constexpr int kSoftCapExp2Emulate =
-    ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE == 0 || D == 128 ? ASTRAI_PREFILL_EXP2_EMULATE : ASTRAI_PREFILL_SOFTCAP_EXP2_EMULATE;
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -595,18 +584,13 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             return true;
         };
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE, kCapEmu = kSoftCapExp2Emulate<C::D>;
-            bool capped = false;
+            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
             if constexpr (C::kVariant) {
-                capped = has_soft_cap(p);
-                if (capped) soft_cap_tile(s, p);
+                if (has_soft_cap(p)) soft_cap_tile(s, p);
             }
             const int col0 = (sp.t_begin + t) * C::kBN;
             if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
                 mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
-            if constexpr (C::kVariant && kCapEmu != kEmu) {
-                if (capped) return softmax_rows(std::integral_constant<int, kCapEmu>{}, alpha);
-            }
             return softmax_rows(std::integral_constant<int, kEmu>{}, alpha);
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
