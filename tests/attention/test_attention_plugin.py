@@ -472,11 +472,11 @@ def test_standalone_tests_compile():
 
 
 # The build knobs written before a GPU could run them (the Hopper prefill's, prefill_ws.cuh; the
-# swapped fp8 decode, instantiated by pending_decode_knobs.cu; the decode's early PDL wait): they
+# decode's early PDL wait): they
 # must keep compiling to sm_90a code without spills or serialized wgmma until they are measured.
 PENDING_KNOBS = ("-DASTRAI_PREFILL_LAZY_RESCALE=1", "-DASTRAI_PREFILL_WIDE_TILES=1",
                  "-DASTRAI_PREFILL_EXP2_EMULATE=4", "-DASTRAI_DECODE_PDL_EARLY_WAIT=1")
-PENDING_UNITS = (*STANDALONE, "pending_decode_knobs.cu")
+PENDING_UNITS = STANDALONE
 
 
 def test_pending_prefill_knobs_compile_clean():

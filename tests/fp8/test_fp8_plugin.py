@@ -346,6 +346,42 @@ def test_cpp_weight_gemm_validation(compiled, case):
     _refused(compiled.weight_gemm, WG_OK, *WG_BAD[case])
 
 
+QR_OK = dict(x=_t((WM, WK), BF16), q=_t((WM, WK), E4M3, 65536), scale=_t((WM,), F32, 131072), stream=0)
+QR_BAD = {
+    "x dtype": (dict(x=_t((WM, WK), F32)), r"x: expected bfloat16 or float16, got float32"),
+    "x K": (dict(x=_t((WM, 36), BF16), q=_t((WM, 36), E4M3, 65536)), r"x: rows must start 16 bytes apart"),
+    "x K multiple": (dict(x=_t((WM, 36), BF16, strides=(40, 1)), q=_t((WM, 36), E4M3, 65536, strides=(48, 1))),
+                     r"x: K must be a multiple of 8, got 36"),
+    "x misaligned": (dict(x=_t((WM, WK), BF16, ptr=4104)), r"x: data pointer .* not 16-byte aligned"),
+    "q dtype": (dict(q=_t((WM, WK), E5M2, 65536)), r"q: expected dtype float8_e4m3fn"),
+    "q shape": (dict(q=_t((WM + 1, WK), E4M3, 65536)), r"q: expected shape \[M, K\] like x"),
+    "scale shape": (dict(scale=_t((WM, 1), F32, 131072)), r"scale: expected shape \[M\]"),
+    "scale dtype": (dict(scale=_t((WM,), BF16, 131072)), r"scale: expected dtype float32"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(QR_BAD))
+def test_cpp_quantize_rows_validation(compiled, case):
+    _refused(compiled.quantize_rows, QR_OK, *QR_BAD[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90a", "sm_120"])
+def test_quantize_rows_divides_like_torch_whatever_the_fast_math(so, arch):
+    """The per-token quantize must give torch's bytes: an IEEE division (a refined reciprocal
+    with its slow-path call, not a bare MUFU.RCP times x) and the saturating e4m3 conversion."""
+    tool = _cuobjdump()
+    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
+                          check=True).stdout
+    bodies = [body for name, _, body in (part.partition("\n") for part in re.split(r"\n\s*Function : ", text)[1:])
+              if "quantize_rows_kernel" in name]
+    assert len(bodies) == 2  # bfloat16, float16
+    for body in bodies:
+        assert "MUFU.RCP" in body and re.search(r"FFMA\.RM|FFMA\.RP|CALL", body)
+        assert re.search(r"F2FP\.SATFINITE\.E4M3", body), "the saturating e4m3 conversion"
+
+
 @pytest.mark.slow
 def test_the_weight_gemm_plan_splits_k_until_the_sms_have_two_blocks(compiled):
     assert compiled.weight_gemm_plan(28672, 4096, 132) == 2048  # 224 blocks of 128 channels: 2 splits fill 264
@@ -427,6 +463,8 @@ def test_valid_arguments_reach_cuda_only_after_validation(compiled):
         compiled.gemm(**GEMM_OK)
     with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
         compiled.quantize(**Q_OK)
+    with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
+        compiled.quantize_rows(**QR_OK)
     # [S, R, L] histories as the core stacks them, prev_scale being scale itself
     batched = dict(SU_OK, hist=(4096, (2, 3, HIST), (3 * HIST, HIST, 1), F32),
                    pending=(8192, (2, 3), (3, 1), F32), prev_scale=SU_OK["scale"], most_recent=True)

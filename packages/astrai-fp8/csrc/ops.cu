@@ -1,6 +1,7 @@
 // astrai_fp8._fp8_ops: the binding. Validation, parameter packing, dispatch; no kernels.
 //
 //   quantize(x, scale, q, q_t, amax, out_layout, stream)
+//   quantize_rows(x, q, scale, stream)   q = e4m3(x / scale), scale[r] = amax(|x[r]|) / 448
 //   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
 //   scale_update(hist, pending, prev_scale, scale, scale_inv, factor, most_recent, stream)
 //   weight_gemm(x, w, w_scale, y, ws, k_per_split, stream)   y = x (w * w_scale)^T, <= 64 rows of x
@@ -30,6 +31,7 @@
 #include "gemm/sm90/entry.h"
 #include "gemm/sm90/planning_bind.h"
 #include "quantize.cuh"
+#include "quantize_rows.cuh"
 #include "scale_update.cuh"
 #include "weight_gemm.cuh"
 
@@ -325,6 +327,28 @@ void weight_gemm(py::handle x_arg, py::handle w_arg, py::handle scale_arg, py::h
   ASTRAI_CHECK_LAUNCH();
 }
 
+// --------------------------------------------------------------------- quantize_rows
+void quantize_rows(py::handle x_arg, py::handle q_arg, py::handle scale_arg, py::handle stream_arg) {
+  const auto [x, q, scale] = bind::tensor_args({"x", "q", "scale"}, {x_arg, q_arg, scale_arg});
+  const cudaStream_t stream = bind::stream_arg(stream_arg);
+  ASTRAI_CHECK(x.dtype == DType::BFloat16 || x.dtype == DType::Float16, "x: expected bfloat16 or float16, got ",
+               dtype_name(x.dtype));
+  const int64_t ldx = expect_rows16(x);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  ASTRAI_CHECK(cols % 8 == 0, "x: K must be a multiple of 8, got ", cols);
+  expect_dtype(q, DType::Float8E4M3);
+  expect_shape(q, {rows, cols}, "[M, K] like x");
+  const int64_t ldq = expect_rows16(q);
+  expect_dtype(scale, DType::Float32);
+  expect_shape(scale, {rows}, "[M] (one scale per row of x)");
+  expect_contiguous(scale);
+  expect_data(scale, 4);
+  checked_device();
+  const FP8QuantizeRowsParams p{x.data<const void>(), q.data<uint8_t>(), scale.data<float>(), static_cast<int>(rows),
+                                static_cast<int>(cols), ldx, ldq};
+  x.dtype == DType::BFloat16 ? quantize_rows_launch<__nv_bfloat16>(p, stream) : quantize_rows_launch<__half>(p, stream);
+}
+
 int64_t weight_gemm_plan(int64_t n, int64_t k, int sms) {
   ASTRAI_CHECK(n > 0 && k > 0 && n <= kIntMax && k <= kIntMax && k % kWeightGemmChunk == 0,
                "n, k: expected positive int32 sizes with k a multiple of ", kWeightGemmChunk, ", got ", n, ", ", k);
@@ -383,6 +407,10 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "q = saturate(x * scale) (fp8, format = q's dtype), q_t = q^T, amax = max|x|.\n"
         "x [M, K] f32/f16/bf16 with a contiguous last dim; scale, amax float32 scalars;\n"
         "out_layout 0: q only, 1: q_t only, 2: both (the other output is an empty tensor).");
+  m.def("quantize_rows", &astrai::fp8::quantize_rows, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("stream"),
+        "Per-token e4m3: scale[r] = max|x[r, :]| / 448 (1 where that is not > 0), q = x / scale[r], IEEE division\n"
+        "and round-to-nearest-even (torch's bytes). x [M, K] bf16 / f16 and q [M, K] e4m3 with 16-byte aligned rows,\n"
+        "K a multiple of 8; scale float32 [M] contiguous.");
   m.def("gemm", &astrai::fp8::gemm_op, py::arg("a"), py::arg("b"), py::arg("scale"), py::arg("bias"),
         py::arg("out"), py::arg("trans_a"), py::arg("trans_b"), py::arg("stream"),
         py::arg("mainloop") = "auto",

@@ -75,3 +75,29 @@ def test_the_w8a8_route_is_the_product_of_the_quantized_operands(m, n, k, dtype)
     x.copy_(rand(m, k, seed=8, dtype=dtype))
     graph.replay()
     torch.testing.assert_close(out, fp8_weight_linear(x, w, w_scale), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (64, 14336), (256, 4096), (7, 8)])
+def test_the_plugins_per_token_quantize_gives_torchs_bytes(m, k, dtype):
+    """One launch (op fp8_quantize_rows) against quantize_per_token's torch expression: the same
+    e4m3 bytes and scales, on rows of every magnitude, a zero row and a strided view."""
+    assert ops_fp8_weights.has_quantize_rows(torch.device("cuda"))
+    wide = rand(m, k + 8, seed=9, dtype=dtype) * torch.logspace(-6, 4, m, device="cuda", dtype=dtype)[:, None]
+    x = wide[:, :k]  # rows 16 bytes apart, not contiguous
+    x[m // 2] = 0.0
+    poison = torch.full((m, k), 0x7f, dtype=torch.uint8, device="cuda")
+    got_q, got_scale = ops_fp8_weights.fp8_quantize_rows_unchecked(x)
+    want_q, want_scale = fp8_weights.quantize_per_token(x)
+    assert got_q.shape == (m, k) and got_scale.shape == (m, 1) and not torch.equal(got_q.view(torch.uint8), poison)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_the_w8a8_route_quantizes_in_one_launch(monkeypatch):
+    calls = []
+    real = ops_fp8_weights.fp8_quantize_rows_unchecked
+    monkeypatch.setattr(ops_fp8_weights, "fp8_quantize_rows_unchecked", lambda x: calls.append(x.shape) or real(x))
+    w, w_scale = quantize_weight(rand(4096, 4096, seed=10, scale=0.02))
+    fp8_weight_linear(rand(64, 4096, seed=11, dtype=torch.bfloat16), w, w_scale)
+    assert calls == [(64, 4096)]

@@ -12,8 +12,15 @@ The launch splits K over blocks where the output channels alone leave SMs idle (
 per device and stream. A CUDA-graph capture reuses one its warm-up made (the graph then reads
 it by address, with no zeroing recorded); only a capture without one allocates (and zeroes) its own.
 
+``fp8_quantize_rows_unchecked(x [M, K]) -> (q [M, K] e4m3, scale [M, 1] float32)``: the W8A8
+route's per-token quantize in one launch (``scale = amax of the row / 448``, 1 for a row whose
+amax is not > 0; ``q = x / scale``), the same bytes as ``backend.fp8_weights.quantize_per_token``;
+16-bit ``x``, K a multiple of 8, rows 16-byte aligned. A plugin built before it has no
+``quantize_rows``: :func:`has_quantize_rows` says so and the caller quantizes in torch.
+
 Call convention (ABI 1) of ``astrai_fp8._fp8_ops``: ``weight_gemm(x, w, w_scale, y, ws,
-k_per_split, stream)``, ``weight_gemm_plan(n, k, sms) -> k_per_split``; tensors as tuples
+k_per_split, stream)``, ``weight_gemm_plan(n, k, sms) -> k_per_split``, ``quantize_rows(x, q,
+scale, stream)``; tensors as tuples
 ``(data_ptr, shape, strides_in_elements, dtype_code)``, ``ws`` None without splits.
 """
 
@@ -25,7 +32,7 @@ from ..abi import launch, stream_handle, tensor_arg
 from ..op_names import FP8_WEIGHT_GEMM
 from . import _plugin
 
-__all__ = ["K_MULTIPLE", "MAX_ROWS", "fp8_weight_gemm_unchecked"]
+__all__ = ["K_MULTIPLE", "MAX_ROWS", "fp8_quantize_rows_unchecked", "fp8_weight_gemm_unchecked", "has_quantize_rows"]
 
 MAX_ROWS = 64  # rows of x (decode tokens) the kernel takes
 K_MULTIPLE = 256  # K is staged in chunks of this many
@@ -76,3 +83,23 @@ def fp8_weight_gemm_unchecked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
 @fp8_weight_gemm_unchecked.op.register_fake
 def _fp8_weight_gemm_fake(x, w, w_scale):
     return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+
+
+def has_quantize_rows(device: torch.device) -> bool:
+    """Whether the plugin serving the weight GEMM on ``device`` has the per-token quantize."""
+    return hasattr(_plugin.require(FP8_WEIGHT_GEMM, device), "quantize_rows")
+
+
+@_plugin.plugin_op("astrai::fp8_quantize_rows")
+def fp8_quantize_rows_unchecked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    module = _plugin.require(FP8_WEIGHT_GEMM, x.device)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    launch(x.device, module.quantize_rows, tensor_arg(x), tensor_arg(q), tensor_arg(scale.view(-1)))
+    return q, scale
+
+
+@fp8_quantize_rows_unchecked.op.register_fake
+def _fp8_quantize_rows_fake(x):
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
