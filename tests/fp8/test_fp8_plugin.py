@@ -123,6 +123,16 @@ def _cuobjdump() -> str:
     return found
 
 
+def _sass_bodies(so: Path, arch: str, kernel: str) -> dict[str, str]:
+    """The SASS of each function of ``so`` for ``arch`` whose name holds ``kernel``: name -> body."""
+    tool = _cuobjdump()
+    env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
+                          check=True, env=env).stdout
+    return {name.strip(): body for name, _, body in
+            (part.partition("\n") for part in re.split(r"\n\s*Function : ", text)[1:]) if kernel in name}
+
+
 @pytest.fixture(scope="module")
 def wheelhouse() -> Path:
     """The ci/build-wheels output of the FP8_ARCHS build, shared with tests/packaging/test_pip_install.py
@@ -371,13 +381,9 @@ def test_cpp_quantize_rows_validation(compiled, case):
 def test_quantize_rows_divides_like_torch_whatever_the_fast_math(so, arch):
     """The per-token quantize must give torch's bytes: an IEEE division (a refined reciprocal
     with its slow-path call, not a bare MUFU.RCP times x) and the saturating e4m3 conversion."""
-    tool = _cuobjdump()
-    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
-                          check=True).stdout
-    bodies = [body for name, _, body in (part.partition("\n") for part in re.split(r"\n\s*Function : ", text)[1:])
-              if "quantize_rows_kernel" in name]
+    bodies = _sass_bodies(so, arch, "quantize_rows_kernel")
     assert len(bodies) == 2  # bfloat16, float16
-    for body in bodies:
+    for body in bodies.values():
         assert "MUFU.RCP" in body and re.search(r"FFMA\.RM|FFMA\.RP|CALL", body)
         assert re.search(r"F2FP\.SATFINITE\.E4M3", body), "the saturating e4m3 conversion"
 
@@ -428,13 +434,7 @@ def test_scale_update_is_ieee_whatever_the_fast_math(so, arch):
     """The plugin builds with --use_fast_math; the update's multiply and reciprocal must
     still round like torch's (no FTZ multiply, a refined reciprocal with a subnormal path,
     not a bare MUFU.RCP). Spill-free is checked from the ptxas report below."""
-    tool = _cuobjdump()
-    env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    text = subprocess.run([tool, "--dump-sass", "-arch", arch, str(so)], capture_output=True, text=True,
-                          check=True, env=env).stdout
-    bodies = {name.strip(): body for name, _, body in
-              (part.partition("\n") for part in re.split(r"\n\s*Function : ", text)[1:])
-              if "scale_update_kernel" in name}
+    bodies = _sass_bodies(so, arch, "scale_update_kernel")
     assert len(bodies) == 2, sorted(bodies)  # max and most_recent
     for name, body in bodies.items():
         assert re.search(r"\bFMUL\b(?!\.FTZ)", body) and "FMUL.FTZ" not in body, name

@@ -185,3 +185,24 @@ def test_the_route_table_by_rows(monkeypatch):
     with use_runtime(fp8_runtime()):
         assert fp8_weights.fp8_weight_route(x, w, w_scale) == "weight"
     assert fp8_weights.fp8_weight_route(x.float(), w, w_scale) == "torch"
+
+
+def test_the_w8a8_route_quantizes_with_the_plugin_where_it_can(monkeypatch):
+    """A plugin with quantize_rows quantizes the activations (one launch); one built before it,
+    or a call it cannot take (K not a multiple of 8), quantizes in torch: the same bytes."""
+    quantized = []
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_quantize_rows_unchecked",
+                        lambda x: quantized.append(x.shape) or fp8_weights.quantize_per_token(x))
+    w, w_scale = quantize_weight(rand(32, 512))
+    x = rand(64, 512, dtype=torch.bfloat16)
+    with use_runtime(fp8_runtime()):
+        fp8_weight_linear(x, w, w_scale)  # the fake plugin has no quantize_rows
+        assert quantized == []
+        monkeypatch.setattr(fp8_weights.ops_fp8_weights, "has_quantize_rows", lambda device: True)
+        y = fp8_weight_linear(x, w, w_scale)
+        assert quantized == [(64, 512)]
+    xq, x_scale = fp8_weights.quantize_per_token(x)
+    want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
+    torch.testing.assert_close(y.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))

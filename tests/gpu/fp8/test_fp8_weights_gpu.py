@@ -86,10 +86,9 @@ def test_the_plugins_per_token_quantize_gives_torchs_bytes(m, k, dtype):
     wide = rand(m, k + 8, seed=9, dtype=dtype) * torch.logspace(-6, 4, m, device="cuda", dtype=dtype)[:, None]
     x = wide[:, :k]  # rows 16 bytes apart, not contiguous
     x[m // 2] = 0.0
-    poison = torch.full((m, k), 0x7f, dtype=torch.uint8, device="cuda")
     got_q, got_scale = ops_fp8_weights.fp8_quantize_rows_unchecked(x)
     want_q, want_scale = fp8_weights.quantize_per_token(x)
-    assert got_q.shape == (m, k) and got_scale.shape == (m, 1) and not torch.equal(got_q.view(torch.uint8), poison)
+    assert got_q.shape == (m, k) and got_scale.shape == (m, 1)
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 

@@ -15,7 +15,7 @@ the activations are quantized per token and ``torch._scaled_mm`` multiplies in F
 table, :func:`fp8_weight_route`); otherwise the torch path: float32 products of the
 dequantized weights, summed in float32 and rounded once, as the kernel does (16-bit CUDA calls, a
 prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the resolver once per
-(device, dtype, K) (``explain("fp8_weight_gemm")``); the W8A8 route has not run on a GPU yet.
+(device, dtype, K) (``explain("fp8_weight_gemm")``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #                          the weights' one byte is the whole cost);
 #   rows >= W8A8_MIN_ROWS: W8A8 on Hopper: the activations quantized per token to e4m3, then
 #                          torch._scaled_mm with row-wise scales (cuBLASLt on the FP8 tensor cores).
-# Predicted from arithmetic, not yet measured: the weight-only kernel runs mma.sync in fp16,
-# whose ~300 TFLOP/s bound a GEMM of 2*M*N*K flops above the weights' N*K bytes at 3 TB/s past
-# M ~ 50 rows (and its byte conversions cost more: 3.2x its bytes' time at 64 rows, measured);
-# the W8A8 route stays on its bytes at any decode size, plus a quantize of a few us a linear.
-# bench/bench_fp8_weight_routes.py measures both routes at 1-256 rows to set the crossover.
+# The weight-only kernel runs mma.sync in fp16, whose ~300 TFLOP/s bound a GEMM of 2*M*N*K flops
+# above the weights' N*K bytes at 3 TB/s past M ~ 50 rows (its byte conversions cost more: 3.2x
+# its bytes' time at 64 rows, measured). Measured on an H100 (bench/bench_fp8_weight_routes.py):
+# the kernel beats bf16 at 1-32 rows in qkv, gate_up and down; there the W8A8 GEMM beats bf16 at 64
+# rows and up, but torch's quantize (seven element-wise kernels) costs 15-35 us a call, so the route
+# quantizes with the plugin's one launch (quantize_rows) where the plugin has it.
 W8A8_MIN_ROWS = 33
 W8A8_MIN_SM = 90  # row-wise scaled FP8 GEMMs of torch._scaled_mm
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -113,7 +114,7 @@ def _w8a8(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
 
 
 def _plugin_quantizes(x2: torch.Tensor) -> bool:
-    return x2.is_cuda and x2.shape[1] % 8 == 0 and _aligned(x2) and ops_fp8_weights.has_quantize_rows(x2.device)
+    return x2.shape[1] % 8 == 0 and _aligned(x2) and ops_fp8_weights.has_quantize_rows(x2.device)
 
 
 def fp8_weight_route(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool = False) -> str:

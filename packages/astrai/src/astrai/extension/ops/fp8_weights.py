@@ -86,8 +86,9 @@ def _fp8_weight_gemm_fake(x, w, w_scale):
 
 
 def has_quantize_rows(device: torch.device) -> bool:
-    """Whether the plugin serving the weight GEMM on ``device`` has the per-token quantize."""
-    return hasattr(_plugin.require(FP8_WEIGHT_GEMM, device), "quantize_rows")
+    """Whether a plugin serves the weight GEMM on ``device`` and has the per-token quantize."""
+    return _plugin.op_status(FP8_WEIGHT_GEMM, device).usable and hasattr(_plugin.require(FP8_WEIGHT_GEMM, device),
+                                                                          "quantize_rows")
 
 
 @_plugin.plugin_op("astrai::fp8_quantize_rows")
