@@ -8,8 +8,9 @@
 //     with num_splits > 1 the kernel merges its own splits and no combine kernel runs
 //   variant: None or (scale, logits_soft_cap, window_left, sinks) (entry_utils.h set_variant)
 //   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
-//     blocks start while the stream's previous kernel drains); off by default (slower
-//     in the measurements: dispatchers.cuh)
+//     blocks read kv_lens and the first page ids while the stream's previous kernel drains,
+//     which must therefore not write them); off by default (dispatchers.cuh: faster at B=1
+//     with many splits, slower at B=16 with one)
 //   decode_plan(batch, q_heads, kv_heads, head_dim, kv_len_hint, num_sms) -> num_splits
 #include <pybind11/pybind11.h>
 

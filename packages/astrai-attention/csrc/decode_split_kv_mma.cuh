@@ -42,15 +42,6 @@
 #include "kv_fp8.cuh"
 #include "variant.cuh"
 
-// With PDL (the ops' pdl=True), wait for the previous kernel after reading kv_lens and the
-// first page ids instead of before (the two dependent round trips ahead of the first K/V byte
-// then overlap that kernel's tail). Built, waiting for a GPU: off until an interleaved A/B
-// (bench/bench_decode_latency.py, its PDL rows) says it wins; a caller must then not write the
-// page table or kv_lens in the kernel right before a PDL decode.
-#ifndef ASTRAI_DECODE_PDL_EARLY_WAIT
-#define ASTRAI_DECODE_PDL_EARLY_WAIT 0
-#endif
-
 namespace astrai::attn {
 
 // KvBytes: bytes per K/V value in the pages (2: the compute dtype, 1: fp8, kv_fp8.cuh).
@@ -276,7 +267,6 @@ struct DecodeMma {
     static constexpr bool kSoftCap = kSoftCap_;
     static constexpr bool kSwapAB = kSwapAB_;
     static constexpr bool kFp8 = KvFmt::kBytes == 1;
-    static constexpr bool kPdlEarlyWait = ASTRAI_DECODE_PDL_EARLY_WAIT != 0;
     using C = DecodeMmaConfig<D, KvFmt::kBytes>;
     using Tile = SwizzledTile<D>;
     using KvT = std::conditional_t<kFp8, uint8_t, T>;
@@ -285,11 +275,13 @@ struct DecodeMma {
     static constexpr int kRows = kSwapAB ? kSwapHeads : C::kHeads;  // query heads of the warp merge
 };
 
-// Launched early (PDL) behind the previous kernel of the stream: nothing it wrote (q, the
-// cache, the page table, kv_lens) is read, and nothing it reads is written, before that grid
-// has completed. With ASTRAI_DECODE_PDL_EARLY_WAIT the wait moves behind the reads of kv_lens
-// and the first page ids (DecodeKvLoader::start), which the previous kernel must then not
-// write (a model's decode: the QKV projection or the rope + append before it).
+// Launched early (PDL) behind the previous kernel of the stream, the split grid waits for it
+// after reading kv_lens and the first page ids (DecodeKvLoader::start), so those two dependent
+// round trips overlap that kernel's tail; q, the cache and the new token are read after. The
+// previous kernel must therefore not write the page table or kv_lens (in a model's decode it is
+// the QKV projection or the rope + append). Measured on an H100 (bench_decode_latency.py, three
+// interleaved rounds against the wait at the kernel's start): B=1 kv 4096 with PDL 11.2 against
+// 12.0 us (32 splits), 12.5-12.7 against 13.2-13.4 (16), B=16 and B=64 0.3-1 % faster.
 __device__ __forceinline__ void decode_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -405,10 +397,8 @@ struct DecodeKvLoader {
         if constexpr (kAhead) {
             if (k.my_tiles > 1) fetch_tile(p, k, k.t_begin + 1, hnd_ahead);
         }
-        if constexpr (M::kPdlEarlyWait) {  // the page ids are on their way; q and the new token are not read yet
-            decode_pdl_wait();
-            decode_copy_q<M>(p, k);
-        }
+        decode_pdl_wait();  // the page ids are on their way; q and the new token are not read yet
+        decode_copy_q<M>(p, k);
 #pragma unroll
         for (int s = 0; s < C::kStages - 1; ++s) {
             if (s < k.my_tiles) {
@@ -772,7 +762,6 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     k.tid = threadIdx.x, k.warp = k.tid / 32, k.lane = k.tid % 32;
     const DecodeUnit u = decode_unit<C::kHeads>(p);
     k.unit = u.unit, k.split = u.split, k.hgrp = u.hgrp, k.kvh = u.kvh, k.b = u.b, k.head0 = u.head0, k.nh = u.nh;
-    if constexpr (!M::kPdlEarlyWait) decode_pdl_wait();
 
     k.kv_len = KV::kv_len(p, k.b);
     // Read beside kv_len (not after the Q copies): the first page-id read waits on both.
@@ -787,8 +776,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     k.my_tiles = k.t_end - k.t_begin;
     k.new_pos = KV::kPaged && !M::kFp8 && p.k_new != nullptr ? k.kv_len - 1 : -1;
 
-    // Load: Q, the first K/V tiles in flight.
-    if constexpr (!M::kPdlEarlyWait) decode_copy_q<M>(p, k);
+    // Load: the first page ids, the PDL wait, Q, the first K/V tiles in flight (DecodeKvLoader::start).
     typename DecodeKvLoader<M>::Ids hnd;
     typename DecodeKvLoader<M>::IdsAhead hnd_ahead;
     const DecodeKvLoader<M> ld(p, k, hnd, hnd_ahead);

@@ -9,8 +9,9 @@
 //   ws_count: optional int32 [>= B * Hkv * head_groups] arrival counters, all 0 (left 0):
 //     with num_splits > 1 the kernel merges its own splits and no combine kernel runs
 //   pdl: on sm_90+ also launch the split grid with programmatic dependent launch (its
-//     blocks start while the stream's previous kernel drains); off by default (slower
-//     in the measurements: dispatchers.cuh)
+//     blocks read kv_lens and the first page ids while the stream's previous kernel drains,
+//     which must therefore not write them); off by default (dispatchers.cuh: faster at B=1
+//     with many splits, slower at B=16 with one)
 //   k_new, v_new, slots: optional, together: this step's keys/values are first written to
 //     rows slots of the caches (kv_append's arguments; checked with the rest, before either
 //     launch), so a decode step's append and attention cost one call
