@@ -2,15 +2,12 @@
 and heads each block computes and stores, walked through the kernels' own schedule code
 (``csrc/prefill_schedule.h``): every (request, row, query head) of a launch exactly once, for the
 mma.sync blocks and the Hopper kernel's, dense and packed, causal (blocks taken last-first) or
-not, multi-head attention and GQA groups whose heads leave block slots empty; and the Hopper
-kernel's FMA-pipe exponent (``csrc/fast_exp2.h``)."""
+not, multi-head attention and GQA groups whose heads leave block slots empty."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 from build_helpers import host_module
 
@@ -24,7 +21,7 @@ PACKED = [[70, 10, 130], [1, 1, 1000], [64, 65, 128, 129], [200, 3, 64]]
 @pytest.fixture(scope="module")
 def planner():
     return host_module("_attn_planner", CSRC / "tests" / "planner_module.cpp",
-                       [CSRC / "heuristics.h", CSRC / "common.h", CSRC / "prefill_schedule.h", CSRC / "fast_exp2.h"],
+                       [CSRC / "heuristics.h", CSRC / "common.h", CSRC / "prefill_schedule.h"],
                        include_dirs=(CSRC,))
 
 
@@ -67,21 +64,3 @@ def test_one_head_blocks_where_head_slots_would_stay_empty(planner, group, packe
     assert cover["head_block"] * cover["rows_per_block"] == 128  # (row, head) pairs per block
     plain = planner.prefill_coverage([256], False, 8 * group, 8, "ws", True)
     assert plain["head_block"] == planner.prefill_launch(group, 128)[0]  # the mma.sync block's packing
-
-
-def test_fma_pipe_exp2_is_accurate(planner):
-    """Relative error under 1e-4 (P is rounded to bf16 / fp16 right after: 4e-3 / 5e-4) over the
-    exponents a softmax takes (up to +8 with the lazy rescale), integers and halves included,
-    down to -125 (below, results under 2^-125 are denormal, and the GPU flushes them to 0)."""
-    rng = np.random.default_rng(0)
-    xs = np.concatenate([np.linspace(-125, 8, 100_001), rng.uniform(-30, 8, 100_000),
-                         np.arange(-125, 8) + 0.5, np.arange(-125, 9)]).astype(np.float32)
-    got = np.asarray(planner.exp2_fma(xs.tolist()), dtype=np.float64)
-    want = np.exp2(xs.astype(np.float64))
-    assert np.max(np.abs(got - want) / want) < 1e-4
-
-
-def test_fma_pipe_exp2_edges(planner):
-    """Masked scores (-inf) and anything below 2^-126 give exactly 0; NaN stays NaN."""
-    low, ninf, nan, one = planner.exp2_fma([-126.5, -math.inf, math.nan, 0.0])
-    assert low == 0.0 and ninf == 0.0 and math.isnan(nan) and abs(one - 1.0) < 1e-4

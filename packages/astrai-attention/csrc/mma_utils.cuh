@@ -9,7 +9,6 @@
 #include "astrai/cp_async.cuh"
 #include "astrai/mma.cuh"
 #include "astrai/reduce.cuh"
-#include "fast_exp2.h"
 
 namespace astrai::attn {
 
@@ -56,19 +55,9 @@ struct RowState {
     float l[2] = {0.f, 0.f};  // per-thread partial sums; quad-reduced at the end
 };
 
-// 2^x for a score of n-tile j: every EMU-th n-tile on the FMA pipe (exp2_fma), the others on
-// the special-function unit (EMU = 0: all of them).
-template <int EMU>
-__device__ __forceinline__ float tile_exp2(int j, float x) {
-    if constexpr (EMU > 0) {
-        if (j % EMU == EMU - 1) return exp2_fma(x);
-    }
-    return exp2f(x);
-}
-
 // Rescales the running state with a new score tile s[NT][4] (NT n-tiles of 8 columns),
 // turns s into probabilities in place and returns the factors applied to the old O.
-template <int NT, int EMU = 0>
+template <int NT>
 __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], float scale_log2,
                                                float (&alpha)[2]) {
 #pragma unroll
@@ -85,8 +74,8 @@ __device__ __forceinline__ void online_softmax(RowState& st, float (&s)[NT][4], 
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            s[j][2 * r] = tile_exp2<EMU>(j, fmaf(s[j][2 * r], scale_log2, -base));
-            s[j][2 * r + 1] = tile_exp2<EMU>(j, fmaf(s[j][2 * r + 1], scale_log2, -base));
+            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale_log2, -base));
+            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale_log2, -base));
             sum += s[j][2 * r] + s[j][2 * r + 1];
         }
         st.l[r] = st.l[r] * alpha[r] + sum;
@@ -112,7 +101,7 @@ __device__ __forceinline__ float lazy_base(float& m, float mx, bool rescale, flo
 // warp rescales (any of its rows moved; warp-uniform): alpha is then the factor for O, 1 for
 // the rows that kept their base; without a rescale alpha is all ones and O is left as is.
 // scale_log2[r]: row r's own scale (the decode over fp8 pages folds its score factors into it).
-template <int NT, int EMU = 0>
+template <int NT>
 __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], const float (&scale_log2)[2],
                                                     float (&alpha)[2]) {
     constexpr float kSlack = 8.f;
@@ -132,8 +121,8 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            s[j][2 * r] = tile_exp2<EMU>(j, fmaf(s[j][2 * r], scale_log2[r], -base));
-            s[j][2 * r + 1] = tile_exp2<EMU>(j, fmaf(s[j][2 * r + 1], scale_log2[r], -base));
+            s[j][2 * r] = exp2f(fmaf(s[j][2 * r], scale_log2[r], -base));
+            s[j][2 * r + 1] = exp2f(fmaf(s[j][2 * r + 1], scale_log2[r], -base));
             sum += s[j][2 * r] + s[j][2 * r + 1];
         }
         st.l[r] = st.l[r] * alpha[r] + sum;
@@ -141,11 +130,11 @@ __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT]
     return rescale;
 }
 
-template <int NT, int EMU = 0>
+template <int NT>
 __device__ __forceinline__ bool online_softmax_lazy(RowState& st, float (&s)[NT][4], float scale_log2,
                                                     float (&alpha)[2]) {
     const float rows[2] = {scale_log2, scale_log2};
-    return online_softmax_lazy<NT, EMU>(st, s, rows, alpha);
+    return online_softmax_lazy<NT>(st, s, rows, alpha);
 }
 
 // An accumulator's rows g and g + 8 (mma C layout, ND n-tiles) times alpha[0] and alpha[1]:

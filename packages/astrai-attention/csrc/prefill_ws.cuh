@@ -73,25 +73,14 @@ struct PanelTile {
 #ifndef ASTRAI_PREFILL_WS_MHA
 #define ASTRAI_PREFILL_WS_MHA 1
 #endif
-// 1: a row's softmax base moves only when a tile's max exceeds it by more than 2^8
-// (online_softmax_lazy), and tiles where no row of a warp moved skip O's rescale; 0: every
-// tile rescales. Off until measured.
-#ifndef ASTRAI_PREFILL_LAZY_RESCALE
-#define ASTRAI_PREFILL_LAZY_RESCALE 0
-#endif
-// 1: dense prefill over contiguous K/V takes wide K/V tiles where its copies are all TMA (as
-// FlashAttention-3 does): 176 rows at d128 without a causal mask, 80 at d256; the producer
-// keeps 40 registers (it issues TMA alone) so the consumers get 232 for the wider S and P.
-// 0: 128 / 64 rows. Off until measured.
-#ifndef ASTRAI_PREFILL_WIDE_TILES
-#define ASTRAI_PREFILL_WIDE_TILES 0
-#endif
-// k > 0: the exponents of every k-th 8-column n-tile of S run on the FMA pipe (exp2_fma), the
-// rest on the special-function unit, whose 16 results per clock per SM take as long as the
-// tensor cores' work per tile at d64; 0: all on the special-function unit. Off until measured.
-#ifndef ASTRAI_PREFILL_EXP2_EMULATE
-#define ASTRAI_PREFILL_EXP2_EMULATE 0
-#endif
+// Where a row's softmax base moves only when a tile's max exceeds it by more than 2^8
+// (online_softmax_lazy), and tiles where no row of a warp moved skip O's rescale: over paged K/V
+// (measured on an H100, three interleaved rounds: +0-6 % at d64, +1-6 % at d128, +5-15 % at
+// d256). Dense K/V keeps the rescale every tile: d64 was 1-3 % slower lazily and d128 even; d256
+// was 0-10 % faster with 64-row tiles, but dense d256 now takes the wide tiles (kWideTileRows),
+// and the two have not been measured together.
+template <class KV>
+constexpr bool kLazyRescale = KV::kPaged;
 
 #ifdef ASTRAI_PREFILL_TRACE
 // Diagnosis builds only: per work item, clock64() at the consumer's phases (thread 128):
@@ -104,9 +93,13 @@ __device__ unsigned long long* g_prefill_trace;
 #define PREFILL_TRACE(item, i, value)
 #endif
 
-// K/V rows per wide tile at head dim D (ASTRAI_PREFILL_WIDE_TILES), 0: none.
+// Dense prefill over contiguous K/V takes wide K/V tiles where its copies are all TMA (as
+// FlashAttention-3 does): 176 rows at d128 without a causal mask, 80 at d256; the producer keeps
+// 40 registers (it issues TMA alone) so the consumers get 232 for the wider S and P. Measured on
+// an H100 (three interleaved rounds against 128 / 64 rows): d256 +3-11 %, d128 without a mask
+// +2-6 %, the rest even. 0: none (d64).
 template <int D>
-constexpr int kWideTileRows = ASTRAI_PREFILL_WIDE_TILES == 0 ? 0 : D == 128 ? 176 : D == 256 ? 80 : 0;
+constexpr int kWideTileRows = D == 128 ? 176 : D == 256 ? 80 : 0;
 
 // BN_ = 0: the default K/V tile rows; else a wide tile (kWideTileRows) and a TMA-only producer.
 // V_: the instantiation with the window, soft-cap and sinks (kVariant).
@@ -574,24 +567,20 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     if (n > 0) {
         if (wg == 1) your_turn();  // warpgroup 0 issues first
         float s[NT][4];
-        // Whether O needs the rescale by alpha (always, unless ASTRAI_PREFILL_LAZY_RESCALE).
-        // emu: std::integral_constant of the exponents' FMA share (tile_exp2).
-        auto softmax_rows = [&](auto emu, float (&alpha)[2]) {
-            constexpr int kEmu = decltype(emu)::value;
-            if constexpr (ASTRAI_PREFILL_LAZY_RESCALE != 0)
-                return online_softmax_lazy<NT, kEmu>(st, s, p.scale_log2, alpha);
-            online_softmax<NT, kEmu>(st, s, p.scale_log2, alpha);
+        // Whether O needs the rescale by alpha (always, unless kLazyRescale).
+        auto softmax_rows = [&](float (&alpha)[2]) {
+            if constexpr (kLazyRescale<KV>) return online_softmax_lazy<NT>(st, s, p.scale_log2, alpha);
+            online_softmax<NT>(st, s, p.scale_log2, alpha);
             return true;
         };
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            constexpr int kEmu = ASTRAI_PREFILL_EXP2_EMULATE;
             if constexpr (C::kVariant) {
                 if (has_soft_cap(p)) soft_cap_tile(s, p);
             }
             const int col0 = (sp.t_begin + t) * C::kBN;
             if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
                 mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
-            return softmax_rows(std::integral_constant<int, kEmu>{}, alpha);
+            return softmax_rows(alpha);
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
         auto stage = [&](int t) { return (pos.tiles + t) % C::kStages; };

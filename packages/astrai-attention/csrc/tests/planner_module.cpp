@@ -1,7 +1,6 @@
 // Module _attn_planner: the launch heuristics of heuristics.h bound for Python with host
 // C++ only (no CUDA toolkit), so the CPU tests check the rules themselves instead of a
 // Python copy. The kernel modules bind the same functions (decode_plan, prefill_plan).
-// exp2_fma is the Hopper prefill's FMA-pipe exponent (fast_exp2.h), for its accuracy tests.
 // prefill_coverage walks every block of a prefill launch through the kernels' own schedule
 // code (prefill_schedule.h) and counts how often each (request, row, query head) is computed
 // and, for the Hopper kernel, stored (a warpgroup's TMA box of O or its 16-byte chunks).
@@ -15,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "fast_exp2.h"
 #include "heuristics.h"
 #include "prefill_schedule.h"
 
@@ -143,14 +141,6 @@ PYBIND11_MODULE(_attn_planner, m) {
           py::arg("kv_heads"), py::arg("kernel"), py::arg("causal"),
           "Every block of a prefill launch through the kernels' schedules: {min, max} computations of a "
           "(request, row, head), blocks, empty_blocks, head_block, rows_per_block.");
-    m.def(
-        "exp2_fma",
-        [](const std::vector<float>& xs) {
-            std::vector<float> out;
-            for (float x : xs) out.push_back(exp2_fma(x));
-            return out;
-        },
-        py::arg("xs"), "The prefill's FMA-pipe 2^x (fast_exp2.h), elementwise, in float32.");
     m.attr("Q_TILE_ROWS") = kQTileRows;
     m.attr("MAX_SPLITS") = kMaxDecodeSplits;
     m.attr("PREFILL_WARPS") = kPrefillWarps;
