@@ -365,6 +365,7 @@ QR_BAD = {
     "x misaligned": (dict(x=_t((WM, WK), BF16, ptr=4104)), r"x: data pointer .* not 16-byte aligned"),
     "q dtype": (dict(q=_t((WM, WK), E5M2, 65536)), r"q: expected dtype float8_e4m3fn"),
     "q shape": (dict(q=_t((WM + 1, WK), E4M3, 65536)), r"q: expected shape \[M, K\] like x"),
+    "q rows": (dict(q=_t((WM, WK), E4M3, 65536, strides=(WK + 4, 1))), r"q: rows must start 8 bytes apart"),
     "scale shape": (dict(scale=_t((WM, 1), F32, 131072)), r"scale: expected shape \[M\]"),
     "scale dtype": (dict(scale=_t((WM,), BF16, 131072)), r"scale: expected dtype float32"),
 }

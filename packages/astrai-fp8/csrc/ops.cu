@@ -338,7 +338,9 @@ void quantize_rows(py::handle x_arg, py::handle q_arg, py::handle scale_arg, py:
   ASTRAI_CHECK(cols % 8 == 0, "x: K must be a multiple of 8, got ", cols);
   expect_dtype(q, DType::Float8E4M3);
   expect_shape(q, {rows, cols}, "[M, K] like x");
-  const int64_t ldq = expect_rows16(q);
+  const int64_t ldq = expect_matrix(q);
+  ASTRAI_CHECK(ldq % 8 == 0, "q: rows must start 8 bytes apart (row stride ", ldq, ")");
+  expect_data(q, 8);
   expect_dtype(scale, DType::Float32);
   expect_shape(scale, {rows}, "[M] (one scale per row of x)");
   expect_contiguous(scale);
@@ -408,9 +410,9 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "x [M, K] f32/f16/bf16 with a contiguous last dim; scale, amax float32 scalars;\n"
         "out_layout 0: q only, 1: q_t only, 2: both (the other output is an empty tensor).");
   m.def("quantize_rows", &astrai::fp8::quantize_rows, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("stream"),
-        "Per-token e4m3: scale[r] = max|x[r, :]| / 448 (1 where that is not > 0), q = x / scale[r], IEEE division\n"
-        "and round-to-nearest-even (torch's bytes). x [M, K] bf16 / f16 and q [M, K] e4m3 with 16-byte aligned rows,\n"
-        "K a multiple of 8; scale float32 [M] contiguous.");
+        "Per-token e4m3: scale[r] = max|x[r, :]| * float32(1 / 448) (1 where that is not > 0), q = x / scale[r],\n"
+        "IEEE rounding (torch's bytes). x [M, K] bf16 / f16 with 16-byte aligned rows, K a multiple of 8; q [M, K]\n"
+        "e4m3 with 8-byte aligned rows; scale float32 [M] contiguous.");
   m.def("gemm", &astrai::fp8::gemm_op, py::arg("a"), py::arg("b"), py::arg("scale"), py::arg("bias"),
         py::arg("out"), py::arg("trans_a"), py::arg("trans_b"), py::arg("stream"),
         py::arg("mainloop") = "auto",

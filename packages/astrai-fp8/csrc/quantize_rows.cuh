@@ -1,13 +1,14 @@
 // Per-token (per-row) e4m3 quantize of a decode step's activations, the W8A8 route's first step:
 //
-//   scale[r] = amax(|x[r, :]|) / 448 (1 where the row's amax is not > 0), q[r, :] = x[r, :] / scale[r]
+//   scale[r] = amax(|x[r, :]|) * (1 / 448) (1 where the row's amax is not > 0), q[r, :] = x[r, :] / scale[r]
 //
 // One block a row. The first pass reduces the row's amax from 16-byte loads; the second reads the
-// row again (from L1/L2: a row is at most tens of KB) and writes 8 bytes a thread-step. Division
-// and rounding are IEEE (__fdiv_rn, cvt.rn.satfinite) whatever the fast-math flags, so the bytes
-// and scales equal torch's (x.float() / (amax / 448)).to(float8_e4m3fn). One launch replaces the
+// row again (from L1/L2: a row is at most tens of KB) and writes 8 bytes a thread-step. Rounding
+// is IEEE (__fmul_rn, __fdiv_rn, cvt.rn.satfinite) whatever the fast-math flags, so the bytes and
+// scales equal torch's (x.float() / (amax * (1 / 448))).to(float8_e4m3fn) (the scale as a multiply
+// by the float32 reciprocal: torch's CUDA division by a Python scalar is one). One launch replaces the
 // seven element-wise kernels of that torch expression (~20 us of a 64-row step's linear, measured).
-// No torch; K % 8 == 0, 16-byte aligned rows and the other checks are the caller's job (ops.cu).
+// No torch; K % 8 == 0, x's rows 16-byte and q's 8-byte aligned: the caller checks (ops.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +29,7 @@ struct FP8QuantizeRowsParams {
 };
 
 constexpr int kQuantRowsThreads = 256;
-constexpr float kE4M3Max = 448.f;
+constexpr float kInvE4M3Max = 1.f / 448.f;  // e4m3's largest finite value is 448
 
 template <class InT>
 __global__ void __launch_bounds__(kQuantRowsThreads)
@@ -52,7 +53,7 @@ __global__ void __launch_bounds__(kQuantRowsThreads)
   if (threadIdx.x == 0) {
     for (int w = 1; w < kQuantRowsThreads / 32; ++w) bits = max(bits, warp_max[w]);
     const float amax = __uint_as_float(bits);
-    row_scale = amax > 0.f ? __fdiv_rn(amax, kE4M3Max) : 1.f;  // a NaN amax gets 1, as torch.where gives
+    row_scale = amax > 0.f ? __fmul_rn(amax, kInvE4M3Max) : 1.f;  // a NaN amax gets 1, as torch.where gives
     p.scale[r] = row_scale;
   }
   __syncthreads();

@@ -43,10 +43,10 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #                          torch._scaled_mm with row-wise scales (cuBLASLt on the FP8 tensor cores).
 # The weight-only kernel runs mma.sync in fp16, whose ~300 TFLOP/s bound a GEMM of 2*M*N*K flops
 # above the weights' N*K bytes at 3 TB/s past M ~ 50 rows (its byte conversions cost more: 3.2x
-# its bytes' time at 64 rows, measured). Measured on an H100 (bench/bench_fp8_weight_routes.py):
-# the kernel beats bf16 at 1-32 rows in qkv, gate_up and down; there the W8A8 GEMM beats bf16 at 64
-# rows and up, but torch's quantize (seven element-wise kernels) costs 15-35 us a call, so the route
-# quantizes with the plugin's one launch (quantize_rows) where the plugin has it.
+# its bytes' time at 64 rows, measured). Measured on an H100 (bench/bench_fp8_weight_routes.py,
+# weights cold in L2; docs/fp8.md): Llama-3-8B's four decoder linears take 124.6 us on the kernel
+# and 130.7 on W8A8 at 32 rows, 240.7 and 130.2 at 64. W8A8 pays only with the plugin's one-launch
+# quantize (quantize_rows, 2.5-4 us): torch's seven element-wise kernels cost 15-35 us a call.
 W8A8_MIN_ROWS = 33
 W8A8_MIN_SM = 90  # row-wise scaled FP8 GEMMs of torch._scaled_mm
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -97,10 +97,12 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq, scale)``: each row of ``x [M, K]`` in e4m3 with its own float32 dequantization
-    scale ``[M, 1]`` (``amax of the row / 448``; a zero row gets 1), the torch path of the
-    activations' quantize that the W8A8 route runs before its GEMM."""
+    scale ``[M, 1]`` (``amax of the row * float32(1 / 448)``; a zero row gets 1), the torch path
+    of the activations' quantize that the W8A8 route runs before its GEMM (the plugin's
+    ``quantize_rows`` gives the same bytes: a multiply by the reciprocal, on every device, where
+    a division by 448 is one on CUDA and not on the CPU)."""
     amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / _E4M3_MAX), torch.ones_like(amax))
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 

@@ -13,9 +13,9 @@ per device and stream. A CUDA-graph capture reuses one its warm-up made (the gra
 it by address, with no zeroing recorded); only a capture without one allocates (and zeroes) its own.
 
 ``fp8_quantize_rows_unchecked(x [M, K]) -> (q [M, K] e4m3, scale [M, 1] float32)``: the W8A8
-route's per-token quantize in one launch (``scale = amax of the row / 448``, 1 for a row whose
-amax is not > 0; ``q = x / scale``), the same bytes as ``backend.fp8_weights.quantize_per_token``;
-16-bit ``x``, K a multiple of 8, rows 16-byte aligned. A plugin built before it has no
+route's per-token quantize in one launch (``scale = amax of the row * float32(1 / 448)``, 1 for a
+row whose amax is not > 0; ``q = x / scale``), the same bytes as
+``backend.fp8_weights.quantize_per_token``; 16-bit ``x``, K a multiple of 8, rows 16-byte aligned. A plugin built before it has no
 ``quantize_rows``: :func:`has_quantize_rows` says so and the caller quantizes in torch.
 
 Call convention (ABI 1) of ``astrai_fp8._fp8_ops``: ``weight_gemm(x, w, w_scale, y, ws,
