@@ -152,8 +152,8 @@ def graph_replay() -> None:
     with torch.no_grad(), attn_backend(ATTN_BACKEND.CUDA):
         plan = cache.plan(ids, [1] * size, into=static)
         cache.prepare(plan)
-        splits = plan.launches[("cuda", "decode", hq)].num_splits
         attention(q, k, v, kv_cache=cache, layer_id=0)  # lazy set-up outside the capture; appends the step
+        splits = plan.launches[("cuda", "decode", hq)].num_splits  # built by that first call
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = attention(q, k, v, kv_cache=cache, layer_id=0)  # the same rows again on each replay
