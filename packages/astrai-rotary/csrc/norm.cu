@@ -27,6 +27,7 @@
 #include "astrai/bind.h"
 #include "astrai/check.h"
 #include "astrai/tensor_arg.h"
+#include "capabilities.h"
 #include "norm.h"
 #include "norm_kernel.cuh"
 #include "silu_mul_kernel.cuh"
@@ -39,12 +40,12 @@ namespace {
 
 constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
 
-bool is_float(DType t) { return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16; }
+using rotary::is_dtype;
 
 // A [rows, channels] operand: float dtype, contiguous rows, aligned data.
 void expect_rows(const TensorArg& t) {
     expect_ndim(t, 2);
-    ASTRAI_CHECK(is_float(t.dtype), t.name, ": expected float16, bfloat16 or float32, got ", dtype_name(t.dtype));
+    ASTRAI_CHECK(is_dtype(t.dtype), t.name, ": expected " ASTRAI_ROTARY_DTYPES_TEXT ", got ", dtype_name(t.dtype));
     expect_last_dim_contiguous(t);
     expect_data(t, dtype_size(t.dtype));
     ASTRAI_CHECK(t.size(0) <= kMaxRows, t.name, ": ", t.size(0), " rows, at most 2^31 - 1 per call");
@@ -243,7 +244,7 @@ void silu_and_mul(py::handle gate_up_arg, py::handle out_arg, py::handle stream_
 
 std::tuple<int, int, int> norm_launch(int64_t hidden, int64_t dtype_code, bool vector) {
     const DType dtype = dtype_from_code(dtype_code, "dtype_code");
-    ASTRAI_CHECK(is_float(dtype), "dtype_code: expected float16, bfloat16 or float32, got ", dtype_name(dtype));
+    ASTRAI_CHECK(is_dtype(dtype), "dtype_code: expected " ASTRAI_ROTARY_DTYPES_TEXT ", got ", dtype_name(dtype));
     ASTRAI_CHECK(hidden > 0, "hidden: must be positive, got ", hidden);
     const NormShape shape = norm_shape(hidden, dtype_size(dtype), vector);
     return {shape.threads, shape.vecs, shape.elems};

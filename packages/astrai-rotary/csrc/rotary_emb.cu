@@ -36,6 +36,7 @@
 #include "astrai/check.h"
 #include "astrai/kv_scales.h"
 #include "astrai/tensor_arg.h"
+#include "capabilities.h"
 #include "norm.h"
 #include "rotary_kernel.cuh"
 
@@ -43,11 +44,9 @@ namespace astrai::rotary {
 
 namespace py = pybind11;
 
-bool is_float(DType t) { return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16; }
-
 void expect_rotated(const TensorArg& t, int ndim) {
     expect_ndim(t, ndim);
-    ASTRAI_CHECK(is_float(t.dtype), t.name, ": expected float16, bfloat16 or float32, got ", dtype_name(t.dtype));
+    ASTRAI_CHECK(is_dtype(t.dtype), t.name, ": expected " ASTRAI_ROTARY_DTYPES_TEXT ", got ", dtype_name(t.dtype));
     ASTRAI_CHECK(t.size(-1) > 0 && t.size(-1) % 2 == 0, t.name, ": head_dim (last dim) must be even and positive, got ",
                  t.size(-1));
     expect_last_dim_contiguous(t);
@@ -297,9 +296,10 @@ void rope_paged_append(py::handle q_arg, py::handle k_arg, py::handle v_arg, py:
     ASTRAI_CHECK(k.dtype == q.dtype && k.size(0) == T && k.size(2) == D, "k: expected ", dtype_name(q.dtype), " [", T,
                  ", kv_heads, ", D, "] like q, got ", dtype_name(k.dtype), " ", shape_str(k.shape));
     expect_like(v, k);
-    const DType page_dtype = is_fp8(k_cache.dtype) ? k_cache.dtype : k.dtype;
-    ASTRAI_CHECK(!is_fp8(page_dtype) || k.dtype == DType::Float16 || k.dtype == DType::BFloat16,
-                 "k_cache: an fp8 cache quantizes float16 or bfloat16 keys/values, got ", dtype_name(k.dtype));
+    const DType page_dtype = is_fp8_kv_dtype(k_cache.dtype) ? k_cache.dtype : k.dtype;
+    ASTRAI_CHECK(!is_fp8_kv_dtype(page_dtype) || is_fp8_kv_source_dtype(k.dtype),
+                 "k_cache: an fp8 cache quantizes " ASTRAI_ROTARY_FP8_KV_SOURCE_DTYPES_TEXT " keys/values, got ",
+                 dtype_name(k.dtype));
     for (const TensorArg* c : {&k_cache, &v_cache}) {
         expect_ndim(*c, 4);
         ASTRAI_CHECK(c->dtype == page_dtype && c->size(2) == k.size(1) && c->size(3) == D, c->name, ": expected ",
@@ -382,7 +382,7 @@ PYBIND11_MODULE(_rotary_emb, m) {
           "slots[t] (int64) of k_cache / v_cache [num_pages, page_size, Hk, D]; positions [T] select the\n"
           "rows of cos/sin. fp8 pages take kv_scales = (k_scale, v_scale) and store x / scale as fp8.");
     // page dtypes written besides the keys' (with kv_scales)
-    m.attr("KV_DTYPES") = py::make_tuple("float8_e4m3fn", "float8_e5m2");
+    m.attr("KV_DTYPES") = py::make_tuple(ASTRAI_ROTARY_FP8_KV_DTYPE_NAMES);
     m.def("rotary_emb", &astrai::rotary::rotary_emb, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"),
           py::arg("stream"), "The original call: interleaved pairs of x [B, L, H, D], cos/sin [L, D/2], into out.");
     astrai::norm::bind(m);

@@ -3,7 +3,9 @@
 The core's registry calls :func:`manifest` through the entry point ``astrai.kernels:
 rotary``; the compiled module ``astrai_rotary._rotary_emb`` is imported by the core
 only when the op first runs. What the binary really holds (CUDA version, SASS and PTX
-archs) comes from ``build_info.json``, written by the build next to the module.
+archs) comes from ``build_info.json``, written by the build next to the module. What the
+kernels serve (dtypes, page dtypes, min arch) is stated once, in
+:mod:`astrai_rotary.capabilities`; the ops' specs below and the C++ read it.
 """
 
 from __future__ import annotations
@@ -12,48 +14,31 @@ import json
 from importlib.resources import files
 from typing import Any
 
+from . import capabilities
+
 __all__ = ["build_info", "manifest"]
 
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 
-# What the kernels serve, stated once: the core's policies read these dtypes. The rotary ops
-# take both pair layouts (interleaved and NeoX), partial rotary and any even head_dim; the
-# norm ops any hidden size (in registers up to 32768 bf16/fp16 or 16384 fp32 channels).
-_DTYPES = ["float16", "bfloat16", "float32"]
+_COMMON: dict[str, Any] = {
+    "module": "astrai_rotary._rotary_emb",
+    "abi": 1,
+    "dtypes": list(capabilities.DTYPES),
+    "min_sm": capabilities.MIN_SM,
+}
 
 _OPS: dict[str, dict[str, Any]] = {
-    "rotary_emb": {  # rotary(...): one or two tensors, forward and inverse, positions
-        "module": "astrai_rotary._rotary_emb",
-        "abi": 1,
-        "dtypes": _DTYPES,
-        "min_sm": 80,
-    },
-    "rope_paged_append": {  # q rotated, k rotated + v written into paged KV cache, one launch
-        "module": "astrai_rotary._rotary_emb",
-        "abi": 1,
-        "dtypes": _DTYPES,
-        "kv_dtypes": ["float8_e4m3fn", "float8_e5m2"],  # fp8 pages, quantized (the module's KV_DTYPES)
-        "min_sm": 80,
-    },
-    "rms_norm": {  # transformers' LlamaRMSNorm, one block per row
-        "module": "astrai_rotary._rotary_emb",
-        "abi": 1,
-        "dtypes": _DTYPES,
-        "min_sm": 80,
-    },
-    "fused_add_rms_norm": {  # residual += x, then x = rms_norm(residual), in place, one launch
-        "module": "astrai_rotary._rotary_emb",
-        "abi": 1,
-        "dtypes": _DTYPES,
-        "min_sm": 80,
-    },
-    "silu_and_mul": {  # silu(gate) * up of a fused gate/up projection
-        "module": "astrai_rotary._rotary_emb",
-        "abi": 1,
-        "dtypes": _DTYPES,
-        "min_sm": 80,
-    },
+    # rotary(...): one or two tensors, forward and inverse, positions
+    "rotary_emb": dict(_COMMON),
+    # q rotated, k rotated + v written into paged KV cache, one launch; fp8 pages quantized
+    "rope_paged_append": {**_COMMON, "kv_dtypes": list(capabilities.FP8_KV_DTYPES)},
+    # transformers' LlamaRMSNorm, one block per row
+    "rms_norm": dict(_COMMON),
+    # residual += x, then x = rms_norm(residual), in place, one launch
+    "fused_add_rms_norm": dict(_COMMON),
+    # silu(gate) * up of a fused gate/up projection
+    "silu_and_mul": dict(_COMMON),
 }
 
 
