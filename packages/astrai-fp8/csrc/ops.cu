@@ -27,6 +27,7 @@
 #include "astrai/check.h"
 #include "astrai/device.cuh"
 #include "astrai/tensor_arg.h"
+#include "capabilities.h"
 #include "gemm.cuh"
 #include "gemm/sm90/entry.h"
 #include "gemm/sm90/planning_bind.h"
@@ -111,15 +112,15 @@ void quantize(py::handle x_arg, py::handle scale_arg, py::handle q_arg, py::hand
 
   ASTRAI_CHECK(out_layout >= 0 && out_layout <= 2, "out_layout: expected 0 (q), 1 (q_t) or 2 (both), got ",
                out_layout);
-  ASTRAI_CHECK(x.dtype == DType::Float32 || x.dtype == DType::Float16 || x.dtype == DType::BFloat16,
-               "x: expected float32, float16 or bfloat16, got ", dtype_name(x.dtype));
+  ASTRAI_CHECK(is_quantize_dtype(x.dtype), "x: expected " ASTRAI_FP8_QUANTIZE_DTYPES_TEXT ", got ",
+               dtype_name(x.dtype));
   const int64_t ldx = expect_matrix(x);
   ASTRAI_CHECK(x.ptr % dtype_size(x.dtype) == 0, "x: data pointer not aligned to its element size");
   expect_scalar_f32(scale);
   expect_scalar_f32(amax);
   const int64_t rows = x.size(0), cols = x.size(1);
   const bool want_q = out_layout != 1, want_qt = out_layout != 0;
-  ASTRAI_CHECK(is_fp8(q.dtype) && is_fp8(q_t.dtype), "q, q_t: expected float8_e4m3fn or float8_e5m2, got ",
+  ASTRAI_CHECK(is_fp8_dtype(q.dtype) && is_fp8_dtype(q_t.dtype), "q, q_t: expected " ASTRAI_FP8_DTYPES_TEXT ", got ",
                dtype_name(q.dtype), " and ", dtype_name(q_t.dtype));
   if (want_q) {
     expect_shape(q, {rows, cols}, "[M, K] like x");
@@ -174,8 +175,8 @@ void gemm_op(py::handle a_arg, py::handle b_arg, py::handle scale_arg, py::handl
   if (has_bias) bias = bind::tensor_arg("bias", bias_arg);
   const cudaStream_t stream = bind::stream_arg(stream_arg);
 
-  ASTRAI_CHECK(is_fp8(a.dtype), "a: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(a.dtype));
-  ASTRAI_CHECK(is_fp8(b.dtype), "b: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(b.dtype));
+  ASTRAI_CHECK(is_fp8_dtype(a.dtype), "a: expected " ASTRAI_FP8_DTYPES_TEXT ", got ", dtype_name(a.dtype));
+  ASTRAI_CHECK(is_fp8_dtype(b.dtype), "b: expected " ASTRAI_FP8_DTYPES_TEXT ", got ", dtype_name(b.dtype));
   const int64_t lda = expect_matrix(a), ldb = expect_matrix(b);
   const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
   const int64_t kb = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
@@ -280,14 +281,13 @@ void weight_gemm(py::handle x_arg, py::handle w_arg, py::handle scale_arg, py::h
                  int64_t k_per_split, py::handle stream_arg) {
   const auto [x, w, w_scale, y] = bind::tensor_args({"x", "w", "w_scale", "y"}, {x_arg, w_arg, scale_arg, y_arg});
   const cudaStream_t stream = bind::stream_arg(stream_arg);
-  ASTRAI_CHECK(x.dtype == DType::BFloat16 || x.dtype == DType::Float16, "x: expected bfloat16 or float16, got ",
+  ASTRAI_CHECK(is_activation_dtype(x.dtype), "x: expected " ASTRAI_FP8_ACTIVATION_DTYPES_TEXT ", got ",
                dtype_name(x.dtype));
   const int64_t ldx = expect_rows16(x);
   const int64_t m = x.size(0), k = x.size(1);
   ASTRAI_CHECK(m <= 64, "x: at most 64 rows (tokens) for the weight GEMM, got ", m);
   ASTRAI_CHECK(k % kWeightGemmChunk == 0, "x: K must be a multiple of ", kWeightGemmChunk, ", got ", k);
-  ASTRAI_CHECK(w.dtype == DType::Float8E4M3 || w.dtype == DType::Float8E5M2,
-               "w: expected float8_e4m3fn or float8_e5m2, got ", dtype_name(w.dtype));
+  ASTRAI_CHECK(is_fp8_dtype(w.dtype), "w: expected " ASTRAI_FP8_DTYPES_TEXT ", got ", dtype_name(w.dtype));
   const int64_t ldw = expect_rows16(w);
   ASTRAI_CHECK(w.size(1) == k, "w: expected [N, ", k, "] (K of x), got ", shape_str(w.shape));
   const int64_t n = w.size(0);
@@ -331,7 +331,7 @@ void weight_gemm(py::handle x_arg, py::handle w_arg, py::handle scale_arg, py::h
 void quantize_rows(py::handle x_arg, py::handle q_arg, py::handle scale_arg, py::handle stream_arg) {
   const auto [x, q, scale] = bind::tensor_args({"x", "q", "scale"}, {x_arg, q_arg, scale_arg});
   const cudaStream_t stream = bind::stream_arg(stream_arg);
-  ASTRAI_CHECK(x.dtype == DType::BFloat16 || x.dtype == DType::Float16, "x: expected bfloat16 or float16, got ",
+  ASTRAI_CHECK(is_activation_dtype(x.dtype), "x: expected " ASTRAI_FP8_ACTIVATION_DTYPES_TEXT ", got ",
                dtype_name(x.dtype));
   const int64_t ldx = expect_rows16(x);
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -403,7 +403,7 @@ py::dict plan(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, int s
 PYBIND11_MODULE(_fp8_ops, m) {
   namespace py = pybind11;
   astrai::bind::init_module(m);
-  m.doc() = "AstrAI FP8 quantize + GEMM (ABI 1): torch-free, pointers + shapes + strides, sm_89+.";
+  m.doc() = "AstrAI FP8 quantize + GEMM (ABI 1): torch-free, pointers + shapes + strides, " ASTRAI_FP8_MIN_SM_TEXT "+.";
   m.def("quantize", &astrai::fp8::quantize, py::arg("x"), py::arg("scale"), py::arg("q"),
         py::arg("q_t"), py::arg("amax"), py::arg("out_layout"), py::arg("stream"),
         "q = saturate(x * scale) (fp8, format = q's dtype), q_t = q^T, amax = max|x|.\n"
@@ -420,7 +420,8 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "b is [K, N] ([N, K] if trans_b), fp8 (e4m3/e5m2, may differ), unit last stride;\n"
         "scale a float32 scalar (the combined dequant scale); bias bf16 [N] or None.\n"
         "mainloop: 'auto' (the sm_90a wgmma kernel where it applies, else mma.sync) or\n"
-        "'mma_sync' (always the mma.sync kernel: native on sm_89/sm_120, emulated elsewhere).");
+        "'mma_sync' (always the mma.sync kernel: native on " ASTRAI_FP8_MMA_SYNC_NATIVE_SM_TEXT
+        ", emulated elsewhere).");
   m.def("scale_update", &astrai::fp8::scale_update, py::arg("hist"), py::arg("pending"),
         py::arg("prev_scale"), py::arg("scale"), py::arg("scale_inv"), py::arg("factor"),
         py::arg("most_recent"), py::arg("stream"),

@@ -11,6 +11,9 @@ sm_90 / sm_100. A build with ``sm_90a`` code holds the Hopper ``wgmma`` mainloop
 makes 90 native too (``_gemm_native_sm``); such a manifest also carries ``prefer`` for 90,
 the measured table of ``sm90_table.json`` (``astrai_fp8.sm90_table``), so that the core
 runs the plugin's GEMM on sm_90 only for the shape classes where it beats cuBLASLt.
+
+What the kernels serve (dtypes, fp8 formats, min arch, the native archs) is stated once, in
+:mod:`astrai_fp8.capabilities`; the ops' specs below and the C++ read it.
 """
 
 from __future__ import annotations
@@ -20,29 +23,31 @@ import json
 from importlib.resources import files
 from typing import Any
 
-from . import sm90_table
+from . import capabilities, sm90_table
 
 __all__ = ["build_info", "manifest"]
 
 API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 MODULE = "astrai_fp8._fp8_ops"
-MIN_SM = 89
+MIN_SM = capabilities.MIN_SM
 # the manifest keys copied from the build's record (build_info.json)
 FROM_BUILD = ("version", "cuda", "sass_archs", "ptx_archs")
 
 # The ops of MODULE (all ABI 1, sm_89+) and the dtypes each takes.
 OP_DTYPES = {
-    "fp8_quantize": ["float32", "float16", "bfloat16"],
-    "fp8_gemm": ["float8_e4m3fn", "float8_e5m2"],
-    "fp8_scale_update": ["float32"],  # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
-    "fp8_weight_gemm": ["bfloat16", "float16"],  # decode-size x . (FP8 weights * per-channel scales)^T
+    "fp8_quantize": capabilities.QUANTIZE_DTYPES,
+    "fp8_gemm": capabilities.FP8_DTYPES,
+    # delayed scaling's end of step: history roll + scale / scale_inv, one kernel
+    "fp8_scale_update": capabilities.SCALE_UPDATE_DTYPES,
+    # decode-size x . (FP8 weights * per-channel scales)^T
+    "fp8_weight_gemm": capabilities.ACTIVATION_DTYPES,
 }
 
 # Archs whose mma.sync e4m3/e5m2 is a native QMMA (checked in the SASS by the tests).
-MMA_SYNC_NATIVE_SM = (89, 120)
+MMA_SYNC_NATIVE_SM = capabilities.MMA_SYNC_NATIVE_SM
 # The Hopper wgmma + TMA mainloop (csrc/gemm/sm90) is compiled only for this target.
-WGMMA_SASS = "sm_90a"
+WGMMA_SASS = f"sm_{capabilities.WGMMA_SM}a"
 
 
 def build_info() -> dict[str, Any]:
@@ -58,12 +63,12 @@ def _has_wgmma(info: dict[str, Any]) -> bool:
 
 def _gemm_native_sm(info: dict[str, Any]) -> list[int]:
     """Where fp8_gemm is native: the mma.sync archs, plus 90 with the wgmma mainloop."""
-    return sorted({*MMA_SYNC_NATIVE_SM, *((90,) if _has_wgmma(info) else ())})
+    return sorted({*MMA_SYNC_NATIVE_SM, *((capabilities.WGMMA_SM,) if _has_wgmma(info) else ())})
 
 
 def _gemm_prefer(info: dict[str, Any]) -> dict[str, Any] | None:
     """The measured tables per arch (manifest key ``prefer``): sm_90's, with the wgmma build."""
-    return {"90": sm90_table.load()} if _has_wgmma(info) else None
+    return {str(capabilities.WGMMA_SM): sm90_table.load()} if _has_wgmma(info) else None
 
 
 def _ops(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
