@@ -66,5 +66,6 @@ BINDINGS: dict[str, Binding] = {
                              "stream")),
     "weight_gemm": Binding(("x", "w", "w_scale", "y", "ws", "k_per_split", "stream")),
     "weight_gemm_plan": Binding(("n", "k", "sms")),
+    "quantize_rows": Binding(("x", "q", "scale", "stream")),
     "plan": Binding(("m", "n", "k", "trans_a", "trans_b", "sms", "smem_per_sm", "smem_per_block")),
 }
