@@ -5,7 +5,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <atomic>
 
 #include "astrai/check.h"
@@ -167,31 +166,14 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
 }
 
 // The warp-specialized Hopper prefill (sm_90a) over prefill_ws_grid's blocks of 128 (row,
-// head) pairs; persistent: one block per SM walks them.
+// head) pairs.
 template <typename T, int D, class QSched, class KV>
 void launch_prefill_ws(AttentionParams p, unsigned num_q_tiles, unsigned batch, cudaStream_t stream) {
-    using C = PrefillWsConfig<D>;
     const PrefillGrid g = prefill_ws_grid(p, num_q_tiles, batch, QSched::kPacked, ASTRAI_PREFILL_WS_MHA != 0);
     dim3 grid(g.x, g.y, g.z);
-    if (C::kPersistent) {
-        p.work_grid_x = int(grid.x);
-        p.work_grid_y = int(grid.y);
-        p.num_work = int(int64_t(grid.x) * grid.y * grid.z);
-        grid = dim3(unsigned(std::min(p.num_work, cached_device_attribute<cudaDevAttrMultiProcessorCount>())));
-        if (p.work_counter == nullptr) {
-            // build-knob experiments only: one zeroed counter pair per process, one stream
-            static int* counter = [] {
-                int* c = nullptr;
-                ASTRAI_CUDA_CHECK(cudaMalloc(&c, 2 * sizeof(int)));
-                ASTRAI_CUDA_CHECK(cudaMemset(c, 0, 2 * sizeof(int)));
-                return c;
-            }();
-            p.work_counter = counter;
-        }
-    }
     // Wide K/V tiles: dense calls over contiguous K/V (d128 without a causal mask, d256)
     constexpr int kWide = kWideTileRows<D>;
-    if constexpr (kWide != 0 && !KV::kPaged && !QSched::kPacked && !C::kPersistent) {
+    if constexpr (kWide != 0 && !KV::kPaged && !QSched::kPacked) {
         if ((D == 256 || !p.causal) && !has_score_variant(p) &&
             launch_prefill_ws_tiles<T, D, kWide, QSched, KV>(p, grid, stream))
             return;

@@ -36,8 +36,8 @@ struct QWork {
     int64_t o_off;
 };
 
-// A block's coordinates in the launch grid, (q tile block, kv head group, request). A
-// persistent kernel walks the same coordinates as work items; grid_x is the grid's x extent.
+// A block's coordinates in the launch grid, (q tile block, kv head group, request); grid_x is
+// the grid's x extent.
 struct BlockCoord {
     int x, y, z, grid_x;
 #ifdef __CUDACC__

@@ -18,8 +18,7 @@
 //                              P V runs on the tensor cores; wait P V; release V_{t-1};
 //                              rescale O, pack P_t.
 // With kPingPong the two consumer warpgroups also take turns issuing their GEMMs (named
-// barriers), so one's softmax overlaps the other's MMAs. With kPersistent one block per SM
-// walks the work items, its producer running ahead into the next item's Q and K/V.
+// barriers), so one's softmax overlaps the other's MMAs.
 // Tiles are 64-element panels of 128-byte rows with the 128-byte swizzle the wgmma
 // descriptors describe (PanelTile).
 #pragma once
@@ -61,11 +60,6 @@ struct PanelTile {
 // O by TMA stores where a block's box lies inside its request and head group
 #ifndef ASTRAI_PREFILL_TMA_STORE
 #define ASTRAI_PREFILL_TMA_STORE 1
-#endif
-// 1: one block per SM taking work items from an atomic counter (p.work_counter; a build-knob
-// launch allocates one per process: one stream) in launch order; 0: one block per work item
-#ifndef ASTRAI_PREFILL_PERSISTENT
-#define ASTRAI_PREFILL_PERSISTENT 0
 #endif
 // 1: multi-head attention (one query head per K/V head, HB = 1) runs this kernel too, a block
 // taking 128 rows of its head (two host Q tiles; tiles_per_block); 0: the mma.sync kernel.
@@ -119,31 +113,23 @@ struct PrefillWsConfig {
     static constexpr bool kTmaOnly = BN_ != 0;
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kThreads = 3 * 128;
-    // One block per SM walking the work items (d256's consumers have no registers to spare
-    // for the loop: one block per item there).
-    static constexpr bool kPersistent = ASTRAI_PREFILL_PERSISTENT != 0 && D <= 128 && !kTmaOnly;
     // The block starts with 168 registers a thread (64K / 384, rounded down to 8), and the
     // consumers' setmaxnreg.inc waits until the producer's .dec left that much in the pool:
     // 128 x producer + 256 x consumer <= 384 x 168. Neither role spills (the producer keeps
     // its page ids and copy offsets; d256's O alone takes 128 registers a thread).
-    // (A persistent block's consumers keep the item loop's state too: 208 at d128.)
-    static constexpr int kProducerRegs = kTmaOnly ? 40 : D == 256 ? 72 : kPersistent && D == 128 ? 88 : 104;
-    static constexpr int kConsumerRegs = kTmaOnly ? 232 : D == 256 ? 216 : kPersistent && D == 128 ? 208 : 200;
+    static constexpr int kProducerRegs = kTmaOnly ? 40 : D == 256 ? 72 : 104;
+    static constexpr int kConsumerRegs = kTmaOnly ? 232 : D == 256 ? 216 : 200;
     static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "register pool overcommitted");
     static constexpr bool kPingPong = ASTRAI_PREFILL_PINGPONG != 0 && D <= 128;  // measured slower at d256
     static constexpr int kTileBytes = kBN * D * 2;
     static constexpr int kQBytes = kRows * D * 2;
-    // Q slots: a persistent block loads the next work item's Q when it starts this one's
-    // K/V, into the slot the item before this one released
-    static constexpr int kQBuffers = kPersistent ? 3 : 1;
-    // full K, full V, empty K, empty V per stage; full and empty per Q slot
-    static constexpr int kBarriers = 4 * kStages + 2 * kQBuffers;
-    // + the work item of each Q slot (persistent)
-    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBuffers * kQBytes + 8 * kBarriers + 16;
+    // full K, full V, empty K, empty V per stage; Q's full and empty
+    static constexpr int kBarriers = 4 * kStages + 2;
+    static constexpr int kSmemBytes = 1024 + 2 * kStages * kTileBytes + kQBytes + 8 * kBarriers;
     static_assert(kSmemBytes <= 227 * 1024, "shared memory over the sm_90 limit");
 };
 
-// Shared-memory map: K ring, V ring, Q slots, then the barriers.
+// Shared-memory map: K ring, V ring, Q, then the barriers.
 template <class C>
 struct PrefillWsSmem {
     uint32_t k, v, q, bars;
@@ -151,31 +137,29 @@ struct PrefillWsSmem {
         k = (base + 1023u) & ~1023u;
         v = k + C::kStages * C::kTileBytes;
         q = v + C::kStages * C::kTileBytes;
-        bars = q + C::kQBuffers * C::kQBytes;
+        bars = q + C::kQBytes;
     }
     __device__ uint32_t k_stage(int s) const { return k + s * C::kTileBytes; }
     __device__ uint32_t v_stage(int s) const { return v + s * C::kTileBytes; }
-    __device__ uint32_t q_slot(int s) const { return q + s * C::kQBytes; }
     __device__ uint32_t full_k(int s) const { return bars + 8 * s; }
     __device__ uint32_t full_v(int s) const { return bars + 8 * (C::kStages + s); }
     __device__ uint32_t empty_k(int s) const { return bars + 8 * (2 * C::kStages + s); }
     __device__ uint32_t empty_v(int s) const { return bars + 8 * (3 * C::kStages + s); }
-    __device__ uint32_t q_full(int s) const { return bars + 8 * (4 * C::kStages + s); }
-    __device__ uint32_t q_empty(int s) const { return bars + 8 * (4 * C::kStages + C::kQBuffers + s); }
-    __device__ uint32_t item_slot(int s) const { return bars + 8 * C::kBarriers + 4 * s; }
+    __device__ uint32_t q_full() const { return bars + 8 * 4 * C::kStages; }
+    __device__ uint32_t q_empty() const { return bars + 8 * (4 * C::kStages + 1); }
 };
 
 // A value every lane of the warp holds alike, broadcast from lane 0 so that ptxas can prove
 // it warp-uniform: addresses and wgmma descriptors derived from it then stay in uniform
-// registers (the persistent block's item, read from shared memory, otherwise pushed the
-// descriptor arithmetic of every tile into the vector datapath: +120 % R2UR, 2.9k against
-// 2.7k cycles a tile).
+// registers (a work item read from shared memory, in a persistent variant since deleted,
+// otherwise pushed the descriptor arithmetic of every tile into the vector datapath: +120 %
+// R2UR, 2.9k against 2.7k cycles a tile).
 __device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-// Where a block is in its rings: `tiles` K/V tiles and `items` work items (Q loads) so far.
-// Use u of a ring slot completes its barrier's phase u, of parity u & 1.
+// Where a block is in its K/V rings: `tiles` K/V tiles so far. Use u of a ring slot completes
+// its barrier's phase u, of parity u & 1.
 struct RingPos {
-    int tiles = 0, items = 0;
+    int tiles = 0;
 };
 
 #if ASTRAI_ATTN_SM90
@@ -299,33 +283,32 @@ __device__ __forceinline__ int2 map_rows(const AttentionParams& p, const QWork& 
     return QSched::kPacked ? make_int2(qw.row_base + __ldg(p.qo_indptr + qw.b), 0) : make_int2(qw.row_base, qw.b);
 }
 
-// The block's Q tile into slot qs, completing its full barrier: by TMA from thread 0 (D / 64
+// The block's Q tile into its slot, completing its full barrier: by TMA from thread 0 (D / 64
 // boxes of head_block heads x rows_blk rows, the barrier expecting the tile's bytes), else
 // by cp.async from all 128 producer threads (never in a C::kTmaOnly launch).
 template <typename T, class C, class QSched>
 __device__ __forceinline__ void produce_q(const AttentionParams& p, const PrefillTensorMaps& maps, const QWork& qw,
-                                          const PrefillSpan& sp, const PrefillWsSmem<C>& sm, int qs) {
+                                          const PrefillSpan& sp, const PrefillWsSmem<C>& sm) {
     using namespace sm90;
     if (!C::kTmaOnly && !maps.q_tma) {
-        load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q_slot(qs));
-        mbar_arrive_on_cp_async(sm.q_full(qs));
+        load_q_rows<T, PanelTile<C::kRows>, C::D, C::kRows, 128>(p, qw, sp, sm.q);
+        mbar_arrive_on_cp_async(sm.q_full());
         return;
     }
     if (threadIdx.x != 0) return;
     const int2 at = map_rows<QSched>(p, qw);
-    mbar_arrive_expect_tx(sm.q_full(qs), C::kQBytes);
+    mbar_arrive_expect_tx(sm.q_full(), C::kQBytes);
 #pragma unroll
     for (int c = 0; c < C::D / 64; ++c)
-        tma_load_4d(sm.q_slot(qs) + c * PanelTile<C::kRows>::kPanelBytes, &maps.q, sm.q_full(qs), c * 64, at.x,
-                    sp.head0, at.y);
+        tma_load_4d(sm.q + c * PanelTile<C::kRows>::kPanelBytes, &maps.q, sm.q_full(), c * 64, at.x, sp.head0, at.y);
 }
 
-// Warpgroup 0 of a block per work item: Q, then the K/V tiles.
+// Warpgroup 0: Q, then the K/V tiles.
 template <typename T, class C, class QSched, class KV>
 __device__ __forceinline__ void prefill_ws_produce(const AttentionParams& p, const PrefillTensorMaps& maps,
                                                    const QWork& qw, const PrefillSpan& sp, const PrefillWsSmem<C>& sm,
                                                    RingPos& pos) {
-    produce_q<T, C, QSched>(p, maps, qw, sp, sm, 0);
+    produce_q<T, C, QSched>(p, maps, qw, sp, sm);
     produce_kv<T, C, KV>(p, maps, qw, sp, sm, pos);
 }
 
@@ -543,9 +526,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     const int slot = cw / wph;
     const int row0 = qw.row_base + (cw % wph) * 16 + (lane >> 2);  // rows row0, row0 + 8
     const uint8_t* mask = p.mask ? p.mask + int64_t(qw.b) * p.mask_stride_b : nullptr;
-    const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
-    ++pos.items;
-    const uint32_t q_wg = sm.q_slot(qs) + wg * 64 * 128;
+    const uint32_t q_wg = sm.q + wg * 64 * 128;
     // Ping-pong: warpgroup g issues after barrier 1 + g, then lets the other one go.
     auto my_turn = [&] {
         if constexpr (C::kPingPong) named_barrier_sync(1 + wg, 256);
@@ -562,7 +543,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
 
     const int n = warp_uniform(sp.n_tiles);  // from a loaded length (paged, packed Q)
     PREFILL_TRACE(item, 1, clock64());
-    mbar_wait(sm.q_full(qs), q_use & 1);
+    mbar_wait(sm.q_full(), 0);
     PREFILL_TRACE(item, 2, clock64());
     if (n > 0) {
         if (wg == 1) your_turn();  // warpgroup 0 issues first
@@ -595,12 +576,12 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     // O leaves through the Q slot where every row start is 16-byte aligned.
     const bool aligned = reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && (qw.o_off | p.o_stride_l | p.o_stride_h) % 8 == 0;
     if (aligned) {
-        store_rows_staged<T, C, QSched>(o, st, p, maps, qw, sp, sm.q_slot(qs), wg);
+        store_rows_staged<T, C, QSched>(o, st, p, maps, qw, sp, sm.q, wg);
     } else if (slot < sp.nslots) {
         store_rows<T, C::D, C::kVariant>(o, st, p, qw, sp.head0 + slot, row0);
     }
-    // The slot may take a later item's Q.
-    mbar_arrive(sm.q_empty(qs));
+    // Q's slot released.
+    mbar_arrive(sm.q_empty());
 #ifdef ASTRAI_PREFILL_TRACE
     uint32_t smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -610,93 +591,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
 }
 #endif
 
-// Work item w of the logical grid (work_grid_x, work_grid_y, *), x fastest.
-__device__ __forceinline__ BlockCoord work_coord(const AttentionParams& p, int w) {
-    const int gxy = p.work_grid_x * p.work_grid_y;
-    return BlockCoord{w % p.work_grid_x, (w % gxy) / p.work_grid_x, w / gxy, p.work_grid_x};
-}
-
-#if ASTRAI_ATTN_SM90
-// C::kPersistent producer: takes work items from p.work_counter (thread 0) and publishes
-// each in its Q slot, whose full barrier counts thread 0's arrival (a release) besides the
-// Q copy arrivals (none with Q by TMA: thread 0's arrival arms the byte count). It runs one
-// item ahead: item i + 1 is taken and its Q loaded before item i's K/V tiles are issued.
-// With Q and K/V by TMA thread 0 alone works. An item past the grid ends both roles; an item
-// without rows is published without a Q load.
-template <typename T, class C, class QSched, class KV>
-__device__ __forceinline__ void produce_persistent(const AttentionParams& p, const PrefillTensorMaps& maps,
-                                                   const PrefillWsSmem<C>& sm, RingPos& pos) {
-    using namespace sm90;
-    const bool solo = maps.mode == PrefillTensorMaps::kTma && maps.q_tma;
-    if (solo && threadIdx.x != 0) return;
-    auto take = [&](int i) {
-        const int qs = i % C::kQBuffers, use = i / C::kQBuffers;
-        if (use > 0) mbar_wait(sm.q_empty(qs), (use - 1) & 1);
-        int w = 0;
-        if (threadIdx.x == 0) {
-            w = atomicAdd(p.work_counter, 1);
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(sm.item_slot(qs)), "r"(w) : "memory");
-        }
-        if (!solo) {
-            named_barrier_sync(3, 128);
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(sm.item_slot(qs)) : "memory");
-        }
-        // With Q by TMA thread 0's arrival that arms the byte count publishes the item.
-        if (!maps.q_tma && threadIdx.x == 0) mbar_arrive(sm.q_full(qs));
-        const BlockCoord c = work_coord(p, w < p.num_work ? w : 0);
-        const QWork qw = QSched::get(p, c);
-        if (w < p.num_work && qw.row_base < qw.q_len) {
-            produce_q<T, C, QSched>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, qs);
-        } else if (!maps.q_tma || threadIdx.x == 0) {
-            mbar_arrive(sm.q_full(qs));  // in place of the Q arrivals
-        }
-        return w;
-    };
-    int w = take(0);
-    for (int i = 1; w < p.num_work; ++i) {
-        const int next = take(i);
-        const BlockCoord c = work_coord(p, w);
-        const QWork qw = QSched::get(p, c);
-        if (qw.row_base < qw.q_len) produce_kv<T, C, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
-        // With K/V by TMA, lanes 1-31 wait here for lane 0's tiles: a warp whose other lanes
-        // spin on an mbarrier can be suspended with lane 0 (measured: ~30k cycles per item).
-        if (!solo && maps.mode == PrefillTensorMaps::kTma) __syncwarp();
-        w = next;
-    }
-    // Every block took one item past the grid: the last to get here resets the counters.
-    if (threadIdx.x == 0 && atomicAdd(p.work_counter + 1, 1) == int(gridDim.x) - 1) {
-        atomicExch(p.work_counter, 0);
-        atomicExch(p.work_counter + 1, 0);
-    }
-}
-
-template <typename T, class C, class QSched, class KV>
-__device__ __forceinline__ void consume_persistent(const AttentionParams& p, const PrefillTensorMaps& maps,
-                                                   const PrefillWsSmem<C>& sm, RingPos& pos, bool stale_tail) {
-    using namespace sm90;
-    for (;;) {
-        const int qs = pos.items % C::kQBuffers, q_use = pos.items / C::kQBuffers;
-        mbar_wait(sm.q_full(qs), q_use & 1);
-        int w;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(sm.item_slot(qs)) : "memory");
-        w = warp_uniform(w);
-        if (w >= p.num_work) break;
-        const BlockCoord c = work_coord(p, w);
-        const QWork qw = QSched::get(p, c);
-        if (qw.row_base >= qw.q_len) {
-            mbar_arrive(sm.q_empty(qs));
-            ++pos.items;
-            continue;
-        }
-        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos, stale_tail,
-                                             w);
-    }
-}
-#endif
-
-// One block per work item (launch coordinate), or (C::kPersistent) one block per SM taking
-// the items of the logical grid (work_grid_x, work_grid_y, *) from an atomic counter, its
-// producer running ahead into the next item's Q and K/V while the consumers finish this one.
+// One block per work item (launch coordinate).
 template <typename T, int D, class QSched, class KV, int BN = 0, bool kVariant = false>
 __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
     prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
@@ -713,13 +608,9 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
             sm90::mbar_init(sm.empty_k(s), 256);  // every consumer thread releases
             sm90::mbar_init(sm.empty_v(s), 256);
         }
-        // Q arrivals: thread 0's (TMA, and the persistent producer's publishing one) and the
-        // 128 producer threads' copies (cp.async)
-        const uint32_t q_loaders = maps.q_tma ? 1 : C::kPersistent ? 129 : 128;
-        for (int s = 0; s < C::kQBuffers; ++s) {
-            sm90::mbar_init(sm.q_full(s), q_loaders);
-            sm90::mbar_init(sm.q_empty(s), 256);
-        }
+        // Q arrivals: thread 0's (TMA) or the 128 producer threads' copies (cp.async)
+        sm90::mbar_init(sm.q_full(), maps.q_tma ? 1 : 128);
+        sm90::mbar_init(sm.q_empty(), 256);
         sm90::mbar_init_fence();
     }
 #ifdef ASTRAI_PREFILL_TRACE
@@ -731,28 +622,20 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
     RingPos pos;
     if (threadIdx.x < 128) {
         sm90::setmaxnreg_dec<C::kProducerRegs>();
-        if constexpr (C::kPersistent) {
-            produce_persistent<T, C, QSched, KV>(p, maps, sm, pos);
-        } else {
-            const BlockCoord c = BlockCoord::of_launch();
-            const QWork qw = QSched::get(p, c);
-            if (qw.row_base < qw.q_len)  // the same items are skipped by every role
-                prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
-        }
+        const BlockCoord c = BlockCoord::of_launch();
+        const QWork qw = QSched::get(p, c);
+        if (qw.row_base < qw.q_len)  // the same items are skipped by every role
+            prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
         cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {
         sm90::setmaxnreg_inc<C::kConsumerRegs>();
-        if constexpr (C::kPersistent) {
-            consume_persistent<T, C, QSched, KV>(p, maps, sm, pos, maps.mode == PrefillTensorMaps::kTmaWholeTiles);
-        } else {
-            const BlockCoord c = BlockCoord::of_launch();
-            const QWork qw = QSched::get(p, c);
-            if (qw.row_base >= qw.q_len) return;
-            const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-            PREFILL_TRACE(item, 7, entry);
-            prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos,
-                                         maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
-        }
+        const BlockCoord c = BlockCoord::of_launch();
+        const QWork qw = QSched::get(p, c);
+        if (qw.row_base >= qw.q_len) return;
+        const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+        PREFILL_TRACE(item, 7, entry);
+        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos,
+                                             maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
     }
 #else
     __trap();  // only sm_90a code exists; the launcher never selects it elsewhere
