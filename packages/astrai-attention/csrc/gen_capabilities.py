@@ -6,10 +6,11 @@ C++ X-macros, text for error messages and predicates. Re-run after changing that
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
-STATEMENT = Path(__file__).resolve().parents[1] / "src" / "astrai_attention" / "capabilities.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cuda-common" / "python"))
+from astrai_capabilities import either, names, statement_of, write_header  # noqa: E402
 
 # C++ spellings of the torch dtype names: DType enumerator, and the compute type or page format
 CXX_DTYPES = {"bfloat16": ("BFloat16", "__nv_bfloat16"), "float16": ("Float16", "__half")}
@@ -17,20 +18,7 @@ CXX_KV_DTYPES = {"float8_e4m3fn": ("Float8E4M3", "KvE4M3"), "float8_e5m2": ("Flo
 
 
 def load_statement():
-    spec = importlib.util.spec_from_file_location("astrai_attention_capabilities", STATEMENT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _either(items) -> str:
-    """'a', 'a or b', 'a, b or c'."""
-    items = [str(i) for i in items]
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
-
-
-def _names(items) -> str:
-    return ", ".join(f'"{i}"' for i in items)
+    return statement_of(__file__, "astrai_attention")
 
 
 def _cxx(table: dict[str, tuple[str, str]], names, what: str) -> list[tuple[str, str]]:
@@ -69,10 +57,10 @@ def render() -> str:
 #define ASTRAI_ATTN_FP8_KV_DTYPES(X) {x_kv}
 
 // The same lists as text (error messages) and as Python names (the modules' attributes).
-#define ASTRAI_ATTN_HEAD_DIMS_TEXT "{_either(dims)}"
-#define ASTRAI_ATTN_DTYPES_TEXT "{_either(dtypes)}"
-#define ASTRAI_ATTN_FP8_KV_DTYPE_NAMES {_names(kv)}
-#define ASTRAI_ATTN_VARIANT_NAMES {_names(caps.VARIANTS)}
+#define ASTRAI_ATTN_HEAD_DIMS_TEXT "{either(dims)}"
+#define ASTRAI_ATTN_DTYPES_TEXT "{either(dtypes)}"
+#define ASTRAI_ATTN_FP8_KV_DTYPE_NAMES {names(kv)}
+#define ASTRAI_ATTN_VARIANT_NAMES {names(caps.VARIANTS)}
 
 namespace astrai::attn {{
 
@@ -85,7 +73,7 @@ constexpr bool is_fp8_kv_dtype(DType t) {{ return {is_kv}; }}
 
 
 def main() -> None:
-    Path(__file__).with_name("capabilities.h").write_text(render())
+    write_header(__file__, render())
 
 
 if __name__ == "__main__":
