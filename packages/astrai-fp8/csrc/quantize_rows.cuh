@@ -2,8 +2,9 @@
 //
 //   scale[r] = amax(|x[r, :]|) * (1 / 448) (1 where the row's amax is not > 0), q[r, :] = x[r, :] / scale[r]
 //
-// One block a row. The first pass reduces the row's amax from 16-byte loads; the second reads the
-// row again (from L1/L2: a row is at most tens of KB) and writes 8 bytes a thread-step. Rounding
+// One block a row. The first pass reduces the row's amax from 16-byte loads (block_amax, into
+// shared memory); the second reads the row again (from L1/L2: a row is at most tens of KB) and
+// writes 8 bytes a thread-step. Rounding
 // is IEEE (__fmul_rn, __fdiv_rn, cvt.rn.satfinite) whatever the fast-math flags, so the bytes and
 // scales equal torch's (x.float() / (amax * (1 / 448))).to(float8_e4m3fn) (the scale as a multiply
 // by the float32 reciprocal: torch's CUDA division by a Python scalar is one). One launch replaces the
@@ -35,8 +36,9 @@ template <class InT>
 __global__ void __launch_bounds__(kQuantRowsThreads)
     fp8_quantize_rows_kernel(const FP8QuantizeRowsParams p) {
   using Tr = quant_in_traits<InT>;
-  __shared__ uint32_t warp_max[kQuantRowsThreads / 32];
-  __shared__ float row_scale;
+  __shared__ float row_amax;  // block_amax's atomicMax target, in shared memory here
+  if (threadIdx.x == 0) row_amax = 0.f;
+  __syncthreads();
   const int r = blockIdx.x;
   const InT* x = static_cast<const InT*>(p.x) + r * p.ldx;
   uint32_t bits = 0u;
@@ -46,18 +48,11 @@ __global__ void __launch_bounds__(kQuantRowsThreads)
 #pragma unroll
     for (int i = 0; i < 8; ++i) bits = max(bits, abs_bits(f[i]));
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = bits;
+  block_amax(bits, &row_amax);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kQuantRowsThreads / 32; ++w) bits = max(bits, warp_max[w]);
-    const float amax = __uint_as_float(bits);
-    row_scale = amax > 0.f ? __fmul_rn(amax, kInvE4M3Max) : 1.f;  // a NaN amax gets 1, as torch.where gives
-    p.scale[r] = row_scale;
-  }
-  __syncthreads();
-  const float s = row_scale;
+  const float amax = row_amax;
+  const float s = amax > 0.f ? __fmul_rn(amax, kInvE4M3Max) : 1.f;  // a NaN amax gets 1, as torch.where gives
+  if (threadIdx.x == 0) p.scale[r] = s;
   uint8_t* q = p.q + r * p.ldq;
   for (int c = threadIdx.x * 8; c < p.cols; c += kQuantRowsThreads * 8) {
     float f[8];
