@@ -11,7 +11,9 @@ Per (rows, N, K), microseconds per call of
              row-wise scales over the same FP8 weights (cuBLASLt, FP8 tensor cores)
   w8a8_gemm  the _scaled_mm alone on activations quantized beforehand (what a quantize fused
              into the norm before the GEMM would leave)
-and each against its weights' bytes at 3.35 TB/s. A candidate that fails is shown failed.
+and each against its weights' bytes at 3.35 TB/s; beside them, what a user's eager call sees: bf16's
+F.linear and fp8_weight_linear (the route the table picks), per call with its host work. A
+candidate that fails is shown failed.
 Each call reads another copy of the weights, cycling through enough copies to overflow the
 L2 cache twice over, as a decode step's layers do (one weight read back to back would stay in
 L2 when it fits: a 4096 x 4096 bf16 weight measured faster than HBM allows).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from astrai import timing
 from astrai.extension.backend import fp8_weights
-from astrai.extension.backend.fp8_weights import quantize_weight
+from astrai.extension.backend.fp8_weights import fp8_weight_linear, quantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from graph_timing import print_rows, quick_json_args  # noqa: E402
@@ -67,12 +69,16 @@ def candidates(m: int, n: int, k: int) -> dict:
         _, w, w_scale = next_copy()
         return fp8_weights._w8a8(x, w, w_scale)
 
+    def route():  # as users call it
+        _, w, w_scale = next_copy()
+        return fp8_weight_linear(x, w, w_scale)
+
     def w8a8_gemm():
         _, w, w_scale = next_copy()
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
 
     ref = F.linear(x.float(), w.float() * w_scale[:, None])
-    fns = {"bf16": bf16, "weight": weight, "w8a8": w8a8, "w8a8_gemm": w8a8_gemm}
+    fns = {"bf16": bf16, "weight": weight, "w8a8": w8a8, "w8a8_gemm": w8a8_gemm, "route": route}
     usable, errors = {}, {}
     for name, fn in fns.items():
         try:
@@ -95,12 +101,16 @@ def main() -> None:
     for name, (n, k) in SHAPES_NK.items():
         for m in rows_list:
             fns, errors = candidates(m, n, k)
+            route = fns.pop("route", None)
             measured = timing.graphs(fns, calls=10, rounds=15)
-            every += measured.values()
+            eager = {c: timing.eager(fn, calls=10, rounds=7) for c, fn in (("bf16", fns.get("bf16")), ("route", route))
+                     if fn is not None}
+            every += [*measured.values(), *eager.values()]
             times = {c: t.median_us for c, t in measured.items()}
             floor_us = (n * k + 2 * m * k + 2 * m * n) / 3.35e12 * 1e6  # FP8 weights, bf16 x and y
             row = {"linear": name, "m": m, "n": n, "k": k, "floor_us": floor_us,
                    **{f"{c}_us": times.get(c, float("nan")) for c in ("bf16", "weight", "w8a8", "w8a8_gemm")},
+                   **{f"{c}_eager_us": eager[c].median_us if c in eager else float("nan") for c in ("bf16", "route")},
                    "iqr_us": {c: t.iqr_us for c, t in measured.items()},
                    "errors": errors}
             fastest = min((c for c in ("weight", "w8a8") if c in times), key=lambda c: times[c], default=None)
@@ -109,12 +119,14 @@ def main() -> None:
 
     def line(r: dict) -> str:
         cells = " ".join(f"{r[c + '_us']:9.1f}" for c in ("bf16", "weight", "w8a8", "w8a8_gemm"))
+        cells += " " + " ".join(f"{r[c + '_eager_us']:11.1f}" for c in ("bf16", "route"))
         failed = [c for c, e in r["errors"].items() if isinstance(e, str)]
         return (f"{r['linear']:>8} {r['m']:5d} {cells} {r['floor_us']:8.1f}  {r['fastest_fp8'] or '-':>6}"
                 f"{'  failed: ' + ','.join(failed) if failed else ''}")
 
-    print_rows(f"{'linear':>8} {'rows':>5} {'bf16':>9} {'weight':>9} {'w8a8':>9} {'w8a8_gemm':>9} {'floor':>8}  "
-               "fastest FP8 (us per call, CUDA graphs, interleaved)", rows, line, args.json)
+    print_rows(f"{'linear':>8} {'rows':>5} {'bf16':>9} {'weight':>9} {'w8a8':>9} {'w8a8_gemm':>9} {'bf16 eager':>11} "
+               f"{'FP8 eager':>11} {'floor':>8}  fastest FP8 (us per call: CUDA graphs, interleaved; then eager)",
+               rows, line, args.json)
     print(timing.legend(every))
     worst = max((e for r in rows for e in r["errors"].values() if isinstance(e, float)), default=float("nan"))
     print(f"largest relative error of an FP8 route against the dequantized weights' float32 product: {worst:.2e}")
