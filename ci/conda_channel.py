@@ -46,6 +46,8 @@ HOST_DISTRIBUTIONS = {"pytorch": "torch"}
 # One fixed timestamp for every package made here: reproducible archives, and no build can
 # win a solve by being made later (the solver must prefer cu130 for its cuda-version).
 TIMESTAMP = datetime(2026, 1, 1, tzinfo=timezone.utc)
+# the interpreter console scripts are staged with, then replaced (see _stage_wheel)
+SCRIPT_PLACEHOLDER = "/placeholder/bin/python"
 
 
 class ChannelError(RuntimeError):
@@ -185,15 +187,18 @@ def _stage_wheel(wheel: WheelInfo, output: Output, staging: Path) -> None:
     else:
         site, scripts = f"lib/python{wheel.python}/site-packages", "bin"
     scheme = {"purelib": site, "platlib": site, "scripts": scripts, "data": ".", "headers": "include"}
-    placeholder = str(staging / "bin" / "python")
+    # A short fixed interpreter, replaced below: installer writes a plain `#!path` line only for
+    # paths under 127 bytes (a /bin/sh trampoline otherwise), and the staging folder can be longer.
     destination = SchemeDictionaryDestination({k: str(staging / v) for k, v in scheme.items()},
-                                              interpreter=placeholder, script_kind="posix")
+                                              interpreter=SCRIPT_PLACEHOLDER, script_kind="posix")
     with WheelFile.open(wheel.path) as source:
         install(source, destination, additional_metadata={"INSTALLER": b"conda\n"})
     for script in (staging / scripts).glob("*"):
-        text = script.read_bytes()
-        if text.startswith(f"#!{placeholder}\n".encode()):
-            script.write_bytes(b"#!/usr/bin/env python\n" + text.split(b"\n", 1)[1])
+        first, rest = script.read_bytes().split(b"\n", 1)
+        if first != f"#!{SCRIPT_PLACEHOLDER}".encode():
+            raise ChannelError(f"{wheel.path.name}: console script {script.name} starts {first[:80]!r}, "
+                               f"not the #!{SCRIPT_PLACEHOLDER} line it was written with")
+        script.write_bytes(b"#!/usr/bin/env python\n" + rest)
 
 
 def _depends(output: Output) -> list[str]:

@@ -69,3 +69,25 @@ def test_check_pip_install_reads_every_requirement_form(tmp_path):
 def test_check_pip_install_reads_the_core_extras():
     extras = _script("check-pip-install").extra_plugins()
     assert extras["all"] == ["astrai-attention", "astrai-rotary", "astrai-fp8"] and "plot" not in extras
+
+
+@pytest.mark.parametrize("depth", [1, 12])  # 12 folders of 20 characters: far past a 127-byte #! line
+def test_console_scripts_start_with_env_python_however_long_the_staging_path(tmp_path, depth):
+    import zipfile
+
+    from conda_channel import Output, _stage_wheel
+
+    wheel_path = tmp_path / "astrai-0.1.0-py3-none-any.whl"
+    info = "astrai-0.1.0.dist-info"
+    with zipfile.ZipFile(wheel_path, "w") as wheel:
+        wheel.writestr("astrai/__init__.py", "def main():\n    return 0\n")
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: astrai\nVersion: 0.1.0\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/entry_points.txt", "[console_scripts]\nastrai = astrai:main\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    output = Output("astrai", "0.1.0", "pyh0_0", "python", (), {}, "", "", "")
+    staging = tmp_path.joinpath(*["s" * 20] * depth)
+    _stage_wheel(read_wheel_name(wheel_path), output, staging)
+    script = (staging / "python-scripts" / "astrai").read_text()
+    assert script.startswith("#!/usr/bin/env python\n") and "exec" not in script.split("\n", 1)[0], script[:200]
+    assert "from astrai import main" in script
