@@ -149,6 +149,20 @@ def test_cli_generate_tiny_writes_json_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def test_cli_generate_fp8_linears_recommends_fp8_weights(tmp_path, capsys):
+    import json
+
+    from astrai.cli.main import main
+
+    out = tmp_path / "gen.json"
+    argv = ["generate", "--preset", "tiny", "--requests", "2", "--prompt-len", "4", "8", "--max-new-tokens", "2",
+            "--dtype", "float32", "--fp8", "--json", str(out)]
+    assert main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "--fp8-weights" in text and "0.90x" in text
+    assert "--fp8-weights" in json.loads(out.read_text())["precision_note"]
+
+
 def test_cli_generate_bad_arguments(capsys):
     from astrai.cli.main import main
 
@@ -159,6 +173,7 @@ def test_cli_generate_bad_arguments(capsys):
 def test_fp8_linears_run_and_stay_close():
     llm = LLM.from_preset("tiny", dtype=torch.float32, device="cpu", seed=1)
     fp8 = LLM(llm.model, fp8=True)
+    assert llm.precision_note is None and "fp8_weights=True" in fp8.precision_note  # the serving mode, named
     prompts = _prompts(19, [8, 3], llm.config.vocab_size)
     _, exact = llm.generate(prompts, max_new_tokens=1, return_logits=True)
     tokens, approx = fp8.generate(prompts, max_new_tokens=4, return_logits=True)

@@ -193,6 +193,8 @@ def main(args) -> int:
     llm.generate(prompts, max_new_tokens=2)  # warm-up: this workload's shapes, kernels, resolver decisions
     if llm.graphs_off_reason:
         console.print(f"[yellow]decode steps run eagerly: {llm.graphs_off_reason}[/]")
+    if llm.precision_note:
+        console.print(f"[yellow]{llm.precision_note}[/]")
     tokens = llm.generate(prompts, max_new_tokens=new, progress_bar=True)
     stats = llm.last_stats
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -200,7 +202,7 @@ def main(args) -> int:
     result = {"device": name, "dtype": str(dtype), "fp8": args.fp8, "fp8_weights": args.fp8_weights,
               "cuda_graphs": llm.use_graphs, "weights_bytes": llm.model.weight_bytes(),
               "attention_backend": _attention_backend(), "kv_cache": _kv_cache(llm), "engine": stats.summary(),
-              "peers": [], "accuracy": None}
+              "peers": [], "accuracy": None, "precision_note": llm.precision_note}
     result["engine"]["hbm_floor"] = decode_floor(c, dtype, device=name, fp8=args.fp8 or args.fp8_weights,
                                                  step_ms=stats.decode_step_ms,
                                                  context_tokens_per_step=stats.decode_context_per_step,

@@ -36,6 +36,13 @@ __all__ = ["LLM"]
 _PAD_SEQ = "__pad__"
 
 
+# Measured on an H100 (docs/fp8.md, "FP8 linears or FP8 weights for serving").
+FP8_LINEARS_NOTE = ("FP8 linears (fp8=True, --fp8) quantize each linear's activations per tensor on every call: at "
+                    "decode sizes that costs more than the halved weight bytes save (an H100, 64 requests: 0.90x the "
+                    "16-bit tokens/s, where FP8 weights ran at 1.19x). To serve, use FP8 weights (fp8_weights=True, "
+                    "--fp8-weights); FP8 linears are for training and prefill-heavy work.")
+
+
 @contextlib.contextmanager
 def _released_on_failure(cache: PagedKVCache, requests: list[Request]):
     """A ``generate`` that raises frees its requests' sequences (``kv_cache.step`` rolled its
@@ -85,6 +92,8 @@ class LLM:
         max_batch_tokens: prompt tokens per prefill step at most (longer prompts are chunked).
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only; ignored on the CPU).
         fp8: run the decoder layers' linears in FP8 (``fp8_autocast``: FP8 weights and activations).
+            Slower than 16-bit at serving batches (:attr:`precision_note` says by how much):
+            ``fp8_weights`` is the serving mode.
         fp8_weights: give the decoder layers' linears FP8 weight copies, one scale per output
             channel, read by ``fp8_weight_linear`` (activations stay 16-bit: what pays at decode
             sizes). Not with ``fp8``. A model passed in keeps its 16-bit weights; the ``from_*``
@@ -134,6 +143,8 @@ class LLM:
         self.graphs_off_reason: str | None = None  # why decode steps run eagerly on CUDA, when they do
         self.fp8 = bool(fp8)
         self.fp8_weights = bool(fp8_weights)
+        # where the precision chosen is measured to lose to another at serving sizes
+        self.precision_note: str | None = FP8_LINEARS_NOTE if self.fp8 else None
         if self.fp8_weights and not all(layer.fp8_weights for layer in model.layers):
             model.quantize_weights_fp8()
         self.memory_fraction = memory_fraction
