@@ -204,7 +204,7 @@ def test_hopper_prefill_is_warp_specialized_wgmma(build):
     assert len(ws) == HOPPER_PREFILL_KERNELS, sorted(ws)
     for func, body in ws.items():
         d = int(re.search(r"Li(\d+)E", func).group(1))
-        wide = int(re.search(r"KVELi(\d+)ELb", func).group(1))  # kWideTileRows, 0: the default tiles
+        wide = int(re.search(r"KVELi(\d+)ENS0_7Variant", func).group(1))  # kWideTileRows, 0: the default tiles
         bn = wide or (128 if d <= 128 else 64)  # K/V rows per tile
         # S = Q K^T reads both operands from shared memory: the destination, then one descriptor
         assert re.search(rf"HGMMA\.64x{bn}x16\.F32\S* R\d+, gdesc\[", body), f"{func}: no S = Q K^T wgmma"

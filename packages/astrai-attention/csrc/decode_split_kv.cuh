@@ -18,7 +18,7 @@ struct DecodeScalarConfig {
     static constexpr int kHeads = 16;
 };
 
-template <typename T, int D, class KV>
+template <typename T, int D, class KV, class V = RuntimeVariant>
 __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParams p) {
     using C = DecodeScalarConfig<D>;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParam
     const int split = u.split, kvh = u.kvh, b = u.b, head0 = u.head0, nh = u.nh;
     const int kv_len = KV::kv_len(p, b);
     const int n_tiles = (kv_len + C::kBN - 1) / C::kBN;
-    const int first_key = window_first_key(p, kv_len - 1);
+    const int first_key = V::first_key(p, kv_len - 1);
     const int t_lo = first_key / C::kBN;
     const int per_split = (n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
     const int begin = max(first_key, min(kv_len, (t_lo + split * per_split) * C::kBN));
@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParam
     for (int r = warp; r < nh; r += C::kWarps) {
         const int h = head0 + r;
         const T* q_row = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
-        const auto st = scalar_row_attention<T, D, KV>(p, q_row, b, kvh, begin, end, keep);
+        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, b, kvh, begin, end, keep);
         // one split: the sink joins the denominator here; several: in decode_combine_kernel
-        const float inv = p.num_splits == 1 ? scalar_row_norm(p, st, h) : st.l > 0.f ? 1.f / st.l : 0.f;
+        const float inv = p.num_splits == 1 ? V::finish(p, [&] { return h; }, st.m, st.l) : st.l > 0.f ? 1.f / st.l : 0.f;
         if (p.num_splits == 1) {
             T* dst = static_cast<T*>(p.o) + int64_t(b) * p.o_stride_b + int64_t(h) * p.o_stride_h;
 #pragma unroll

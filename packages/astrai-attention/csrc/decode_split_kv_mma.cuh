@@ -121,7 +121,7 @@ __device__ __forceinline__ void decode_merge_splits(const AttentionParams& p, ui
     }
     __syncthreads();
     for (int row = tid / 32; row < nh; row += kThreads / 32)
-        split_weights_warp(sW + row, kHeads, S, tid % 32, sink_log2(p, head0 + row));
+        split_weights_warp(sW + row, kHeads, S, tid % 32, RuntimeVariant::sink(p, head0 + row));
     float4 acc[kOwn];
 #pragma unroll
     for (int k = 0; k < kOwn; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -258,13 +258,13 @@ __device__ __forceinline__ void fp8_output(float (&o)[D / 8][4], const float (&s
 
 // The decode kernel's compile-time shape, shared by its stages below (the kernel's template
 // arguments, and what follows from them).
-template <typename T_, int D_, class KV_, bool kSoftCap_, class KvFmt_, bool kSwapAB_>
+template <typename T_, int D_, class KV_, class V_, class KvFmt_, bool kSwapAB_>
 struct DecodeMma {
     using T = T_;
     using KV = KV_;
     using KvFmt = KvFmt_;
     static constexpr int D = D_;
-    static constexpr bool kSoftCap = kSoftCap_;
+    using V = V_;  // the variant type (variant.cuh)
     static constexpr bool kSwapAB = kSwapAB_;
     static constexpr bool kFp8 = KvFmt::kBytes == 1;
     using C = DecodeMmaConfig<D, KvFmt::kBytes>;
@@ -482,12 +482,12 @@ __device__ __forceinline__ void decode_fp8_score_scales(const AttentionParams& p
     for (int r = 0; r < 2; ++r) {
         const int head = M::kSwapAB ? 2 * (k.lane & 3) + r : (k.lane >> 2) + 8 * r;
         score_factor[r] = k_scale * (std::is_same_v<typename M::T, __half> ? 1.f : q_unit[head]);
-        if constexpr (!M::kSoftCap) row_scale_log2[r] = p.scale_log2 * score_factor[r];
+        if (!M::V::capped(p)) row_scale_log2[r] = p.scale_log2 * score_factor[r];
     }
 }
 
 // Score and mask of tile i in the swapped form (decode_swap_ab.cuh): S^T of the warp's 16 keys,
-// soft-capped in the kSoftCap instantiation, keys outside [first_key, kv_len) or masked out -inf.
+// through the variant's logits, keys outside [first_key, kv_len) or masked out -inf.
 template <class M>
 __device__ __forceinline__ void decode_swap_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
                                                    const DecodeQRegs<M>& q, const float (&score_factor)[2],
@@ -503,11 +503,11 @@ __device__ __forceinline__ void decode_swap_scores(const AttentionParams& p, con
                                                  swap_q_fragment<M::D>(b, k.smem + C::kQSmemOffset, ks, lane);
                                              }
                                          });
-    if constexpr (M::kSoftCap) {
+    if (M::V::capped(p)) {  // the cap sees true scores; else the factors join the softmax scale
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][e] *= score_factor[e & 1];
-        soft_cap_tile(s, p);
     }
+    M::V::logits(s, p);
     const int key0 = (k.t_begin + i) * C::kBN + warp * 16;
     if (mask || key0 < k.first_key || key0 + 16 > k.kv_len) {
 #pragma unroll
@@ -536,7 +536,7 @@ __device__ __forceinline__ void b16_scores(float (&s)[2][4], uint32_t k_tile, in
 }
 
 // Score: S = Q K^T of the warp's 16 keys of ring stage `stage` (16-bit K at k_st, or fp8),
-// soft-capped in the kSoftCap instantiation. qa, kb: the 16-bit loop's fragments, declared
+// through the variant's logits. qa, kb: the 16-bit loop's fragments, declared
 // by the caller (the kernel body): declared here, they changed the kernel's SASS.
 template <class M>
 __device__ __forceinline__ void decode_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
@@ -555,7 +555,7 @@ __device__ __forceinline__ void decode_scores(const AttentionParams& p, const De
     };
     if constexpr (M::kFp8) {
         fp8_scores<M::D, typename M::KvFmt>(s, k.smem + stage * C::kTileBytes, k.warp, k.lane, q_frag);
-        if constexpr (M::kSoftCap) {  // the cap sees true scores; else the factors join the softmax scale
+        if (M::V::capped(p)) {  // the cap sees true scores; else the factors join the softmax scale
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -564,7 +564,7 @@ __device__ __forceinline__ void decode_scores(const AttentionParams& p, const De
     } else {
         b16_scores<typename M::T, M::D>(s, k_st, k.warp, k.lane, q_frag, qa, kb);
     }
-    if constexpr (M::kSoftCap) soft_cap_tile(s, p);
+    M::V::logits(s, p);
 }
 
 // The scores of keys outside [first_key, kv_len) or masked out, -inf.
@@ -581,7 +581,7 @@ __device__ __forceinline__ void decode_mask_scores(const AttentionParams& p, con
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
-                bool keep = col < k.kv_len && col >= window_first_key(p, k.kv_len - 1);  // recomputed: d256's registers
+                bool keep = col < k.kv_len && col >= M::V::first_key(p, k.kv_len - 1);  // recomputed: d256's registers
                 if (keep && mask) keep = mask[int64_t(col) * p.mask_stride_k] != 0;
                 if (!keep) s[j][e] = -INFINITY;
             }
@@ -698,10 +698,7 @@ __device__ __forceinline__ void decode_write_rows(const AttentionParams& p, cons
             acc += f * sO[(w * kRows + row) * D + c];
             l += f * sL[w * kRows + row];
         }
-        // one split: the sink joins the denominator here; several: in the merge of the splits
-        const float inv = p.sinks != nullptr && p.num_splits == 1 ? fold_sink(base, l, sink_log2(p, k.head0 + row))
-                          : l > 0.f                              ? 1.f / l
-                                                                 : 0.f;
+        const float inv = M::V::finish_split(p, [&] { return k.head0 + row; }, base, l);
         const float out = acc * inv * o_factor;
         if (p.num_splits == 1) {
             T* dst = static_cast<T*>(p.o) + int64_t(k.b) * p.o_stride_b + int64_t(k.head0 + row) * p.o_stride_h;
@@ -733,8 +730,8 @@ __device__ __forceinline__ bool decode_arrive_last(const AttentionParams& p, con
     return s_last;
 }
 
-// kSoftCap: the instantiation that soft-caps its scores (variant.cuh). A compile-time flag,
-// unlike the other variants: the transform's registers spilled the d256 body at its 255.
+// V: the variant type (variant.cuh): UncappedVariant, or CappedVariant, whose soft-cap is compiled
+// in: as a runtime branch the transform's registers spilled the d256 body at its 255.
 // KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
 // bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
 // in-kernel append: the caller quantizes the step's token into the cache first).
@@ -743,11 +740,11 @@ __device__ __forceinline__ bool decode_arrive_last(const AttentionParams& p, con
 // The body runs the stages above: the block's tiles; Q and the first K/V tiles in flight; per
 // tile load, score, mask, softmax and accumulate; then the epilogue (the append's row, the
 // warps' merge, the split's arrival).
-template <typename T, int D, class KV, bool kSoftCap = false, class KvFmt = Kv16, bool kSwapAB = false>
+template <typename T, int D, class KV, class V = UncappedVariant, class KvFmt = Kv16, bool kSwapAB = false>
 __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     decode_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-    using M = DecodeMma<T, D, KV, kSoftCap, KvFmt, kSwapAB>;
+    using M = DecodeMma<T, D, KV, V, KvFmt, kSwapAB>;
     using C = typename M::C;
     constexpr bool kFp8 = M::kFp8;
     static_assert(kFp8 || !kSwapAB, "the swapped operands read fp8 pages");
@@ -768,7 +765,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
     k.req = KV::request(p, k.b);
     k.n_tiles = (k.kv_len + C::kBN - 1) / C::kBN;
     // The window's first key: the splits share the tiles from its tile on (none skipped without one).
-    k.first_key = window_first_key(p, k.kv_len - 1);
+    k.first_key = V::first_key(p, k.kv_len - 1);
     const int t_lo = k.first_key / C::kBN;
     const int per_split = (k.n_tiles - t_lo + p.num_splits - 1) / p.num_splits;
     k.t_begin = min(k.n_tiles, t_lo + k.split * per_split);
@@ -875,7 +872,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const AttentionPara
     load(0);
     for (int s = tid; s < S; s += kThreads) sw[s] = p.ws_lse[s * stride + bh];
     __syncthreads();
-    if (tid < 32) split_weights_warp(sw, 1, S, tid, sink_log2(p, h));
+    if (tid < 32) split_weights_warp(sw, 1, S, tid, RuntimeVariant::sink(p, h));
     __syncthreads();
     float acc[kCols] = {};
     for (int s0 = 0; s0 < S; s0 += kChunk) {

@@ -109,11 +109,11 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
     // than the 16-row form on an H100 in three interleaved rounds at B = 1 and B = 16
     if constexpr (KvFmt::kBytes == 1) {
         swapped = p.group <= kSwapHeads;
-        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt, true>, done[1][1]);
-        else if (swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt, true>, done[1][0]);
+        if (swapped && capped) launch(decode_mma_kernel<T, D, KV, CappedVariant, KvFmt, true>, done[1][1]);
+        else if (swapped) launch(decode_mma_kernel<T, D, KV, UncappedVariant, KvFmt, true>, done[1][0]);
     }
-    if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, true, KvFmt>, done[0][1]);
-    else if (!swapped) launch(decode_mma_kernel<T, D, KV, false, KvFmt>, done[0][0]);
+    if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, CappedVariant, KvFmt>, done[0][1]);
+    else if (!swapped) launch(decode_mma_kernel<T, D, KV, UncappedVariant, KvFmt>, done[0][0]);
     if (p.ws_count != nullptr) return;  // the kernel merged its own splits
 #endif
     // The combine grid is scheduled while the split grid drains and waits in
@@ -155,8 +155,8 @@ bool launch_prefill_ws_tiles(const AttentionParams& p, dim3 grid, cudaStream_t s
     if (C::kTmaOnly && !(maps.mode == PrefillTensorMaps::kTma && maps.q_tma)) return false;
     static std::atomic<uint64_t> done{0}, done_variant{0};
     if (has_score_variant(p)) {
-        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, true>, C::kSmemBytes, done_variant);
-        prefill_ws_kernel<T, D, QSched, KV, BN, true><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
+        set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN, RuntimeVariant>, C::kSmemBytes, done_variant);
+        prefill_ws_kernel<T, D, QSched, KV, BN, RuntimeVariant><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);
     } else {
         set_smem_limit(prefill_ws_kernel<T, D, QSched, KV, BN>, C::kSmemBytes, done);
         prefill_ws_kernel<T, D, QSched, KV, BN><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps);

@@ -11,9 +11,9 @@
 
 namespace astrai::attn {
 
-// The block's PrefillSpan: its head slots and rows (prefill_heads), and its K/V range
-// (kWindow: the kernel serves windows, whose hidden first tiles are skipped).
-template <class KV, bool kWindow = false>
+// The block's PrefillSpan: its head slots and rows (prefill_heads), and its K/V range (tiles
+// wholly left of the first row's window skipped, where the variant V has windows).
+template <class KV, class V>
 __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, const QWork& qw, int bn,
                                                     int head_group_index = blockIdx.y) {
     PrefillSpan s = prefill_heads(p, head_group_index);
@@ -21,8 +21,7 @@ __device__ __forceinline__ PrefillSpan prefill_span(const AttentionParams& p, co
     s.diag = s.kv_len - qw.q_len;
     const int row_last = min(qw.row_base + s.rows_blk, qw.q_len) - 1;
     s.kv_end = max(0, p.causal ? min(s.kv_len, row_last + s.diag + 1) : s.kv_len);
-    // the tiles wholly left of the first row's window are skipped
-    s.t_begin = kWindow ? min(window_first_key(p, qw.row_base + s.diag), s.kv_end) / bn : 0;
+    s.t_begin = V::kWindow ? min(V::first_key(p, qw.row_base + s.diag), s.kv_end) / bn : 0;
     s.n_tiles = (s.kv_end + bn - 1) / bn - s.t_begin;
     return s;
 }
@@ -137,20 +136,20 @@ __device__ __forceinline__ void refill_kv_ring(Loader& kv, int t, int n_tiles, L
 }
 
 // Whether K/V tile [col0, col0 + BN) needs per-element masking for a block whose first row
-// is row_base: the end of K/V, a user mask, the causal diagonal or (kWindow) the window's
-// left edge of the block's last row crosses it.
-template <int BN, bool kWindow = false>
+// is row_base: the end of K/V, a user mask, the causal diagonal or (a variant V with windows)
+// the window's left edge of the block's last row crosses it.
+template <int BN, class V>
 __device__ __forceinline__ bool tile_needs_mask(const AttentionParams& p, const QWork& qw, const PrefillSpan& sp,
                                                 int col0, const uint8_t* mask) {
-    const bool left = kWindow && p.window_left >= 0 &&
-                      col0 < window_first_key(p, min(qw.row_base + sp.rows_blk, qw.q_len) - 1 + sp.diag);
+    const bool left = V::kWindow && p.window_left >= 0 &&
+                      col0 < V::first_key(p, min(qw.row_base + sp.rows_blk, qw.q_len) - 1 + sp.diag);
     return col0 + BN > sp.kv_len || mask != nullptr || (p.causal && col0 + BN - 1 > qw.row_base + sp.diag) || left;
 }
 
 // Sets masked scores of a 16-row accumulator s[NT][4] (mma C layout: this thread's rows
-// row0 and row0 + 8, columns col0 + 8j + 2 (lane & 3) + {0, 1}) to -inf. kWindow: the
-// kernel serves windows (the columns left of each row's window are masked too).
-template <bool kWindow = false, int NT>
+// row0 and row0 + 8, columns col0 + 8j + 2 (lane & 3) + {0, 1}) to -inf: past a row's end,
+// masked out, or left of its window (V::first_key).
+template <class V, int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionParams& p, const QWork& qw,
                                             const PrefillSpan& sp, int col0, int row0, const uint8_t* mask) {
     const int lane = threadIdx.x % 32;
@@ -163,14 +162,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionPa
         for (int h = 0; h < 2; ++h) {
             const int end = p.causal ? min(sp.kv_len, row0 + 8 * h + sp.diag + 1) : sp.kv_len;
             limit[h] = end - col0 - 2 * (lane & 3);
-            start[h] = kWindow ? window_first_key(p, row0 + 8 * h + sp.diag) - col0 - 2 * (lane & 3) : 0;
+            start[h] = V::kWindow ? V::first_key(p, row0 + 8 * h + sp.diag) - col0 - 2 * (lane & 3) : 0;
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = 8 * j + (e & 1);
-                if (c >= limit[e >> 1] || (kWindow && c < start[e >> 1])) s[j][e] = -INFINITY;
+                if (c >= limit[e >> 1] || (V::kWindow && c < start[e >> 1])) s[j][e] = -INFINITY;
             }
         return;
     }
@@ -181,7 +180,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const AttentionPa
             const int col = col0 + 8 * j + 2 * (lane & 3) + (e & 1);
             const int row = row0 + 8 * (e >> 1);
             bool keep = col < sp.kv_len && (!p.causal || col <= row + sp.diag);
-            if (kWindow) keep = keep && col >= window_first_key(p, row + sp.diag);
+            if (V::kWindow) keep = keep && col >= V::first_key(p, row + sp.diag);
             if (keep && mask)
                 keep = mask[int64_t(min(row, qw.q_len - 1)) * p.mask_stride_q + int64_t(col) * p.mask_stride_k] != 0;
             if (!keep) s[j][e] = -INFINITY;
@@ -202,18 +201,14 @@ __device__ __forceinline__ void pack_probs(const float (&s)[NT][4], uint32_t (&p
 }
 
 // Normalizes and stores this thread's two output rows (row0, row0 + 8) of query head `head`
-// (kSinks: the kernel serves sinks).
-template <typename T, int D, bool kSinks = false>
+// (V::finish_rows: with its sink).
+template <typename T, int D, class V>
 __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], RowState& st, const AttentionParams& p,
                                            const QWork& qw, int head, int row0) {
     const int lane = threadIdx.x % 32;
     float inv_l[2];
     finalize_rows(st, inv_l);
-    if (kSinks && p.sinks != nullptr) {  // the head's sink joins each row's denominator
-        const float sink = sink_log2(p, head);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) inv_l[r] = fold_sink(st.m[r], st.l[r], sink);
-    }
+    V::finish_rows(p, [&] { return head; }, st, inv_l);
     T* out = static_cast<T*>(p.o) + qw.o_off + int64_t(head) * p.o_stride_h;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

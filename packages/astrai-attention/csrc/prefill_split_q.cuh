@@ -9,7 +9,7 @@
 
 namespace astrai::attn {
 
-template <typename T, int D, class QSched, class KV>
+template <typename T, int D, class QSched, class KV, class V = RuntimeVariant>
 __global__ void __launch_bounds__(128) prefill_scalar_kernel(const AttentionParams p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const QWork qw = QSched::get(p);
@@ -33,9 +33,9 @@ __global__ void __launch_bounds__(128) prefill_scalar_kernel(const AttentionPara
         };
         const T* q_row = static_cast<const T*>(p.q) + qw.q_off + int64_t(row) * p.q_stride_l +
                          int64_t(h) * p.q_stride_h;
-        const int begin = window_first_key(p, row + diag);
-        const auto st = scalar_row_attention<T, D, KV>(p, q_row, qw.b, kvh, begin, end, keep);
-        const float inv = scalar_row_norm(p, st, h);
+        const int begin = V::first_key(p, row + diag);
+        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, qw.b, kvh, begin, end, keep);
+        const float inv = V::finish(p, [&] { return h; }, st.m, st.l);
         T* dst = static_cast<T*>(p.o) + qw.o_off + int64_t(row) * p.o_stride_l + int64_t(h) * p.o_stride_h;
 #pragma unroll
         for (int e = 0; e < D / 32; ++e) dst[lane + 32 * e] = Elem<T>::from_float(st.acc[e] * inv);

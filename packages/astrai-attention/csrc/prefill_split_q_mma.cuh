@@ -57,7 +57,7 @@ struct PrefillMmaConfig {
     static_assert(kSmemBytes <= 99 * 1024, "must fit the sm_86/89 shared-memory limit");
 };
 
-template <typename T, int D, int WARPS, class QSched, class KV, class KvFmt = Kv16>
+template <typename T, int D, int WARPS, class QSched, class KV, class KvFmt = Kv16, class V = RuntimeVariant>
 __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kThreads, 1)
     prefill_mma_kernel(const AttentionParams p) {
 #if !defined(ASTRAI_NO_MMA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const QWork qw = QSched::get(p);
     if (qw.row_base >= qw.q_len) return;  // uniform per block
-    const PrefillSpan sp = prefill_span<KV, true>(p, qw, C::kBN);
+    const PrefillSpan sp = prefill_span<KV, V>(p, qw, C::kBN);
     const int wph = C::kWarps / p.head_block;
 
     // Q: block row r = slot * rows_blk + local row; warp w reads rows w*16 .. w*16+15.
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
         v_scale = __ldg(p.v_scale + sp.kvh * p.kv_scale_stride);
     }
     // a soft-capped score is already in the log2 domain (scale_log2 = 1)
-    const float softmax_scale = has_soft_cap(p) ? p.scale_log2 : p.scale_log2 * k_scale;
+    const float softmax_scale = V::capped(p) ? p.scale_log2 : p.scale_log2 * k_scale;
     const float cap_in = p.cap_in * k_scale;
     prime_kv_ring<C::kStages>(kv, sp.n_tiles, load_stage);
 
@@ -155,9 +155,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
             }
         }
 
-        if (has_soft_cap(p)) soft_cap_tile(s, p, cap_in);
+        V::logits(s, p, cap_in);
         const int col0 = (sp.t_begin + t) * C::kBN;
-        if (tile_needs_mask<C::kBN, true>(p, qw, sp, col0, mask)) mask_scores<true>(s, p, qw, sp, col0, row0, mask);
+        if (tile_needs_mask<C::kBN, V>(p, qw, sp, col0, mask)) mask_scores<V>(s, p, qw, sp, col0, row0, mask);
 
         float alpha[2];
         online_softmax<C::kBN / 8>(st, s, softmax_scale, alpha);
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
     cp_async_wait<0>();
 
     if constexpr (C::kFp8) rescale_rows(o, {v_scale, v_scale});
-    if (warp_active) store_rows<T, D, true>(o, st, p, qw, sp.head0 + slot, row0);
+    if (warp_active) store_rows<T, D, V>(o, st, p, qw, sp.head0 + slot, row0);
 #endif
 }
 

@@ -96,17 +96,17 @@ template <int D>
 constexpr int kWideTileRows = D == 128 ? 176 : D == 256 ? 80 : 0;
 
 // BN_ = 0: the default K/V tile rows; else a wide tile (kWideTileRows) and a TMA-only producer.
-// V_: the instantiation with the window, soft-cap and sinks (kVariant).
-template <int D_, int BN_ = 0, bool V_ = false>
+// V_: the variant type (variant.cuh): PlainAttention, or RuntimeVariant for windows, soft-caps
+// and sinks.
+template <int D_, int BN_ = 0, class V_ = PlainAttention>
 struct PrefillWsConfig {
     static_assert(is_head_dim(D_), "head_dim must be " ASTRAI_ATTN_HEAD_DIMS_TEXT);
     static constexpr int D = D_;
     static constexpr int kRows = 128;                // (row, head) pairs per block
     // K/V rows per tile: S, P and O fit the consumers' registers
     static constexpr int kBN = BN_ != 0 ? BN_ : D <= 128 ? 128 : 64;
-    // The instantiation that serves a window, soft-cap and sinks (variant.cuh): the plain one
-    // keeps none of their registers
-    static constexpr bool kVariant = V_;
+    // The plain instantiation keeps none of the variants' registers
+    using V = V_;
     static_assert(kBN % 16 == 0 && kBN <= 256, "K/V tiles are whole 16-row k-steps of P V, one TMA box");
     // Copies by TMA alone (the launcher checks that the maps encode): no cp.async paths, so
     // the producer needs few registers
@@ -369,14 +369,7 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[C::D / 8][4],
     const int lane = threadIdx.x % 32, cw = threadIdx.x / 32 - 4, tid = threadIdx.x % 128;
     float inv_l[2];
     finalize_rows(st, inv_l);
-    if constexpr (C::kVariant) {
-        if (p.sinks != nullptr) {  // the warp's head's sink joins each row's denominator
-            const int head = min(sp.head0 + cw / (8 / p.head_block), p.q_heads - 1);  // an empty slot: any head
-            const float sink = sink_log2(p, head);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) inv_l[r] = fold_sink(st.m[r], st.l[r], sink);
-        }
-    }
+    C::V::finish_rows(p, [&] { return min(sp.head0 + cw / (8 / p.head_block), p.q_heads - 1); }, st, inv_l);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = 16 * cw + (lane >> 2) + 8 * h;
@@ -555,12 +548,10 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             return true;
         };
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            if constexpr (C::kVariant) {
-                if (has_soft_cap(p)) soft_cap_tile(s, p);
-            }
+            C::V::logits(s, p);
             const int col0 = (sp.t_begin + t) * C::kBN;
-            if (tile_needs_mask<C::kBN, C::kVariant>(p, qw, sp, col0, mask))
-                mask_scores<C::kVariant>(s, p, qw, sp, col0, row0, mask);
+            if (tile_needs_mask<C::kBN, typename C::V>(p, qw, sp, col0, mask))
+                mask_scores<typename C::V>(s, p, qw, sp, col0, row0, mask);
             return softmax_rows(alpha);
         };
         // Ring position of tile t of this item: stage, and the parity of its use.
@@ -578,7 +569,7 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     if (aligned) {
         store_rows_staged<T, C, QSched>(o, st, p, maps, qw, sp, sm.q, wg);
     } else if (slot < sp.nslots) {
-        store_rows<T, C::D, C::kVariant>(o, st, p, qw, sp.head0 + slot, row0);
+        store_rows<T, C::D, typename C::V>(o, st, p, qw, sp.head0 + slot, row0);
     }
     // Q's slot released: nothing waits on it since the persistent producer went, but the arrival
     // stays (without it the default build's SASS changes; not measured).
@@ -593,11 +584,11 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
 #endif
 
 // One block per work item (launch coordinate).
-template <typename T, int D, class QSched, class KV, int BN = 0, bool kVariant = false>
-__global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
+template <typename T, int D, class QSched, class KV, int BN = 0, class V = PlainAttention>
+__global__ void __launch_bounds__(PrefillWsConfig<D, BN, V>::kThreads, 1)
     prefill_ws_kernel(const AttentionParams p, const __grid_constant__ PrefillTensorMaps maps) {
 #if ASTRAI_ATTN_SM90
-    using C = PrefillWsConfig<D, BN, kVariant>;
+    using C = PrefillWsConfig<D, BN, V>;
     extern __shared__ __align__(128) uint8_t smem[];
     const PrefillWsSmem<C> sm(smem_u32(smem));
     if (threadIdx.x == 0) {
@@ -626,7 +617,7 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
         const BlockCoord c = BlockCoord::of_launch();
         const QWork qw = QSched::get(p, c);
         if (qw.row_base < qw.q_len)  // the same items are skipped by every role
-            prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos);
+            prefill_ws_produce<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, V>(p, qw, C::kBN, c.y), sm, pos);
         cp_async_wait<0>();  // nothing in flight when the thread exits
     } else {
         sm90::setmaxnreg_inc<C::kConsumerRegs>();
@@ -635,7 +626,7 @@ __global__ void __launch_bounds__(PrefillWsConfig<D, BN, kVariant>::kThreads, 1)
         if (qw.row_base >= qw.q_len) return;
         const int item = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
         PREFILL_TRACE(item, 7, entry);
-        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, C::kVariant>(p, qw, C::kBN, c.y), sm, pos,
+        prefill_ws_consume<T, C, QSched, KV>(p, maps, qw, prefill_span<KV, V>(p, qw, C::kBN, c.y), sm, pos,
                                              maps.mode == PrefillTensorMaps::kTmaWholeTiles, item);
     }
 #else

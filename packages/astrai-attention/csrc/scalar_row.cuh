@@ -18,8 +18,8 @@ struct ScalarRowState {
 };
 
 // Attends q_row (a pointer to D elements) over positions [begin, end) of request b,
-// kv head kvh; keep(pos) decides masking. Returns the unnormalized state.
-template <typename T, int D, class KV, class Keep>
+// kv head kvh; keep(pos) decides masking, the variant V the logits. Returns the unnormalized state.
+template <typename T, int D, class KV, class V, class Keep>
 __device__ ScalarRowState<D> scalar_row_attention(const AttentionParams& p, const T* q_row, int b,
                                                   int kvh, int begin, int end, Keep keep) {
     constexpr int kPer = D / 32;
@@ -40,7 +40,7 @@ __device__ ScalarRowState<D> scalar_row_attention(const AttentionParams& p, cons
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < kPer; ++e) dot += qv[e] * Elem<T>::to_float(kg[ko + lane + 32 * e]);
-        const float s = score_log2(p, warp_reduce_sum<32>(dot));
+        const float s = V::logit_log2(p, warp_reduce_sum<32>(dot));
         const float m = fmaxf(st.m, s);
         const float alpha = exp2f(st.m - m);
         const float pr = exp2f(s - m);
@@ -51,14 +51,6 @@ __device__ ScalarRowState<D> scalar_row_attention(const AttentionParams& p, cons
         st.m = m;
     }
     return st;
-}
-
-// The factor turning a finished row's accumulator into its output (the sink of head h
-// folded into the denominator).
-template <int D>
-__device__ __forceinline__ float scalar_row_norm(const AttentionParams& p, const ScalarRowState<D>& st, int h) {
-    if (p.sinks != nullptr) return fold_sink(st.m, st.l, sink_log2(p, h));
-    return st.l > 0.f ? 1.f / st.l : 0.f;
 }
 
 }  // namespace astrai::attn

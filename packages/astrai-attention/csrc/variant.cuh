@@ -1,14 +1,16 @@
 // Attention variants: the one place where a window, a logit soft-cap, attention sinks and a
 // custom scale enter the kernels (FlashInfer's semantics; the torch reference is
-// backend/attention/torch_native.py's _explicit_attention). Every kernel body calls these
-// hooks instead of spelling a variant out:
-//   score transform  soft_cap_tile / score_log2: raw q.k -> log2-domain logit;
-//   key bounds       window_first_key: the first key a query position sees (tiles and pages
-//                    left of it are skipped, the rest masked per score);
-//   sink term        fold_sink: the sink's exp into a finished row's softmax denominator;
-//   scale            folded into scale_log2 (or cap_in) once, on the host.
-// All are runtime fields of AttentionParams, tested by uniform branches, so a kernel stays one
-// instantiation per schedule and plain attention pays a compare per tile.
+// backend/attention/torch_native.py's _explicit_attention). Every kernel is templated on a
+// Variant type (below) and calls its hooks instead of spelling a variant out:
+//   logits / logit_log2   raw q.k -> the soft-capped score (log2 domain), or untouched;
+//   first_key             the first key a query position sees (tiles and pages left of it are
+//                         skipped, the rest masked per score);
+//   finish / finish_rows  a finished row's output factor, the sink's exp folded into its
+//                         denominator (finish_split: a decode split's; sink: the merge's term);
+//   scale                 folded into scale_log2 (or cap_in) once, on the host.
+// The values are runtime fields of AttentionParams, tested by uniform branches, so a kernel stays
+// one instantiation per schedule and plain attention pays a compare per tile; the type says which
+// of them an instantiation serves at all.
 #pragma once
 
 #include <cmath>
@@ -63,11 +65,6 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return y;
 }
 
-// One raw score into the log2 domain online_softmax works in (the scalar kernels).
-__device__ __forceinline__ float score_log2(const AttentionParams& p, float x) {
-    return has_soft_cap(p) ? p.cap_log2 * fast_tanh(x * p.cap_in) : x * p.scale_log2;
-}
-
 // A tile of raw scores (mma C layout) soft-capped in place; online_softmax then multiplies by
 // scale_log2 = 1. Masking comes after (tanh(-inf) would be a finite -1).
 // cap_in: p.cap_in, or that times a factor the raw scores still carry (an fp8 K scale).
@@ -103,6 +100,96 @@ __device__ __forceinline__ float fold_sink(float m, float l, float sink) {
     const float total = l * f + exp2f(sink - base);
     return total > 0.f ? f / total : 0.f;
 }
+
+// How an instantiation applies the soft-cap: never; where p has one (a uniform branch per
+// tile); or always (an instantiation of its own: in the decode kernels the transform's
+// registers spilled the d256 body beside the plain path's).
+enum class CapMode { kNone, kRuntime, kAlways };
+
+// A variant type, the kernels' template argument: the hooks every kernel calls for what a
+// variant changes, over the values in p. kWindowSinks: the instantiation serves windows and
+// sinks (read from p where set); without, the hooks are plain attention's and cost nothing.
+template <CapMode kCap_, bool kWindowSinks_>
+struct Variant {
+    static constexpr CapMode kCap = kCap_;
+    static constexpr bool kWindow = kWindowSinks_;
+    static constexpr bool kSinks = kWindowSinks_;
+
+    // Whether the scores are soft-capped: the cap must see true scores, so factors a kernel
+    // would fold into the softmax scale (fp8 K scales) are applied to the scores first.
+    __device__ __forceinline__ static bool capped(const AttentionParams& p) {
+        if constexpr (kCap == CapMode::kAlways) return true;
+        if constexpr (kCap == CapMode::kRuntime) return has_soft_cap(p);
+        return false;
+    }
+
+    // A tile of raw scores (mma C layout) soft-capped in place where capped; online_softmax then
+    // multiplies by scale_log2 = 1. Masking comes after (tanh(-inf) would be a finite -1).
+    // cap_in: p.cap_in, or that times a factor the raw scores still carry (an fp8 K scale).
+    template <int NT>
+    __device__ __forceinline__ static void logits(float (&s)[NT][4], const AttentionParams& p, float cap_in) {
+        if (capped(p)) soft_cap_tile(s, p, cap_in);
+    }
+    template <int NT>
+    __device__ __forceinline__ static void logits(float (&s)[NT][4], const AttentionParams& p) {
+        if (capped(p)) soft_cap_tile(s, p);
+    }
+
+    // One raw score into the log2 domain online softmax works in (the scalar kernels).
+    __device__ __forceinline__ static float logit_log2(const AttentionParams& p, float x) {
+        return capped(p) ? p.cap_log2 * fast_tanh(x * p.cap_in) : x * p.scale_log2;
+    }
+
+    // The first key a query at absolute position pos sees (0 without a window; callers test
+    // kWindow first where the type has none).
+    __device__ __forceinline__ static int first_key(const AttentionParams& p, int pos) {
+        return window_first_key(p, pos);
+    }
+
+    // The sink of query head h in the log2 domain; -inf without one.
+    __device__ __forceinline__ static float sink(const AttentionParams& p, int h) {
+        if constexpr (kSinks) return sink_log2(p, h);
+        return -INFINITY;
+    }
+
+    // The factor turning a finished row's accumulator (max m, sum l; log2 domain) of query head
+    // head() into its output: 1 / l, or with a sink its term joins the denominator; 0 for a row
+    // with neither keys nor sink. The head is asked for only where there is a sink: computed
+    // eagerly, it changed the kernels' SASS.
+    template <class Head>
+    __device__ __forceinline__ static float finish(const AttentionParams& p, Head&& head, float m, float l) {
+        return kSinks && p.sinks != nullptr ? fold_sink(m, l, sink_log2(p, head())) : l > 0.f ? 1.f / l : 0.f;
+    }
+    // finish() for a decode split's partial: the sink joins here with one split; with several,
+    // in the merge of the splits (sink()).
+    template <class Head>
+    __device__ __forceinline__ static float finish_split(const AttentionParams& p, Head&& head, float m, float l) {
+        return kSinks && p.sinks != nullptr && p.num_splits == 1 ? fold_sink(m, l, sink_log2(p, head()))
+               : l > 0.f                                         ? 1.f / l
+                                                                 : 0.f;
+    }
+
+    // finish() for a thread's two mma rows whose 1 / l is inv_l already: the sink of head
+    // head() (an empty head slot: any head; asked only where there is a sink) joins each row's
+    // denominator.
+    template <class Head, class RowStats>
+    __device__ __forceinline__ static void finish_rows(const AttentionParams& p, Head&& head, const RowStats& st,
+                                                       float (&inv_l)[2]) {
+        if (kSinks && p.sinks != nullptr) {
+            const float sink = sink_log2(p, head());
+#pragma unroll
+            for (int r = 0; r < 2; ++r) inv_l[r] = fold_sink(st.m[r], st.l[r], sink);
+        }
+    }
+};
+
+// The instantiations: plain attention (the Hopper prefill's fast path); every variant from p
+// (the other prefill kernels, the scalar ones, the Hopper prefill's variant path); the decode
+// kernels' two, windows and sinks with the soft-cap compiled out or in.
+using PlainAttention = Variant<CapMode::kNone, false>;
+using RuntimeVariant = Variant<CapMode::kRuntime, true>;
+using UncappedVariant = Variant<CapMode::kNone, true>;
+using CappedVariant = Variant<CapMode::kAlways, true>;
 
 #endif  // __CUDACC__
 
