@@ -1,4 +1,4 @@
-"""Attention variants (window, soft-cap, sinks, scale) through ``attention()`` on the CPU:
+"""Attention variants (window, soft-cap, sinks, scale, ALiBi) through ``attention()`` on the CPU:
 the torch path against the float64 loop reference, dense, masked and paged (ragged, chunked
 prefill, decode); bad values rejected before anything changes; a backend lacking a feature
 rejected with the reason."""
@@ -50,12 +50,14 @@ SHAPES = [  # (b, lq, lkv, hq, hkv, d)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_dense_variants_match_the_reference(shape, variant, causal):
+@pytest.mark.parametrize("alibi", [False, True])
+def test_dense_variants_match_the_reference(shape, variant, causal, alibi):
     b, lq, lkv, hq, hkv, d = shape
     window, cap, with_sinks, scale = variant
     q, k, v = qkv(b, lq, lkv, hq, hkv, d, seed=hash((shape, variant, causal)) % 1000)
     sinks = sinks_for(hq, 1) if with_sinks else None
-    kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks, scale=scale)
+    kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks, scale=scale,
+              alibi_slopes=slopes_for(hq, 2) if alibi else None)
     out = attention(q, k, v, is_causal=causal, **kw)
     torch.testing.assert_close(out, attention_ref(q, k, v, is_causal=causal, **kw), **TOL)
 
@@ -100,12 +102,12 @@ def test_gradients_flow_through_the_explicit_path():
 
 # ---- paged ------------------------------------------------------------------------------
 
-def _paged_case(kv_heads, hq, d, page, steps, variant, seed):
+def _paged_case(kv_heads, hq, d, page, steps, variant, seed, **extra):
     """Runs ``steps`` (a list of per-request q lengths) through a cache, one attention call per
     step; checks every step's output against the reference over each request's whole sequence."""
     window, cap, with_sinks, scale = variant
     sinks = sinks_for(hq, seed) if with_sinks else None
-    kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks, scale=scale)
+    kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks, scale=scale, **extra)
     n = len(steps[0])
     total = [sum(s[i] for s in steps) for i in range(n)]
     pages = sum(-(-t // page) for t in total) + 2
@@ -161,6 +163,10 @@ BAD = [
     (dict(sinks=torch.zeros(8, dtype=torch.float64)), TypeError, "sinks"),
     (dict(sinks=torch.zeros(8, device="meta")), ValueError, "sinks"),
     (dict(sinks=[0.0] * 8), TypeError, "sinks"),
+    (dict(alibi_slopes=torch.zeros(3)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.zeros(8, dtype=torch.bfloat16)), TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.zeros(8, device="meta")), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=0.5), TypeError, "alibi_slopes"),
 ]
 
 
@@ -276,3 +282,91 @@ def test_layout_errors_say_which_layout_was_assumed():
         attention(q, k, k, layout="bhld")
     with pytest.raises(ValueError, match="layout must be 'blhd'"):
         attention(q, q, q, layout="BSHD")
+
+
+# ---- ALiBi ---------------------------------------------------------------------------------
+
+ALIBI = [  # (window_left, logits_soft_cap, sinks?, scale) beside the slopes
+    (-1, None, False, None), (3, None, False, None), (-1, 5.0, True, 0.2), (100, None, True, None),
+]
+
+
+def slopes_for(hq, seed):
+    return torch.rand(hq, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) + 0.05
+
+
+@pytest.mark.parametrize("mask_dim", [2, 3])
+def test_alibi_under_a_mask_in_float32(mask_dim):
+    """float32: the bias is taken against each query's own position, so a long context keeps its
+    kept scores small and the result within float32 rounding."""
+    b, lq, lkv, hq, hkv, d = 2, 5, 3000, 4, 2, 64
+    q, k, v = qkv(b, lq, lkv, hq, hkv, d, seed=21, dtype=torch.float32, spread=1.0)
+    shape = (b, lkv) if mask_dim == 2 else (b, lq, lkv)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(4)) > 0.2
+    kw = dict(alibi_slopes=torch.full((hq,), 0.5))
+    out = attention(q, k, v, mask=mask, is_causal=True, **kw)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v, mask, True, **kw), atol=2e-5, rtol=2e-5)
+
+
+def test_alibi_changes_the_result_and_zero_slopes_do_not():
+    q, k, v = qkv(1, 8, 8, 4, 4, 64, seed=5, spread=1.0)
+    plain = attention(q, k, v, is_causal=True)
+    assert (attention(q, k, v, is_causal=True, alibi_slopes=torch.full((4,), 0.5)) - plain).abs().max() > 1e-2
+    torch.testing.assert_close(attention(q, k, v, is_causal=True, alibi_slopes=torch.zeros(4)), plain, **TOL)
+
+
+def test_alibi_is_blooms_bias():
+    """transformers' BLOOM bias (``build_alibi_tensor``: slope times the key's position, added to
+    the scaled scores) and ``alibi_slopes(n)``, through ``attention()``: the same output."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    from astrai.extension.backend.attention.variant import alibi_slopes
+
+    b, l, h, d = 2, 7, 12, 32
+    q, k, v = qkv(b, l, l, h, h, d, seed=6, spread=1.0)
+    alibi = bloom.build_alibi_tensor(torch.ones(b, l), h, torch.float64)  # [B * H, 1, L]
+    qh, kh, vh = (t.transpose(1, 2).reshape(b * h, l, d) for t in (q, k, v))
+    scores = torch.baddbmm(alibi, qh, kh.transpose(1, 2), beta=1.0, alpha=1 / math.sqrt(d))
+    scores = scores.masked_fill(torch.ones(l, l, dtype=torch.bool).triu(1), float("-inf"))
+    want = (torch.softmax(scores, dim=-1) @ vh).reshape(b, h, l, d).transpose(1, 2)
+    torch.testing.assert_close(alibi_slopes(h).double(), alibi[:h, 0, 1], atol=1e-7, rtol=1e-7)
+    torch.testing.assert_close(attention(q, k, v, is_causal=True, alibi_slopes=alibi_slopes(h)), want,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ALIBI)
+def test_alibi_paged_ragged_chunked_and_decode(variant):
+    _paged_case(2, 8, 64, 4, [[5, 9, 1], [7, 2, 3], [1, 1, 1], [1, 1, 1]], variant, seed=30,
+                alibi_slopes=slopes_for(8, 3))
+
+
+def test_backends_without_alibi_pass_the_call_over(monkeypatch):
+    monkeypatch.setattr(cuda_backend, "probe_device", lambda device=None: H200)
+    stated = ["window_left", "logits_soft_cap", "sinks", "scale"]
+    with use_runtime(Runtime(Registry(entry_points(_plugin_with(stated))))):
+        assert cuda_backend.CudaBackend().check(_cuda_call(("alibi_slopes",))) == \
+            "attn_paged_decode lacks alibi_slopes in this build (it takes window_left, logits_soft_cap, sinks, scale)"
+    module = type("flash_attn", (), {"flash_attn_varlen_func": staticmethod(lambda *a, **k: None)})
+    assert "lacks alibi_slopes" in FlashAttnBackend(module).check(_cuda_call(("alibi_slopes",), "prefill"))
+    q, k, v = qkv(1, 4, 4, 4, 4, 64, seed=3, dtype=torch.float32)
+    attention(q, k, v, is_causal=True, alibi_slopes=torch.ones(4))
+    assert "alibi_slopes" in "\n".join(str(decision) for decision in explain("attention"))
+
+
+def test_the_cuda_ops_refuse_alibi_rather_than_drop_it():
+    from astrai.extension.backend.attention.variant import check_variant
+    from astrai.extension.ops.attention import variant_kwargs
+
+    q = torch.zeros(1, 1, 4, 64)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        variant_kwargs(check_variant(q, alibi_slopes=torch.ones(4)))
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 12, 40])
+def test_alibi_slopes_are_blooms(n):
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    from astrai.extension.backend.attention.variant import alibi_slopes
+
+    want = bloom.build_alibi_tensor(torch.ones(1, 2), n, torch.float64)[:, 0, 1]
+    torch.testing.assert_close(alibi_slopes(n).double(), want, atol=1e-7, rtol=1e-7)
+    with pytest.raises(ValueError, match="num_heads"):
+        alibi_slopes(0)

@@ -21,6 +21,7 @@ def attention_ref(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in float64. ``q [B, Lq, Hq, D]``, ``k``/``v`` ``[B, Lkv, Hkv, D]``;
     query head ``h`` reads kv head ``h // (Hq // Hkv)``. ``mask`` bool (True = keep)
@@ -30,7 +31,8 @@ def attention_ref(
 
     Variants: ``window_left = W >= 0`` keeps ``j >= i + Lkv - Lq - W``; scores ``s = scale * q.k``
     (``scale`` default ``1/sqrt(D)``) become ``c * tanh(s / c)`` with ``logits_soft_cap = c``;
-    ``sinks[h]`` adds ``exp(sinks[h])`` to head ``h``'s softmax denominator."""
+    ``sinks[h]`` adds ``exp(sinks[h])`` to head ``h``'s softmax denominator; ``alibi_slopes[h]``
+    adds ``alibi_slopes[h] * (j - (i + Lkv - Lq))`` to head ``h``'s scaled scores, before the cap."""
     q, k, v = (t.detach().to(torch.float64).cpu() for t in (q, k, v))
     b, lq, hq, d = q.shape
     lkv, hkv = k.shape[1], k.shape[2]
@@ -51,6 +53,8 @@ def attention_ref(
     for h in range(hq):
         kh, vh = k[:, :, h // group], v[:, :, h // group]  # [B, Lkv, D]
         scores = torch.einsum("bid,bjd->bij", q[:, :, h], kh) * scale
+        if alibi_slopes is not None:
+            scores = scores + float(alibi_slopes[h]) * (j - i - (lkv - lq)).to(torch.float64)
         if logits_soft_cap is not None:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -79,6 +83,7 @@ def attention_ref64(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_ref`` computed with float64 matmuls on the inputs' device (fast enough for
     the GPU tests' long sequences), with the scale of its rounding errors: returns
@@ -104,6 +109,9 @@ def attention_ref64(
     kh, vh = (t.permute(0, 2, 1, 3).contiguous() for t in (k, v))
     scale = 1 / math.sqrt(d) if scale is None else scale
     scores = (qh @ kh.transpose(-1, -2)).view(b, hkv, group, lq, lkv) * scale
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(q.device, torch.float64).view(1, hkv, group, 1, 1)
+        scores = scores + slopes * (j - i - (lkv - lq)).to(torch.float64)
     if logits_soft_cap is not None:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     keep = keep[:, None, None]

@@ -98,21 +98,42 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
 
 def variant_arg(scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
                 sinks: torch.Tensor | None = None) -> dict:
-    """The modules' ``variant`` keyword: none for plain attention (so a plugin built before
-    variants still runs it), else ``(scale, soft-cap, window_left, sinks)`` with 0 for an unset
-    scale or soft-cap (csrc/entry_utils.h)."""
+    """The modules' ``variant`` keyword of the ops' variant keywords: none for plain attention (so a
+    plugin built before variants still runs it), else :func:`_binding_variant`'s tuple."""
     if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None:
         return {}
+    return _binding_variant(scale, logits_soft_cap, window_left, sinks)
+
+
+def variant_binding(variant) -> dict:
+    """The modules' ``variant`` keyword of ``variant`` (an ``AttentionVariant`` of the backend
+    layer, or None), straight from its fields: what the launch plans pass."""
+    if variant is None or not variant.features:
+        return {}
+    _refuse_alibi(variant)
+    return _binding_variant(variant.scale, variant.logits_soft_cap, variant.window_left, variant.sinks)
+
+
+def _binding_variant(scale, logits_soft_cap, window_left, sinks) -> dict:
+    """The one conversion to the binding's variant: ``(scale, soft-cap, window_left, sinks)`` with
+    0 for an unset scale or soft-cap (csrc/entry_utils.h: set_variant)."""
     return {"variant": (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))}
 
 
 def variant_kwargs(variant) -> dict:
     """The ops' variant keywords of ``variant`` (an ``AttentionVariant`` of the backend layer, or
-    None): none for plain attention."""
+    None): none for plain attention. For the registered ops' traced calls, whose schema takes the
+    fields one by one."""
     if variant is None or not variant.features:
         return {}
+    _refuse_alibi(variant)
     return dict(scale=variant.scale, logits_soft_cap=variant.logits_soft_cap, window_left=variant.window_left,
                 sinks=variant.sinks)
+
+
+def _refuse_alibi(variant) -> None:
+    if variant.alibi_slopes is not None:  # the CUDA backend passes such calls over (its manifest lacks it)
+        raise ValueError("alibi_slopes: the CUDA attention ops take no ALiBi bias (the torch path runs it)")
 
 
 # ---- attn_decode ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..abi import contiguous_strides, current_device, current_stream, dtype_code
 from ..op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL
 from . import _plugin
 from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
-                        attn_paged_prefill, fp8_plan_arg, kv_scales_arg, variant_arg, variant_kwargs)
+                        attn_paged_prefill, fp8_plan_arg, kv_scales_arg, variant_binding, variant_kwargs)
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]
@@ -50,10 +50,6 @@ def _run(device_index: int, entry, head: tuple, tail: tuple, kwargs: dict | None
     else:
         with torch.cuda.device(device_index):
             entry(*head, current_stream(device_index), *tail, **kwargs)
-
-
-def _variant_binding_arg(variant) -> dict:
-    return variant_arg(**variant_kwargs(variant))
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +112,7 @@ class PagedDecodeLaunch:
         head = (tensor_arg(_rows_aligned(q)), *cache_args, tensor_arg(out), *self._table_args)
         tail = self._tail_args if k_new is None else (*self._tail_args, tensor_arg(k_new), tensor_arg(v_new),
                                                       *self._append_args)
-        kwargs = _variant_binding_arg(variant)
+        kwargs = variant_binding(variant)
         if kv_scales is not None:
             kwargs.update(kv_scales_arg(*kv_scales))
         _run(self._device_index, self._entry, head, tail, kwargs)
@@ -190,7 +186,7 @@ class PagedPrefillLaunch:
         q = _rows_aligned(q)
         head = (tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), *self._table_args,
                 bool(is_causal))
-        kwargs = _variant_binding_arg(variant)
+        kwargs = variant_binding(variant)
         if kv_scales is not None:
             kwargs.update(kv_scales_arg(*kv_scales))
         _run(self._device_index, self._entry, head, (), kwargs)

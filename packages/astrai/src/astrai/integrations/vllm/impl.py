@@ -35,7 +35,8 @@ class AstraiAttentionImpl(AttentionImpl[AstraiMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         if alibi_slopes is not None:
-            raise ValueError("alibi_slopes: AstrAI's attention has no ALiBi bias")
+            raise ValueError("alibi_slopes: AstrAI's CUDA attention kernels have no ALiBi bias yet "
+                             "(attention() runs it on its torch path only)")
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"attn_type={attn_type!r}: AstrAI's vLLM backend runs decoder self-attention only")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads

@@ -301,6 +301,7 @@ def attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     layout: str = "blhd",
 ) -> torch.Tensor:
     """Scaled dot-product attention on the best available backend that can run the call.
@@ -341,6 +342,9 @@ def attention(
         sinks: ``None`` or float32 ``[q_heads]``: one extra logit per query head in the softmax
             denominator, with no value row (gpt-oss).
         scale: ``None`` (``1/sqrt(head_dim)``) or a positive float multiplying ``q @ k^T``.
+        alibi_slopes: ``None`` or float32 ``[q_heads]``: ALiBi (BLOOM, MPT): head ``h``'s scaled
+            score of key ``j`` for a query at position ``p`` gains ``alibi_slopes[h] * (j - p)``,
+            before a soft-cap. The torch path runs it; the CUDA kernels do not yet (``explain()``).
 
     A backend that lacks a feature the call uses is passed over with the reason
     (``explain()``); the torch path runs every feature.
@@ -353,7 +357,7 @@ def attention(
         try:
             out = attention(q, k, v, kv_cache, layer_id, fwd, mask, is_causal, rope=rope,
                             rope_interleaved=rope_interleaved, window_left=window_left,
-                            logits_soft_cap=logits_soft_cap, sinks=sinks, scale=scale)
+                            logits_soft_cap=logits_soft_cap, sinks=sinks, scale=scale, alibi_slopes=alibi_slopes)
         except ValueError as exc:
             raise ValueError(f"{exc} (layout='bhld': q, k, v were read as [batch, heads, seq, head_dim], "
                              "the shapes above as [batch, seq, heads, head_dim])") from None
@@ -361,11 +365,12 @@ def attention(
     if layout != "blhd":
         raise ValueError(f"layout must be 'blhd' ([batch, seq, heads, head_dim]) or 'bhld' (SDPA's "
                          f"[batch, heads, seq, head_dim]), got {layout!r}")
-    if type(window_left) is int and window_left == -1 and logits_soft_cap is None and sinks is None and scale is None:
+    if type(window_left) is int and window_left == -1 and logits_soft_cap is None and sinks is None and scale is None \
+            and alibi_slopes is None:
         variant = PLAIN  # what check_variant returns for them, without its call
     else:
-        variant = check_variant(q, window_left, logits_soft_cap, sinks, scale) if isinstance(q, torch.Tensor) \
-            else PLAIN
+        variant = check_variant(q, window_left, logits_soft_cap, sinks, scale, alibi_slopes) \
+            if isinstance(q, torch.Tensor) else PLAIN
     if isinstance(kv_cache, PagedKVCache) and kv_cache.window is not None:  # it releases keys left of its window
         kv_cache.check_window_left(variant.window_left)
     if rope is not None:

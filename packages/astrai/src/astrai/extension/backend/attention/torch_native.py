@@ -13,8 +13,10 @@
 - Paged calls gather each request's K/V from the cache into ``[B, max_kv, Hkv, D]`` and
   mask the padding; ragged queries are padded to ``[B, max_q, Hq, D]`` the same way.
 - Variants (:mod:`.variant`): a window is one more term of the keep mask; a custom scale is
-  SDPA's ``scale``; a soft-cap or sinks take :func:`_explicit_attention` (scores materialized,
-  float32 or float64 arithmetic), the reference the kernels are tested against.
+  SDPA's ``scale``; a soft-cap, sinks or ALiBi take :func:`_explicit_attention` (scores
+  materialized, float32 or float64 arithmetic), the reference the kernels are tested against.
+  ALiBi's bias reads each key's distance from its query's position (``j - p``, never positive
+  where causal), so the kept scores stay small whatever the context's length.
 """
 
 from __future__ import annotations
@@ -42,25 +44,45 @@ def _causal_mask(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
 
 def _window_mask(lq: int, lkv: int, window_left: int, device: torch.device) -> torch.Tensor:
     """Bool ``[Lq, Lkv]``: row ``i`` (absolute position ``i + Lkv - Lq``) keeps ``j >= i + Lkv - Lq - W``."""
+    return _key_distance(lq, lkv, device)[0] >= -window_left
+
+
+def _key_distance(lq: int, lkv: int, device: torch.device) -> torch.Tensor:
+    """``[1, Lq, Lkv]``: key ``j``'s distance ``j - p`` from row ``i``'s position ``p = i + Lkv - Lq``."""
     rows = torch.arange(lq, device=device)[:, None]
     cols = torch.arange(lkv, device=device)[None, :]
-    return cols >= rows + (lkv - lq - window_left)
+    return (cols - rows - (lkv - lq))[None]
+
+
+def _planned_key_distance(plan: BatchPlan) -> torch.Tensor:
+    """``[B, max_q, max_kv]``: :func:`_key_distance` per request of ``plan`` (its new tokens are its
+    last ``q_len`` positions)."""
+    device = plan.kv_lens.device
+    offset = plan.kv_lens.long() - torch.tensor(plan.q_lens_host, device=device)
+    rows = torch.arange(plan.max_q_len, device=device)[None, :, None]
+    cols = torch.arange(plan.max_kv_len, device=device)[None, None, :]
+    return cols - rows - offset[:, None, None]
 
 
 def _needs_explicit(variant: AttentionVariant) -> bool:
-    return variant.logits_soft_cap is not None or variant.sinks is not None
+    return variant.logits_soft_cap is not None or variant.sinks is not None or variant.alibi_slopes is not None
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
-                        variant: AttentionVariant) -> torch.Tensor:
+                        variant: AttentionVariant, distance: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with every variant feature, scores materialized: ``[B, H, L, D]`` layout, ``keep``
-    None or bool ``[B, Lq, Lkv]``. float64 inputs compute in float64, others in float32. The
-    ``G`` query heads of a kv head are stacked along the query axis, as in :func:`_sdpa_masked`."""
+    None or bool ``[B, Lq, Lkv]``; ``distance`` (with ALiBi) ``[B or 1, Lq, Lkv]``, each key's
+    ``j - p``. float64 inputs compute in float64, others in float32. The ``G`` query heads of a
+    kv head are stacked along the query axis, as in :func:`_sdpa_masked`."""
     b, hq, lq, d = q.shape
     hkv, lkv = k.shape[1], k.shape[2]
     group = hq // hkv
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = (q.reshape(b, hkv, group * lq, d).to(acc) @ k.to(acc).transpose(-1, -2)) * variant.softmax_scale(d)
+    if variant.alibi_slopes is not None:
+        slopes = variant.alibi_slopes.to(acc).reshape(1, hkv, group, 1, 1)
+        bias = slopes * distance.to(acc)[:, None, None]  # [B, Hkv, G, Lq, Lkv]
+        scores = (scores.reshape(b, hkv, group, lq, lkv) + bias).reshape(b, hkv, group * lq, lkv)
     cap = variant.logits_soft_cap
     if cap is not None:
         scores = torch.tanh(scores / cap) * cap
@@ -115,10 +137,11 @@ def _sdpa_no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                 variant: AttentionVariant = PLAIN) -> torch.Tensor:
-    """``[B, H, L, D]`` layout with a bool ``keep`` of shape ``[B, Lq, Lkv]``."""
+                 variant: AttentionVariant = PLAIN, distance: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H, L, D]`` layout with a bool ``keep`` of shape ``[B, Lq, Lkv]`` (``distance``: ALiBi's,
+    see :func:`_explicit_attention`)."""
     if _needs_explicit(variant):
-        return _explicit_attention(q, k, v, keep, variant)
+        return _explicit_attention(q, k, v, keep, variant, distance)
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -149,9 +172,10 @@ def sdpa(
     lkv = k.shape[1]
     causal = is_causal and lq > 1
     window = variant.window_left >= 0
+    distance = None if variant.alibi_slopes is None else _key_distance(lq, lkv, q.device)
     if _needs_explicit(variant) and mask is None and not causal and not window:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return _explicit_attention(qt, kt, vt, None, variant).transpose(1, 2)
+        return _explicit_attention(qt, kt, vt, None, variant, distance).transpose(1, 2)
     if mask is None and not window and not _needs_explicit(variant) and (not causal or lq == lkv):
         finite = _finite_on_cpu(q, k)
         out = _sdpa_no_mask(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, finite, variant.scale)
@@ -168,7 +192,7 @@ def sdpa(
             keep = keep & _causal_mask(lq, lkv, q.device)
         if window:
             keep = keep & _window_mask(lq, lkv, variant.window_left, q.device)
-        out = _sdpa_masked(qt, kt, vt, keep, variant)
+        out = _sdpa_masked(qt, kt, vt, keep, variant, distance)
     return out.transpose(1, 2)
 
 
@@ -197,7 +221,9 @@ def planned_sdpa(q: torch.Tensor, plan: BatchPlan, k: torch.Tensor, v: torch.Ten
         index, q_valid = plan.q_padded_index
         q_pad = qp[index]  # [B, max_q, Hq, D]
     keep = plan.keep_mask(is_causal, variant.window_left)
-    out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, variant).transpose(1, 2)
+    distance = None if variant.alibi_slopes is None else _planned_key_distance(plan)
+    out = _sdpa_masked(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, variant,
+                       distance).transpose(1, 2)
     out = out.reshape(plan.total_q, *out.shape[2:]) if uniform else out[q_valid]
     return out.reshape(q.shape)
 
