@@ -1,4 +1,4 @@
-"""Norm benchmark, side by side in one run: the astrai-rotary kernels against the torch ops
+"""Norm benchmark, side by side in one run: the astrai-elementwise kernels against the torch ops
 the decode step ran before them (bf16, Llama-3-8B: hidden 4096, intermediate 14336).
 
 - residual add + RMSNorm: ``fused_add_rms_norm`` (one launch) against ``residual + x`` and

@@ -1,4 +1,4 @@
-"""Rotary benchmark, side by side in one run: the astrai-rotary kernels against torch's complex
+"""Rotary benchmark, side by side in one run: the astrai-elementwise kernels against torch's complex
 multiply, transformers' ``apply_rotary_pos_emb`` and Liger's Triton rope (forward and
 backward; skipped with a message when ``liger_kernel`` is not importable).
 

@@ -6,8 +6,8 @@ packages are not built by rattler-build from sources; instead:
 1. ``recipe/recipe.yaml`` is rendered with ``recipe/variants.yaml`` (rattler-build's own
    renderer), giving each output's name, version, build string and run requirements per
    (CUDA version, Python) variant;
-2. each wheel is matched to its variant (``astrai_rotary-0.1.0+cu124-cp311-...`` ->
-   ``astrai-rotary``, CUDA 12.4, Python 3.11) and repackaged as that conda package: the
+2. each wheel is matched to its variant (``astrai_elementwise-0.1.0+cu124-cp311-...`` ->
+   ``astrai-elementwise``, CUDA 12.4, Python 3.11) and repackaged as that conda package: the
    wheel installed by PyPA ``installer`` (``site-packages``, ``.data/``, console scripts
    such as ``bin/astrai``), the rendered run requirements as ``depends``
    (the plugin's ``python`` pinned to its minor, as python's run-exports would);

@@ -112,9 +112,9 @@ def require_plugin():
 
 @pytest.fixture(scope="session")
 def rotary_build():
-    """The one astrai-rotary +cu130 build (sm_80 + sm_90a + PTX) every rotary packaging test
+    """The one astrai-elementwise +cu130 build (sm_80 + sm_90a + PTX) every rotary packaging test
     shares: the ci/build-wheels output folder, cached on disk per source tree by
     tests/helpers/wheel_cache.py (read-only: copy it before writing an index into it)."""
     from wheel_cache import plugin_build, ROTARY_ARCHS
 
-    return plugin_build("rotary", "13.0", ROTARY_ARCHS)
+    return plugin_build("elementwise", "13.0", ROTARY_ARCHS)

@@ -18,7 +18,7 @@ def abi(t: torch.Tensor | None):
 
 
 def main() -> None:
-    module = importlib.import_module("astrai_rotary._rotary_emb")
+    module = importlib.import_module("astrai_elementwise._rotary_emb")
     stream = torch.cuda.current_stream().cuda_stream
     cos = torch.rand(64, 32, device="cuda")
     sin = torch.rand(64, 32, device="cuda")

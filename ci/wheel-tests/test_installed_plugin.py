@@ -1,6 +1,6 @@
 """An installed plugin (wheel or conda package), checked from outside the source tree.
 
-    ASTRAI_EXPECT_PLUGIN=astrai-rotary[,astrai-fp8] [ASTRAI_EXPECT_CUDA=12.4] pytest ci/wheel-tests
+    ASTRAI_EXPECT_PLUGIN=astrai-elementwise[,astrai-fp8] [ASTRAI_EXPECT_CUDA=12.4] pytest ci/wheel-tests
 
 Run by cibuildwheel's test-command, by the conda recipe's tests and by ci/check-conda,
 with the core installed beside the plugin. Needs no GPU: what runs on one is tests/gpu.
@@ -27,7 +27,7 @@ EXPECT_CUDA = os.environ.get("ASTRAI_EXPECT_CUDA") or None
 
 
 def test_the_plugins_to_check_are_named():
-    assert PLUGINS, "set ASTRAI_EXPECT_PLUGIN to the distribution(s) to check, e.g. astrai-rotary"
+    assert PLUGINS, "set ASTRAI_EXPECT_PLUGIN to the distribution(s) to check, e.g. astrai-elementwise"
 
 
 def _entry_point(plugin: str) -> importlib.metadata.EntryPoint:

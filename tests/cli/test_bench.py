@@ -59,8 +59,8 @@ def test_host_overhead_and_speedup_come_from_the_three_times():
 
 
 def test_kernel_and_torch_paths_are_named_as_doctor_names_them():
-    registry = Registry(entry_points(FakeEntryPoint("rotary", manifest())))
+    registry = Registry(entry_points(FakeEntryPoint("elementwise", manifest())))
     status = registry.op_status("rotary_emb", H200)
-    assert doctor.backend_name("rotary_emb", status, H200, kernel=True) == "CUDA kernel from astrai-rotary 0.1.0+cu130"
+    assert doctor.backend_name("rotary_emb", status, H200, kernel=True) == "CUDA kernel from astrai-elementwise 0.1.0+cu130"
     assert doctor.backend_name("rotary_emb", status, H200, kernel=False) == doctor.FALLBACKS["rotary_emb"]
-    assert doctor.backend_name("rotary_emb", status, H200) == "CUDA kernel from astrai-rotary 0.1.0+cu130"
+    assert doctor.backend_name("rotary_emb", status, H200) == "CUDA kernel from astrai-elementwise 0.1.0+cu130"

@@ -28,16 +28,16 @@ def test_doctor_json_is_complete():
 
 
 def test_doctor_lists_rejected_plugins_with_reasons():
-    eps = entry_points(FakeEntryPoint("rotary", manifest),
+    eps = entry_points(FakeEntryPoint("elementwise", manifest),
                        FakeEntryPoint("fp8", manifest(name="astrai-fp8", api_version=9)),
                        FakeEntryPoint("attention", ImportError("libcudart.so.12: cannot open")))
     report = doctor.collect(Runtime(Registry(eps)))
     rows = {row["name"]: row for row in report["plugins"]}
-    assert rows["astrai-rotary"]["version"] == "0.1.0+cu130"
-    assert rows["astrai-rotary"]["sass_archs"][-1] == "sm_120"
+    assert rows["astrai-elementwise"]["version"] == "0.1.0+cu130"
+    assert rows["astrai-elementwise"]["sass_archs"][-1] == "sm_120"
     if report["device"] == "no CUDA device":
-        assert not rows["astrai-rotary"]["usable"]
-        assert "no CUDA device" in rows["astrai-rotary"]["reason"]
+        assert not rows["astrai-elementwise"]["usable"]
+        assert "no CUDA device" in rows["astrai-elementwise"]["reason"]
         rotary = next(r for r in report["ops"] if r["op"] == "rotary_emb")
         assert rotary["backend"] == "torch complex multiply"
     assert "plugin API version 9" in rows["astrai-fp8"]["reason"]

@@ -183,7 +183,7 @@ def test_doctor_flags_bad_environment_values(monkeypatch, capsys):
     problems = json.loads(capsys.readouterr().out)["environment"]
     assert len(problems) == 3
     assert "cuda, flash, torch_native" in problems[0] and "set 1 (on) or 0 (off)" in problems[1]
-    assert "'bogus' names no plugin" in problems[2] and "astrai-rotary" in problems[2]
+    assert "'bogus' names no plugin" in problems[2] and "astrai-elementwise" in problems[2]
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert out.count("environment: ") == 3 and "ASTR_BACKEND='bogus'" in out
@@ -196,7 +196,7 @@ def test_good_environment_values_are_not_flagged():
 
 
 def fake_plugins(**registry):
-    eps = entry_points(FakeEntryPoint("rotary", manifest),
+    eps = entry_points(FakeEntryPoint("elementwise", manifest),
                        FakeEntryPoint("fp8", manifest(name="astrai-fp8")),
                        FakeEntryPoint("broken", AssertionError("an entry point doctor must not load"), "astrai-x"))
     return Runtime(Registry(eps, **registry))
@@ -211,19 +211,19 @@ def rendered(report: dict) -> str:
 def test_doctor_reports_disabled_plugins_as_disabled(monkeypatch):
     monkeypatch.setenv("ASTRAI_DISABLE_PLUGINS", "1")
     report = doctor.collect(fake_plugins(enabled=False))
-    assert [row["name"] for row in report["plugins"]] == ["astrai-fp8", "astrai-rotary", "astrai-x"]
+    assert [row["name"] for row in report["plugins"]] == ["astrai-elementwise", "astrai-fp8", "astrai-x"]
     assert all(row["disabled"] and row["reason"] == "disabled (ASTRAI_DISABLE_PLUGINS=1)" for row in report["plugins"])
     text = rendered(report)
     assert "(none installed)" not in text and "plugins disabled (ASTRAI_DISABLE_PLUGINS=1)" in text
     assert 'pip install "astrai[rotary,fp8]"' in text  # what is installed, though disabled
 
 
-@pytest.mark.parametrize("registry", [{}, {"enabled": False}, {"deny": ["rotary", "fp8"]}])
+@pytest.mark.parametrize("registry", [{}, {"enabled": False}, {"deny": ["elementwise", "fp8"]}])
 def test_doctor_install_commands_match_the_installed_plugins(registry):
     text = rendered(doctor.collect(fake_plugins(**registry)))
     pip = [line for line in text.splitlines() if line.startswith("install (pip): ")]
     assert pip == [line for line in pip if 'pip install "astrai[rotary,fp8]" --extra-index-url' in line] != []
-    assert "astrai-rotary astrai-fp8" in text  # conda and pixi name the same plugins
+    assert "astrai-elementwise astrai-fp8" in text  # conda and pixi name the same plugins
 
 
 def test_the_module_examples_hold():

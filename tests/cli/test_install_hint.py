@@ -21,7 +21,7 @@ def test_pip_picks_the_index_of_the_newest_build_the_driver_runs(driver, index):
 def test_conda_and_pixi_pin_the_cuda_major_of_that_build(driver, major):
     conda = install_command(driver, "conda", "rotary")
     assert conda.startswith("conda install -c https://astrai-kernels.github.io/conda -c conda-forge ")
-    assert shlex.split(conda)[-2:] == ["astrai-rotary", f"cuda-version={major}"]
+    assert shlex.split(conda)[-2:] == ["astrai-elementwise", f"cuda-version={major}"]
     pixi = install_command(driver, "pixi")
     steps = [shlex.split(step) for step in pixi.split(" && ")]
     assert steps[0] == ["pixi", "workspace", "channel", "add", "https://astrai-kernels.github.io/conda"]
@@ -47,7 +47,7 @@ def test_every_extra_names_a_package_for_every_installer():
     for extra in EXTRAS:
         for installer in INSTALLERS:
             assert install_command((13, 0), installer, extra)
-    assert [conda_package(e) for e in EXTRAS] == ["astrai-kernels", "astrai-attention", "astrai-rotary", "astrai-fp8"]
+    assert [conda_package(e) for e in EXTRAS] == ["astrai-kernels", "astrai-attention", "astrai-elementwise", "astrai-fp8"]
 
 
 @pytest.mark.parametrize("args, word", [(((13, 0), "uv"), "installer"), (((13, 0), "pip", "flash"), "extra"),
@@ -87,8 +87,8 @@ def test_several_extras_join_in_one_command():
 
 
 @pytest.mark.parametrize("installed, extra", [
-    (("astrai-attention", "astrai-rotary", "astrai-fp8"), "all"),
-    (("astrai-fp8", "astrai-rotary"), "rotary,fp8"),
+    (("astrai-attention", "astrai-elementwise", "astrai-fp8"), "all"),
+    (("astrai-fp8", "astrai-elementwise"), "rotary,fp8"),
     (("astrai-attention",), "attention"),
 ])
 def test_doctor_suggests_what_is_installed(monkeypatch, installed, extra):
@@ -154,7 +154,7 @@ def test_a_rebuilt_cuda12_plugin_keeps_its_index(monkeypatch):
     from astrai.extension.registry import Registry
 
     monkeypatch.delenv("ASTRAI_INDEX_URL", raising=False)
-    ep = FakeEntryPoint("rotary", manifest())
+    ep = FakeEntryPoint("elementwise", manifest())
     ep.dist.version = "0.1.0+cu124.post1"
     registry = Registry(entry_points(ep), enabled=False)
     cpu = DeviceInfo(type="cpu", index=None, name="cpu", capability=None, driver_cuda=None)

@@ -44,7 +44,7 @@ def test_require_without_plugin_names_plugin_and_install_command():
     from astrai.extension.ops._plugin import require
 
     for op, plugin, extra in (("attn_paged_decode", "astrai-attention", "attention"),
-                              ("rotary_emb", "astrai-rotary", "rotary"), ("fp8_gemm", "astrai-fp8", "fp8")):
+                              ("rotary_emb", "astrai-elementwise", "rotary"), ("fp8_gemm", "astrai-fp8", "fp8")):
         with use_runtime(Runtime(Registry(lambda: []))), pytest.raises(RuntimeError) as err:
             require(op, "cpu")
         assert plugin in str(err.value) and f'astrai[{extra}]' in str(err.value) and "pip install" in str(err.value)

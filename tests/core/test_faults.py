@@ -76,7 +76,7 @@ class Kernels:
         return fake_module(name, rotary_emb=rotary_emb, build_info=lambda: {"archs": "80"})
 
 
-def rotary_plugin(name="astrai-rotary", module="fake_rotary_module", **overrides) -> FakeEntryPoint:
+def rotary_plugin(name="astrai-elementwise", module="fake_rotary_module", **overrides) -> FakeEntryPoint:
     ops = {"rotary_emb": {"module": module, "abi": 1, "dtypes": ["bfloat16"]}}
     return FakeEntryPoint(name, manifest(name=name, ops=ops, **overrides), dist=name)
 
@@ -174,7 +174,7 @@ def test_direct_op_reports_the_failure_and_then_the_reason(on_device):
     with use_runtime(runtime):
         with pytest.warns(PluginRejectedWarning, match="no kernel image"), pytest.raises(RuntimeError, match="cudaErrorNoKernelImageForDevice"):
             _plugin.require("rotary_emb", "cuda").rotary_emb(x, cos, sin)
-        with pytest.raises(RuntimeError, match=r"needs the astrai-rotary plugin, which is not usable here \(.*no kernel image"):
+        with pytest.raises(RuntimeError, match=r"needs the astrai-elementwise plugin, which is not usable here \(.*no kernel image"):
             _plugin.require("rotary_emb", "cuda")
 
 
@@ -250,7 +250,7 @@ def test_bad_astr_backend_names_the_valid_values_before_any_work(monkeypatch):
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
 def test_two_plugins_same_op_run_the_same_binary_whatever_the_order(on_device, order):
     plugins = [rotary_plugin("zeta-rotary", "zeta_kernels"),
-               rotary_plugin("astrai-rotary", "astrai_kernels"),
+               rotary_plugin("astrai-elementwise", "astrai_kernels"),
                rotary_plugin("acme-rotary", "acme_kernels")]
     kernels = Kernels()
     runtime = runtime_of(kernels, *(plugins[i] for i in order))
@@ -259,13 +259,13 @@ def test_two_plugins_same_op_run_the_same_binary_whatever_the_order(on_device, o
         check_rope(rotary.apply_rotary_emb(x, (cos, sin)), x, cos, sin)
     assert kernels.imports == ["acme_kernels"] and kernels.launches == ["acme_kernels"]
     trace = dict(runtime.registry.op_status("rotary_emb", H200).trace)
-    assert trace == {"acme-rotary": "accepted", "astrai-rotary": "shadowed by acme-rotary",
+    assert trace == {"acme-rotary": "accepted", "astrai-elementwise": "shadowed by acme-rotary",
                      "zeta-rotary": "shadowed by acme-rotary"}
 
 
 def test_when_the_winner_breaks_the_next_plugin_takes_over(on_device):
     kernels = Kernels(failing={"acme_kernels": NO_IMAGE})
-    runtime = runtime_of(kernels, rotary_plugin("astrai-rotary", "astrai_kernels"),
+    runtime = runtime_of(kernels, rotary_plugin("astrai-elementwise", "astrai_kernels"),
                          rotary_plugin("acme-rotary", "acme_kernels"))
     x, cos, sin = rope_inputs()
     with use_runtime(runtime), torch.no_grad():

@@ -29,9 +29,9 @@ def rejected(reg):
 
 
 def test_good_plugin_is_usable_and_loaded_lazily():
-    reg = registry(FakeEntryPoint("rotary", manifest))
+    reg = registry(FakeEntryPoint("elementwise", manifest))
     status = reg.op_status("rotary_emb", H200)
-    assert status.usable and status.plugin.name == "astrai-rotary"
+    assert status.usable and status.plugin.name == "astrai-elementwise"
     assert reg.imported == []  # discovery and status never import compiled code
     assert reg.load("rotary_emb", H200).rotary_emb() == "ran"
     assert reg.imported == ["fake_rotary_module"]
@@ -40,14 +40,14 @@ def test_good_plugin_is_usable_and_loaded_lazily():
 
 
 def test_manifest_may_be_a_plain_dict():
-    reg = registry(FakeEntryPoint("rotary", manifest()))
+    reg = registry(FakeEntryPoint("elementwise", manifest()))
     assert reg.op_status("rotary_emb", H200).usable
 
 
 @pytest.mark.filterwarnings("ignore::astrai.extension.registry.PluginRejectedWarning")
 def test_entry_point_that_raises_is_rejected_with_reason():
-    reg = registry(FakeEntryPoint("rotary", ImportError("No module named 'astrai_rotary'")))
-    assert rejected(reg) == {"astrai-rotary": "entry point raised ImportError: No module named 'astrai_rotary'"}
+    reg = registry(FakeEntryPoint("elementwise", ImportError("No module named 'astrai_elementwise'")))
+    assert rejected(reg) == {"astrai-elementwise": "entry point raised ImportError: No module named 'astrai_elementwise'"}
     assert not reg.op_status("rotary_emb", H200).usable
 
 
@@ -55,8 +55,8 @@ def test_manifest_callable_that_raises_is_rejected():
     def bad():
         raise KeyError("build_info.json")
 
-    reg = registry(FakeEntryPoint("rotary", bad))
-    assert "entry point raised KeyError" in rejected(reg)["astrai-rotary"]
+    reg = registry(FakeEntryPoint("elementwise", bad))
+    assert "entry point raised KeyError" in rejected(reg)["astrai-elementwise"]
 
 
 @pytest.mark.parametrize("raw, reason", [
@@ -70,49 +70,49 @@ def test_manifest_callable_that_raises_is_rejected():
     (manifest(ops={"rotary_emb": {"module": "m", "abi": "1", "dtypes": []}}), "key 'abi' must be int, got str"),
 ])
 def test_malformed_manifest_is_rejected_naming_the_key(raw, reason):
-    reg = registry(FakeEntryPoint("rotary", raw))
-    assert reason in rejected(reg)["astrai-rotary"]
+    reg = registry(FakeEntryPoint("elementwise", raw))
+    assert reason in rejected(reg)["astrai-elementwise"]
 
 
 def test_newer_plugin_api_version_is_rejected():
-    reg = registry(FakeEntryPoint("rotary", manifest(api_version=2, ops="whatever v2 says")))
-    assert rejected(reg) == {"astrai-rotary": "plugin API version 2, this core speaks 1: upgrade astrai"}
+    reg = registry(FakeEntryPoint("elementwise", manifest(api_version=2, ops="whatever v2 says")))
+    assert rejected(reg) == {"astrai-elementwise": "plugin API version 2, this core speaks 1: upgrade astrai"}
 
 
 def test_core_version_mismatch_names_the_fix():
-    reg = registry(FakeEntryPoint("rotary", manifest(core_requires=">=0.2")), core_version="0.1.0")
-    reason = rejected(reg)["astrai-rotary"]
+    reg = registry(FakeEntryPoint("elementwise", manifest(core_requires=">=0.2")), core_version="0.1.0")
+    reason = rejected(reg)["astrai-elementwise"]
     assert "needs astrai>=0.2, this is astrai 0.1.0" in reason
-    assert 'pip install "astrai-rotary==0.1.0"' in reason
+    assert 'pip install "astrai-elementwise==0.1.0"' in reason
 
 
 def test_duplicate_plugin_names_keep_the_first_deterministically():
-    first = FakeEntryPoint("rotary", manifest(), dist="astrai-rotary")
-    again = FakeEntryPoint("rotary2", manifest(), dist="astrai-rotary")
+    first = FakeEntryPoint("elementwise", manifest(), dist="astrai-elementwise")
+    again = FakeEntryPoint("rotary2", manifest(), dist="astrai-elementwise")
     for order in ((first, again), (again, first)):
         reg = registry(*order)
         kept = [r.entry_point for r in reg.plugins() if r.manifest]
-        assert kept == ["rotary = fake_rotary:manifest"]
-        assert rejected(reg) == {"astrai-rotary": "duplicate of rotary = fake_rotary:manifest"}
+        assert kept == ["elementwise = fake_elementwise:manifest"]
+        assert rejected(reg) == {"astrai-elementwise": "duplicate of elementwise = fake_elementwise:manifest"}
 
 
 def test_two_plugins_offering_one_op_first_name_wins_other_shadowed():
     a = FakeEntryPoint("a", manifest(name="acme-rotary"))
-    b = FakeEntryPoint("b", manifest(name="astrai-rotary"))
+    b = FakeEntryPoint("b", manifest(name="astrai-elementwise"))
     status = registry(b, a).op_status("rotary_emb", H200)
     assert status.plugin.name == "acme-rotary"
-    assert dict(status.trace) == {"acme-rotary": "accepted", "astrai-rotary": "shadowed by acme-rotary"}
+    assert dict(status.trace) == {"acme-rotary": "accepted", "astrai-elementwise": "shadowed by acme-rotary"}
 
 
 def test_cpu_device_rejects_cuda_plugin_with_reason():
-    status = registry(FakeEntryPoint("rotary", manifest)).op_status("rotary_emb", CPU)
+    status = registry(FakeEntryPoint("elementwise", manifest)).op_status("rotary_emb", CPU)
     assert not status.usable
     assert "CUDA plugin (built for CUDA 13.0); no CUDA device" in status.reason
 
 
 @pytest.mark.filterwarnings("ignore::astrai.extension.registry.PluginRejectedWarning")
 def test_driver_older_than_plugin_cuda_is_rejected():
-    status = registry(FakeEntryPoint("rotary", manifest)).op_status("rotary_emb", A100_OLD_DRIVER)
+    status = registry(FakeEntryPoint("elementwise", manifest)).op_status("rotary_emb", A100_OLD_DRIVER)
     assert "built for CUDA 13.0, the driver supports CUDA 12.4" in status.reason
 
 
@@ -143,13 +143,13 @@ def test_min_sm_and_native_sm_per_op():
 @pytest.mark.filterwarnings("ignore::astrai.extension.registry.PluginRejectedWarning")
 def test_unknown_abi_is_rejected_per_op():
     ops = {"rotary_emb": {"module": "m", "abi": 7, "dtypes": ["bfloat16"]}}
-    status = registry(FakeEntryPoint("rotary", manifest(ops=ops))).op_status("rotary_emb", H200)
+    status = registry(FakeEntryPoint("elementwise", manifest(ops=ops))).op_status("rotary_emb", H200)
     assert "op ABI 7, this core speaks [1]" in status.reason
 
 
 def test_import_failure_marks_op_unusable_and_warns():
     ops = {"rotary_emb": {"module": "broken_module", "abi": 1, "dtypes": ["bfloat16"]}}
-    reg = registry(FakeEntryPoint("rotary", manifest(ops=ops)))
+    reg = registry(FakeEntryPoint("elementwise", manifest(ops=ops)))
     with pytest.warns(PluginRejectedWarning, match="undefined symbol"), pytest.raises(RuntimeError, match="undefined symbol"):
         reg.load("rotary_emb", H200)
     assert not reg.op_status("rotary_emb", H200).usable
@@ -157,7 +157,7 @@ def test_import_failure_marks_op_unusable_and_warns():
 
 
 def test_rejection_warns_once_per_plugin_and_cuda_device():
-    reg = registry(FakeEntryPoint("rotary", manifest(sass_archs=["sm_90a"], ptx_archs=[])))
+    reg = registry(FakeEntryPoint("elementwise", manifest(sass_archs=["sm_90a"], ptx_archs=[])))
     with pytest.warns(PluginRejectedWarning, match="no SASS or PTX for sm_89") as caught:
         reg.op_status("rotary_emb", L20)
         reg.op_status("rotary_emb", L20)
@@ -169,9 +169,9 @@ def test_rejection_warns_once_per_plugin_and_cuda_device():
 
 
 def test_allow_deny_and_disable():
-    eps = (FakeEntryPoint("rotary", manifest), FakeEntryPoint("fp8", manifest(name="astrai-fp8")))
+    eps = (FakeEntryPoint("elementwise", manifest), FakeEntryPoint("fp8", manifest(name="astrai-fp8")))
     assert rejected(registry(*eps, deny=["astrai-fp8"])) == {"astrai-fp8": "listed in ASTRAI_PLUGINS_DENY"}
-    assert rejected(registry(*eps, allow=["rotary"])) == {"astrai-fp8": "not in ASTRAI_PLUGINS_ALLOW"}
+    assert rejected(registry(*eps, allow=["elementwise"])) == {"astrai-fp8": "not in ASTRAI_PLUGINS_ALLOW"}
     assert registry(*eps, enabled=False).plugins() == ()
 
 

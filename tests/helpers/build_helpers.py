@@ -60,7 +60,7 @@ def declared_ops() -> dict[str, str]:
     under FULL_BUILD_INFO."""
     root = Path(__file__).resolve().parents[2]
     ops = {}
-    for plugin in ("attention", "rotary", "fp8"):
+    for plugin in ("attention", "elementwise", "fp8"):
         package = root / "packages" / f"astrai-{plugin}" / "src" / f"astrai_{plugin}"
         manifest = plugin_manifest_of(package, f"_astrai_{plugin}_declared_ops", build_info=FULL_BUILD_INFO)
         ops.update(dict.fromkeys(manifest["ops"], f"astrai-{plugin}"))

@@ -34,7 +34,7 @@ class FakeEntryPoint:
         return self._target
 
 
-def manifest(name="astrai-rotary", ops=None, **overrides) -> dict:
+def manifest(name="astrai-elementwise", ops=None, **overrides) -> dict:
     raw = {
         "api_version": 1,
         "name": name,

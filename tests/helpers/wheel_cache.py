@@ -92,8 +92,8 @@ def plugin_wheel(plugin: str, cuda: str = "13.0", archs: str = "90a", *, ptx: bo
 
 
 def rotary_wheel_dir() -> Path:
-    """The folder holding the shared astrai-rotary +cu130 wheel (sm_80 + sm_90a + PTX)."""
-    return plugin_build("rotary", "13.0", ROTARY_ARCHS) / "cu130"
+    """The folder holding the shared astrai-elementwise +cu130 wheel (sm_80 + sm_90a + PTX)."""
+    return plugin_build("elementwise", "13.0", ROTARY_ARCHS) / "cu130"
 
 
 def core_wheel(dest: Path) -> Path:

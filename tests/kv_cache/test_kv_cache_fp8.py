@@ -378,7 +378,7 @@ def test_rope_with_an_fp8_cache_takes_the_torch_path(monkeypatch):
     monkeypatch.setattr(rope_paged.ops_rope_paged, "rope_paged_append_unchecked", lambda *a: calls.append(a))
     monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
     ops = {"rope_paged_append": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["float32"]}}
-    runtime = Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))), importer=fake_module))
+    runtime = Runtime(Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=ops))), importer=fake_module))
     with_kernel, torch_only = cache_of(E4M3, "head"), cache_of(E4M3, "head")
     freqs = rope_tables(64, 32)
     gen = torch.Generator().manual_seed(4)
@@ -411,7 +411,7 @@ def test_rope_with_an_fp8_cache_takes_the_kernel_once_the_scales_are_known(monke
     monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
     ops = {"rope_paged_append": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["float32"],
                                  "kv_dtypes": ["float8_e4m3fn"]}}
-    runtime = Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))), importer=fake_module))
+    runtime = Runtime(Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=ops))), importer=fake_module))
     freqs = rope_tables(64, 32)
     gen = torch.Generator().manual_seed(4)
     for kv_dtype, fused in ((E4M3, True), (E5M2, False)):  # the manifest states e4m3 pages only

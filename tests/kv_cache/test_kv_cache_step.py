@@ -246,7 +246,7 @@ def test_the_fused_rotary_kernel_marks_the_layer(monkeypatch):
         return q_rot
 
     ops = {"rope_paged_append": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["float32"]}}
-    runtime = Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))), importer=fake_importer))
+    runtime = Runtime(Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=ops))), importer=fake_importer))
     monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
     monkeypatch.setattr(rope_paged.ops_rope_paged, "rope_paged_append_unchecked", stand_in)
     cache = nan_cache()

@@ -1,6 +1,6 @@
 """ci/check-conda end to end: conda packages from wheels, solved under __cuda, installed.
 
-One real astrai-rotary wheel (CUDA 13.0, sm_80 + sm_90a: CI-sized; tests/helpers/wheel_cache.py
+One real astrai-elementwise wheel (CUDA 13.0, sm_80 + sm_90a: CI-sized; tests/helpers/wheel_cache.py
 builds it once per source tree). The other tests use small stand-in wheels (pure Python, the
 plugin's manifest and entry point) to show the solver's choice per driver across two
 CUDA versions, and ci/check-conda failing on a broken recipe.
@@ -33,7 +33,7 @@ def _check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env=dict(os.environ, **(env or {})), timeout=900)
 
 
-def _fake_plugin_wheel(folder: Path, cuda: str, name: str = "rotary") -> Path:
+def _fake_plugin_wheel(folder: Path, cuda: str, name: str = "elementwise") -> Path:
     """A pure-Python stand-in of a plugin wheel: manifest, entry point, a build_info() module."""
     tag = "cu" + cuda.replace(".", "")
     version = f"0.1.0+{tag}"
@@ -59,18 +59,18 @@ def test_real_wheel_installs_from_the_channel_only_where_a_driver_runs_it(rotary
     result = _check("--wheels", str(rotary_wheels), "--work", str(tmp_path))
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "astrai-rotary 0.1.0 cu130_py" in out  # made from the wheel with the recipe's build string
+    assert "astrai-elementwise 0.1.0 cu130_py" in out  # made from the wheel with the recipe's build string
     scenarios = out.split("\n[")
     cuda13 = next(s for s in scenarios if s.startswith("driver for CUDA 13.0"))
     assert "cu130_py" in cuda13 and "(expected CUDA 13.0)" in cuda13 and "passed" in cuda13
-    assert "astrai doctor: astrai-rotary 0.1.0+cu130 CUDA 13.0" in cuda13
+    assert "astrai doctor: astrai-elementwise 0.1.0+cu130 CUDA 13.0" in cuda13
     cuda12 = next(s for s in scenarios if s.startswith("driver for CUDA 12.6"))
     assert "no plugin build runs here" in cuda12 and "__cuda >=13" in cuda12
     no_driver = next(s for s in scenarios if s.startswith("no NVIDIA driver"))
     assert "no plugin build runs here" in no_driver and "core alone: astrai 0.1.0" in no_driver
     assert out.rstrip().endswith("check-conda: ok (3 scenarios)")
     installed = tmp_path / "prefix-cuda130" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    assert list((installed / "astrai_rotary").glob("_rotary_emb*.so"))
+    assert list((installed / "astrai_elementwise").glob("_rotary_emb*.so"))
     assert (tmp_path / "prefix-cuda130" / "conda-meta").is_dir()
     assert os.access(tmp_path / "prefix-cuda130" / "bin" / "astrai", os.X_OK)  # the doctor above ran through it
 
@@ -102,14 +102,14 @@ def test_a_recipe_that_forgets_the_driver_constraint_fails_the_check(tmp_path):
                     env={"ASTRAI_RECIPE_DIR": str(recipe)})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "check-conda: FAILED" in result.stdout
-    assert "no NVIDIA driver: picked {'astrai-rotary': '13.0'}, expected {'astrai-rotary': None}" in result.stdout
+    assert "no NVIDIA driver: picked {'astrai-elementwise': '13.0'}, expected {'astrai-elementwise': None}" in result.stdout
 
 
 def test_a_wheel_the_recipe_does_not_build_is_refused(tmp_path):
     _fake_plugin_wheel(tmp_path, "11.8")
     result = _check("--wheels", str(tmp_path), "--work", str(tmp_path / "work"))
     assert result.returncode == 2
-    assert "the recipe builds astrai-rotary for (CUDA, Python) in" in result.stderr
+    assert "the recipe builds astrai-elementwise for (CUDA, Python) in" in result.stderr
     assert "add it to recipe/variants.yaml" in result.stderr
 
 

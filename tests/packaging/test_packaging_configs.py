@@ -24,7 +24,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "ci" / "schemas"
-PLUGINS = ("attention", "rotary", "fp8")
+PLUGINS = ("attention", "elementwise", "fp8")
 CUDA = ("12.4", "13.0")
 CONDA_PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 WHEEL_PYTHONS = ("310", "311", "312", "313", "314", "315")

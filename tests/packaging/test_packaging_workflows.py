@@ -16,7 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
-PLUGINS = {"attention", "rotary", "fp8"}
+PLUGINS = {"attention", "elementwise", "fp8"}
 CUDA = {"12.4", "13.0"}
 
 

@@ -2,7 +2,7 @@
 
 * Real wheels, CUDA 13.0 (always): the builds the other tests share, cached per source tree
   by tests/helpers/wheel_cache.py: astrai-attention for sm_90a (no PTX), astrai-fp8 of
-  tests/fp8/test_fp8_plugin.py (sm_89 + sm_90a + sm_120 + PTX) and astrai-rotary of the
+  tests/fp8/test_fp8_plugin.py (sm_89 + sm_90a + sm_120 + PTX) and astrai-elementwise of the
   packaging tests (sm_80 + sm_90a + PTX); the script indexes them, serves the index on
   127.0.0.1 and checks each venv with `astrai doctor --json` and ci/wheel-tests; the
   wheels are held to ci/wheel-budget.toml too.
@@ -30,7 +30,7 @@ from wheel_cache import ATTENTION_ARCHS, FP8_ARCHS, ROTARY_ARCHS, cuda_tag, plug
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "ci" / "check-pip-install"
-PLUGINS = ("attention", "rotary", "fp8")
+PLUGINS = ("attention", "elementwise", "fp8")
 ONE_ARCH = "90a"  # CUDA 12.4: every plugin for one arch (the FP8 plugin needs sm_89+)
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def _real_wheelhouse(cuda: str, folder: Path) -> Path:
     dest.mkdir(parents=True)
     for plugin in PLUGINS:
         if cuda == "13.0":  # the builds the other tests make
-            archs = {"attention": ATTENTION_ARCHS, "rotary": ROTARY_ARCHS, "fp8": FP8_ARCHS}[plugin]
+            archs = {"attention": ATTENTION_ARCHS, "elementwise": ROTARY_ARCHS, "fp8": FP8_ARCHS}[plugin]
             wheel = plugin_wheel(plugin, cuda, archs, ptx=plugin != "attention")
         else:
             wheel = plugin_wheel(plugin, cuda, ONE_ARCH)
@@ -74,7 +74,7 @@ def _assert_installs(proc: subprocess.CompletedProcess, report: dict, cuda: str)
     tag = cuda_tag(cuda)
     installs = {r["extra"]: r for r in report["installs"] if r["cuda"] == cuda}
     assert set(installs) == {"fp8", "all"}, out
-    want = {"fp8": {"astrai-fp8"}, "all": {"astrai-attention", "astrai-rotary", "astrai-fp8"}}
+    want = {"fp8": {"astrai-fp8"}, "all": {"astrai-attention", "astrai-elementwise", "astrai-fp8"}}
     for extra, plugins in want.items():
         result = installs[extra]
         assert result["problems"] == [], out
@@ -151,7 +151,7 @@ def test_a_build_of_the_wrong_cuda_on_the_index_fails(tmp_path):
     tag), the check does not."""
     folder = tmp_path / "wheels" / "cu130"
     _stand_in_wheel(folder, "attention", "13.0")
-    _stand_in_wheel(folder, "rotary", "13.0")
+    _stand_in_wheel(folder, "elementwise", "13.0")
     _stand_in_wheel(folder, "fp8", "12.4")
     proc, report = _check(tmp_path / "wheels", tmp_path / "work", "13.0", extras="fp8")
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""The plugin build, end to end on a machine without a GPU, with astrai-rotary.
+"""The plugin build, end to end on a machine without a GPU, with astrai-elementwise.
 
 One build (ci/build-wheels for CUDA 13.0 with a reduced arch set that still has two
 SASS archs and PTX: the `rotary_build` session fixture of tests/conftest.py, which every
@@ -68,7 +68,7 @@ def wheelhouse(rotary_build, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rotary_wheel(wheelhouse) -> Path:
-    wheels = sorted((wheelhouse / "cu130").glob("astrai_rotary-*.whl"))
+    wheels = sorted((wheelhouse / "cu130").glob("astrai_elementwise-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
 
@@ -78,29 +78,29 @@ def unpacked(rotary_wheel, tmp_path_factory) -> Path:
     """The wheel's package folder only (no dist-info, so no entry point leaks into this process)."""
     dest = tmp_path_factory.mktemp("unpacked")
     with zipfile.ZipFile(rotary_wheel) as zf:
-        zf.extractall(dest, [n for n in zf.namelist() if n.startswith("astrai_rotary/")])
-    return dest / "astrai_rotary"
+        zf.extractall(dest, [n for n in zf.namelist() if n.startswith("astrai_elementwise/")])
+    return dest / "astrai_elementwise"
 
 
 @pytest.fixture(scope="module")
 def compiled(unpacked):
-    return load_module("astrai_rotary._rotary_emb", next(unpacked.glob("_rotary_emb.*.so")))
+    return load_module("astrai_elementwise._rotary_emb", next(unpacked.glob("_rotary_emb.*.so")))
 
 
 @pytest.fixture(scope="module")
 def plugin_manifest(unpacked) -> dict:
-    return plugin_manifest_of(unpacked, "_astrai_rotary_under_test")
+    return plugin_manifest_of(unpacked, "_astrai_elementwise_under_test")
 
 
 # -- the wheel and its sdist -----------------------------------------------------------
 
 
 def test_wheel_name_version_and_manylinux(wheelhouse, rotary_wheel):
-    assert re.fullmatch(r"astrai_rotary-0\.1\.0\+cu130-cp\d+-cp\d+-manylinux_2_\d+_x86_64\.whl",
+    assert re.fullmatch(r"astrai_elementwise-0\.1\.0\+cu130-cp\d+-cp\d+-manylinux_2_\d+_x86_64\.whl",
                         rotary_wheel.name), rotary_wheel.name
     assert (wheelhouse / "cu130" / "astrai-0.1.0-py3-none-any.whl").is_file()
     report = json.loads((wheelhouse / "build-report-cu130.json").read_text())
-    rotary = next(p for p in report["packages"] if p["name"] == "astrai-rotary")
+    rotary = next(p for p in report["packages"] if p["name"] == "astrai-elementwise")
     assert rotary["manylinux"].startswith("manylinux_2_")
     assert rotary["wheels"][0]["size_bytes"] == rotary_wheel.stat().st_size
     assert rotary["build_s"] > 0
@@ -122,12 +122,12 @@ def test_wheel_links_no_cuda_library(unpacked):
 def test_sdist_is_self_contained(wheelhouse):
     """The sdist carries the shared CUDA files as plain files: it builds alone (build-wheels
     built the wheel from it)."""
-    sdist = next((wheelhouse / "sdist-cu130").glob("astrai_rotary-*.tar.gz"))
+    sdist = next((wheelhouse / "sdist-cu130").glob("astrai_elementwise-*.tar.gz"))
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1]: m for m in tf.getmembers() if "/" in m.name}
     for path in ("pyproject.toml", "CMakeLists.txt", "csrc/rotary_emb.cu", "csrc/rotary_kernel.cuh",
                  "cuda-common/cmake/AstraiPlugin.cmake", "cuda-common/include/astrai/check.h",
-                 "cuda-common/python/astrai_cuda_version.py", "src/astrai_rotary/__init__.py"):
+                 "cuda-common/python/astrai_cuda_version.py", "src/astrai_elementwise/__init__.py"):
         assert path in members and members[path].isfile(), path
     assert not [m for m in members.values() if m.issym() or m.islnk()]
 
@@ -152,10 +152,10 @@ def test_manifest_is_valid_for_the_core(plugin_manifest):
     from astrai.extension.manifest import parse_manifest
 
     parsed = parse_manifest(plugin_manifest)
-    assert parsed.name == "astrai-rotary"
+    assert parsed.name == "astrai-elementwise"
     assert set(parsed.ops) == {"rotary_emb", "rope_paged_append", "rms_norm", "fused_add_rms_norm", "silu_and_mul"}
     for op in parsed.ops.values():
-        assert op.module == "astrai_rotary._rotary_emb" and op.dtypes == ("float16", "bfloat16", "float32")
+        assert op.module == "astrai_elementwise._rotary_emb" and op.dtypes == ("float16", "bfloat16", "float32")
 
 
 def test_the_fused_append_writes_the_page_dtypes_the_manifest_states(compiled, plugin_manifest):
@@ -276,10 +276,10 @@ def venv(index_url, tmp_path_factory) -> Path:
     first = subprocess.run(pip + ["--no-deps", "--ignore-installed", "astrai==0.1.0"],
                            capture_output=True, text=True, env=_clean_env())
     assert first.returncode == 0, first.stdout + first.stderr
-    # ... then the extra resolves astrai-rotary==0.1.0 to the index's 0.1.0+cu130
+    # ... then the extra resolves astrai-elementwise==0.1.0 to the index's 0.1.0+cu130
     second = subprocess.run(pip + ["astrai[rotary]"], capture_output=True, text=True, env=_clean_env())
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "astrai-rotary-0.1.0+cu130" in second.stdout.replace("astrai_rotary", "astrai-rotary"), second.stdout
+    assert "astrai-elementwise-0.1.0+cu130" in second.stdout.replace("astrai_elementwise", "astrai-elementwise"), second.stdout
     return root
 
 
@@ -291,16 +291,16 @@ def _in_venv(venv: Path, code: str) -> str:
 
 
 def test_index_links_carry_sha256(wheelhouse, rotary_wheel):
-    page = (wheelhouse / "cu130" / "astrai-rotary" / "index.html").read_text()
+    page = (wheelhouse / "cu130" / "astrai-elementwise" / "index.html").read_text()
     digest = hashlib.sha256(rotary_wheel.read_bytes()).hexdigest()
     assert f"#sha256={digest}" in page
-    assert 'href="astrai-rotary/"' in (wheelhouse / "cu130" / "index.html").read_text()
+    assert 'href="astrai-elementwise/"' in (wheelhouse / "cu130" / "index.html").read_text()
 
 
 def test_installed_from_the_index_with_the_cuda_tag(venv):
-    out = _in_venv(venv, "import importlib.metadata as md, astrai, astrai_rotary, json; "
-                         "print(json.dumps([md.version('astrai-rotary'), md.version('astrai'), "
-                         "astrai.__file__, astrai_rotary.__file__]))")
+    out = _in_venv(venv, "import importlib.metadata as md, astrai, astrai_elementwise, json; "
+                         "print(json.dumps([md.version('astrai-elementwise'), md.version('astrai'), "
+                         "astrai.__file__, astrai_elementwise.__file__]))")
     rotary_version, core_version, core_file, plugin_file = json.loads(out)
     assert rotary_version == "0.1.0+cu130"
     assert core_version == "0.1.0"
@@ -314,11 +314,11 @@ from importlib.metadata import entry_points
 from astrai.extension.registry import Registry
 eps = [f"{e.name} = {e.value}" for e in entry_points(group="astrai.kernels")]
 plugins = {p.name: (p.manifest is not None, p.rejected) for p in Registry().plugins()}
-print(json.dumps({"eps": eps, "plugins": plugins, "loaded": "astrai_rotary._rotary_emb" in sys.modules}))
+print(json.dumps({"eps": eps, "plugins": plugins, "loaded": "astrai_elementwise._rotary_emb" in sys.modules}))
 """)
     found = json.loads(out)
-    assert "rotary = astrai_rotary:manifest" in found["eps"]
-    assert found["plugins"]["astrai-rotary"] == [True, None]
+    assert "elementwise = astrai_elementwise:manifest" in found["eps"]
+    assert found["plugins"]["astrai-elementwise"] == [True, None]
     assert found["loaded"] is False
 
 
@@ -327,7 +327,7 @@ def test_doctor_lists_the_plugin_as_unusable_without_a_gpu(venv):
                           env=_clean_env(CUDA_VISIBLE_DEVICES=""), cwd=venv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
-    row = next(p for p in report["plugins"] if p["name"] == "astrai-rotary")
+    row = next(p for p in report["plugins"] if p["name"] == "astrai-elementwise")
     assert row["version"] == "0.1.0+cu130"
     assert row["sass_archs"] == ["sm_80", "sm_90a"] and row["ptx_archs"] == ["compute_90"]
     assert row["usable"] is False
@@ -359,7 +359,7 @@ print(json.dumps({"dtype": str(got.dtype), "shape": list(got.shape),
     result = json.loads(out)
     assert result["dtype"] == "torch.bfloat16" and result["shape"] == [2, 7, 4, 64]
     assert result["err"] < 4e-3  # bf16 rounding of the output
-    assert "astrai-rotary" in result["error"] and "pip install" in result["error"]
+    assert "astrai-elementwise" in result["error"] and "pip install" in result["error"]
 
 
 # -- the arch selection and the version tag, without a build -----------------------------------
@@ -449,11 +449,11 @@ def test_no_mma_escape_hatch_is_recorded(tmp_path):
     cmakedir = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True,
                               text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASTRAI_")}
-    proc = subprocess.run(["cmake", "-S", str(REPO / "packages" / "astrai-rotary"), "-B", str(tmp_path),
+    proc = subprocess.run(["cmake", "-S", str(REPO / "packages" / "astrai-elementwise"), "-B", str(tmp_path),
                            "-G", "Ninja", f"-Dpybind11_DIR={cmakedir}", f"-DPython_EXECUTABLE={sys.executable}",
                            "-DASTRAI_NO_MMA=ON", "-DASTRAI_CUDA_ARCHS=90a"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    info = json.loads((tmp_path / "astrai_rotary" / "build_info.json").read_text())
+    info = json.loads((tmp_path / "astrai_elementwise" / "build_info.json").read_text())
     assert (info["no_mma"], info["sass_archs"], info["ptx_archs"]) == (True, ["sm_90a"], ["compute_90"])
     assert "-DASTRAI_NO_MMA=1" in (tmp_path / "build.ninja").read_text()

@@ -15,7 +15,7 @@ CHECK = ROOT / "ci" / "check-wheel-size"
 
 @pytest.fixture(scope="module")
 def rotary_wheel() -> Path:
-    return next(rotary_wheel_dir().glob("astrai_rotary-*.whl"))
+    return next(rotary_wheel_dir().glob("astrai_elementwise-*.whl"))
 
 
 def _check(*args) -> subprocess.CompletedProcess:
@@ -31,7 +31,7 @@ def test_the_built_wheel_is_within_budget(rotary_wheel):
 
 def test_a_wheel_over_budget_fails(rotary_wheel, tmp_path):
     budget = tmp_path / "budget.toml"
-    budget.write_text("[astrai-rotary]\nbase_mb = 0.1\nper_sass_arch_mb = 0.05\n")
+    budget.write_text("[astrai-elementwise]\nbase_mb = 0.1\nper_sass_arch_mb = 0.05\n")
     result = _check("--budget", budget, rotary_wheel)
     assert result.returncode == 1
     assert "OVER BUDGET" in result.stdout
@@ -41,7 +41,7 @@ def test_a_plugin_without_a_budget_fails(rotary_wheel, tmp_path):
     budget = tmp_path / "budget.toml"
     budget.write_text("[astrai-fp8]\nbase_mb = 9\nper_sass_arch_mb = 1\n")
     result = _check("--budget", budget, rotary_wheel)
-    assert result.returncode == 1 and "NO BUDGET for astrai-rotary" in result.stdout
+    assert result.returncode == 1 and "NO BUDGET for astrai-elementwise" in result.stdout
 
 
 def test_every_plugin_has_a_budget():

@@ -25,8 +25,8 @@ def _script(name: str):
 
 
 @pytest.mark.parametrize(("name", "cuda", "python", "platform"), [
-    ("astrai_rotary-0.1.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl", "13.0", "3.12", "manylinux_2_28_x86_64"),
-    ("astrai_rotary-0.1.0+cu130.post1-cp311-cp311-manylinux_2_28_x86_64.whl", "13.0", "3.11", "manylinux_2_28_x86_64"),
+    ("astrai_elementwise-0.1.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl", "13.0", "3.12", "manylinux_2_28_x86_64"),
+    ("astrai_elementwise-0.1.0+cu130.post1-cp311-cp311-manylinux_2_28_x86_64.whl", "13.0", "3.11", "manylinux_2_28_x86_64"),
     ("Astrai.FP8-0.1.0+cu124-1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", "12.4", "3.12",
      "manylinux2014_x86_64.manylinux_2_17_x86_64"),
     ("astrai-0.1.0-py3-none-any.whl", None, None, "any"),
@@ -34,19 +34,19 @@ def _script(name: str):
 def test_conda_channel_reads_wheel_names(name, cuda, python, platform):
     wheel = read_wheel_name(Path(name))
     assert (wheel.cuda, wheel.python, wheel.platform_tag, wheel.base_version) == (cuda, python, platform, "0.1.0")
-    assert wheel.name in ("astrai", "astrai-rotary", "astrai-fp8")
+    assert wheel.name in ("astrai", "astrai-elementwise", "astrai-fp8")
 
 
-@pytest.mark.parametrize(("name", "why"), [("astrai_rotary-0.1.0+cpu-cp312-cp312-linux_x86_64.whl", "not a CUDA tag"),
-                                           ("astrai_rotary-0.1.0.whl", "not a wheel file name")])
+@pytest.mark.parametrize(("name", "why"), [("astrai_elementwise-0.1.0+cpu-cp312-cp312-linux_x86_64.whl", "not a CUDA tag"),
+                                           ("astrai_elementwise-0.1.0.whl", "not a wheel file name")])
 def test_conda_channel_refuses_what_is_no_plugin_wheel(name, why):
     with pytest.raises(ChannelError, match=why):
         read_wheel_name(Path(name))
 
 
 @pytest.mark.parametrize(("name", "tag"), [
-    ("astrai_rotary-0.1.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl", "manylinux_2_28_x86_64"),
-    ("astrai_rotary-0.1.0+cu130-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl", "manylinux_2_17_x86_64"),
+    ("astrai_elementwise-0.1.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl", "manylinux_2_28_x86_64"),
+    ("astrai_elementwise-0.1.0+cu130-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl", "manylinux_2_17_x86_64"),
     ("manylinux_tools-0.1.0-py3-none-any.whl", None),  # the name is no platform
 ])
 def test_build_wheels_reads_the_manylinux_tag(name, tag):
@@ -57,18 +57,18 @@ def test_check_pip_install_reads_every_requirement_form(tmp_path):
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project.optional-dependencies]\n'
                          'fp8 = ["astrai-fp8~=0.1.0"]\n'
-                         'rotary = ["astrai-rotary!=0.1.1,>=0.1"]\n'
+                         'rotary = ["astrai-elementwise!=0.1.1,>=0.1"]\n'
                          'attention = ["astrai-attention[extra]==0.1.0"]\n'
-                         'all = ["Astrai_Rotary<0.2; python_version >= \'3.10\'", "astrai-fp8>0.0"]\n'
+                         'all = ["Astrai_Elementwise<0.2; python_version >= \'3.10\'", "astrai-fp8>0.0"]\n'
                          'plot = ["matplotlib>=3.7"]\n')
     assert _script("check-pip-install").extra_plugins(pyproject) == {
-        "fp8": ["astrai-fp8"], "rotary": ["astrai-rotary"], "attention": ["astrai-attention"],
-        "all": ["astrai-rotary", "astrai-fp8"]}
+        "fp8": ["astrai-fp8"], "rotary": ["astrai-elementwise"], "attention": ["astrai-attention"],
+        "all": ["astrai-elementwise", "astrai-fp8"]}
 
 
 def test_check_pip_install_reads_the_core_extras():
     extras = _script("check-pip-install").extra_plugins()
-    assert extras["all"] == ["astrai-attention", "astrai-rotary", "astrai-fp8"] and "plot" not in extras
+    assert extras["all"] == ["astrai-attention", "astrai-elementwise", "astrai-fp8"] and "plot" not in extras
 
 
 @pytest.mark.parametrize("depth", [1, 12])  # 12 folders of 20 characters: far past a 127-byte #! line

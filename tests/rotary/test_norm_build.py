@@ -1,4 +1,4 @@
-"""The norm kernels of the astrai-rotary build, on a machine without a GPU: the build report
+"""The norm kernels of the astrai-elementwise build, on a machine without a GPU: the build report
 (every instantiation for both SASS archs, no spills), the block shapes the module launches,
 and the C++ validation of rms_norm, fused_add_rms_norm and silu_and_mul before any CUDA call.
 
@@ -24,16 +24,16 @@ ROWS, HIDDEN = 3, 64
 
 @pytest.fixture(scope="module")
 def compiled(rotary_build, tmp_path_factory):
-    wheel = next((rotary_build / "cu130").glob("astrai_rotary-*.whl"))
+    wheel = next((rotary_build / "cu130").glob("astrai_elementwise-*.whl"))
     dest = tmp_path_factory.mktemp("norm-unpacked")
     with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(dest, [n for n in zf.namelist() if n.startswith("astrai_rotary/")])
-    return load_module("astrai_rotary._rotary_emb", next((dest / "astrai_rotary").glob("_rotary_emb.*.so")))
+        zf.extractall(dest, [n for n in zf.namelist() if n.startswith("astrai_elementwise/")])
+    return load_module("astrai_elementwise._rotary_emb", next((dest / "astrai_elementwise").glob("_rotary_emb.*.so")))
 
 
 def test_every_norm_kernel_is_built_for_both_archs_without_spills(rotary_build):
     report = json.loads((Path(rotary_build) / "build-report-cu130.json").read_text())
-    kernels = next(p for p in report["packages"] if p["name"] == "astrai-rotary")["kernels"]
+    kernels = next(p for p in report["packages"] if p["name"] == "astrai-elementwise")["kernels"]
     names = {(k["arch"], k["kernel"]) for k in kernels}
     for arch in ("sm_80", "sm_90a"):
         norm = {n for a, n in names if a == arch and "rms_norm_kernel" in n}

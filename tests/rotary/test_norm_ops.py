@@ -170,7 +170,7 @@ OPS = {op: {"module": "fake_norm_module", "abi": 1, "dtypes": ["float16", "bfloa
 
 
 def norm_runtime(importer=None):
-    registry = Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=OPS))),
+    registry = Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=OPS))),
                         importer=importer or (lambda name: fake_module(name)))
     return Runtime(registry)
 

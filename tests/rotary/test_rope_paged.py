@@ -114,7 +114,7 @@ def test_one_fused_launch_per_layer_with_the_kernel(monkeypatch):
         return q_rot
 
     ops = {"rope_paged_append": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["float32"]}}
-    runtime = Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))), importer=fake_module))
+    runtime = Runtime(Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=ops))), importer=fake_module))
     monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
     monkeypatch.setattr(rope_paged.ops_rope_paged, "rope_paged_append_unchecked", stand_in)
     fused, by_hand = caches()

@@ -259,7 +259,7 @@ ALL_DTYPES = {"rotary_emb": {"module": "fake_rotary_module", "abi": 1, "dtypes":
 
 
 def rotary_runtime(importer=None, ops=None):
-    registry = Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=ops))),
+    registry = Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=ops))),
                         importer=importer or (lambda name: fake_module(name)))
     return Runtime(registry)
 

@@ -1,4 +1,4 @@
-"""The rotary plugin's capabilities are stated once, in src/astrai_rotary/capabilities.py: the
+"""The rotary plugin's capabilities are stated once, in src/astrai_elementwise/capabilities.py: the
 manifest's op specs are built from it, csrc/capabilities.h (the argument checks, their error
 messages and KV_DTYPES) is generated from it and the CMake build passes its min arch. No
 build: these tests read the sources, and fail where one of them states a capability on its own."""
@@ -14,7 +14,7 @@ from capabilities_checks import (SHARED, assert_nothing_restated, cmake_min_sms,
                                  dtype_list_in_a_string, rules_matching)
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN = REPO / "packages" / "astrai-rotary"
+PLUGIN = REPO / "packages" / "astrai-elementwise"
 CSRC = PLUGIN / "csrc"
 OPS = ("rotary_emb", "rope_paged_append", "rms_norm", "fused_add_rms_norm", "silu_and_mul")
 KV_OPS = ("rope_paged_append",)
@@ -23,7 +23,7 @@ CXX_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float
 
 
 def _gen():
-    return load_module("astrai_rotary_gen_capabilities", CSRC / "gen_capabilities.py")
+    return load_module("astrai_elementwise_gen_capabilities", CSRC / "gen_capabilities.py")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_the_header_is_generated_from_the_statement():
 
 
 def test_the_manifest_states_the_capabilities(caps):
-    manifest = plugin_manifest_of(PLUGIN / "src" / "astrai_rotary", "_astrai_rotary_capabilities",
+    manifest = plugin_manifest_of(PLUGIN / "src" / "astrai_elementwise", "_astrai_elementwise_capabilities",
                                   build_info=FULL_BUILD_INFO)
     assert sorted(manifest["ops"]) == sorted(OPS)
     for name, spec in manifest["ops"].items():

@@ -19,7 +19,7 @@ OPS = {"rotary_emb": {"module": "fake_rotary_module", "abi": 1, "dtypes": ["bflo
 
 
 def runtime_with(module_attrs) -> Runtime:
-    return Runtime(Registry(entry_points(FakeEntryPoint("rotary", manifest(ops=OPS))),
+    return Runtime(Registry(entry_points(FakeEntryPoint("elementwise", manifest(ops=OPS))),
                             importer=lambda name: fake_module(name, **module_attrs)))
 
 

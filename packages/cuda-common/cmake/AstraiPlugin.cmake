@@ -2,8 +2,8 @@
 #
 #   cmake_minimum_required(VERSION 3.24...3.31)
 #   include(cuda-common/cmake/AstraiPlugin.cmake)
-#   project(astrai_rotary LANGUAGES CXX CUDA)
-#   astrai_add_kernel_module(_rotary_emb PACKAGE astrai_rotary SOURCES csrc/rotary_emb.cu)
+#   project(astrai_elementwise LANGUAGES CXX CUDA)
+#   astrai_add_kernel_module(_rotary_emb PACKAGE astrai_elementwise SOURCES csrc/rotary_emb.cu)
 #
 # astrai_add_kernel_module(NAME PACKAGE <pkg> SOURCES <files...> [MIN_SM <sm>])
 #   builds a torch-free pybind11 module <pkg>/<NAME>.<soabi>.so with static cudart,

@@ -1,4 +1,4 @@
-"""The astrai-rotary norm kernels on the GPU: rms_norm, fused_add_rms_norm and silu_and_mul
+"""The astrai-elementwise norm kernels on the GPU: rms_norm, fused_add_rms_norm and silu_and_mul
 against float64 references (within one rounding of the result past float32 arithmetic)
 and against the torch path (the unfused engine's ops), in the three dtypes, over hidden
 sizes from one warp to two-pass rows (8 .. 65536 channels), on the vector and the scalar

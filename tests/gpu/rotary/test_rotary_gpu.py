@@ -1,4 +1,4 @@
-"""The astrai-rotary kernels on the GPU against float64 references.
+"""The astrai-elementwise kernels on the GPU against float64 references.
 
 The compiled module is called directly with NaN-poisoned outputs framed by guard regions
 (an unwritten or out-of-bounds element fails): both layouts (NeoX against transformers' own
@@ -34,7 +34,7 @@ MAX_POS = 20000
 
 
 def module():
-    return importlib.import_module("astrai_rotary._rotary_emb")
+    return importlib.import_module("astrai_elementwise._rotary_emb")
 
 
 def abi(t: torch.Tensor | None):

@@ -1,6 +1,6 @@
 // The dequantization scales of one layer of an fp8 KV cache, as the plugins' bindings take
 // them: kv_scales = None, or (k_scale, v_scale), float32 [1] (per tensor) or [kv_heads] (per kv
-// head) each. The attention plugin's decode, prefill and append and the rotary plugin's fused
+// head) each. The attention plugin's decode, prefill and append and the element-wise plugin's fused
 // rope + append read them alike.
 #pragma once
 

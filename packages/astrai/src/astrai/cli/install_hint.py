@@ -3,7 +3,7 @@
 Pure functions of the driver's CUDA version (``(13, 0)``, or None without a driver) and
 the installer kind; the index choice itself is ``extension.install.cuda_index_tag``.
 Package names match what ``recipe/recipe.yaml`` builds: ``astrai`` (the core),
-``astrai-attention`` / ``astrai-rotary`` / ``astrai-fp8``, and ``astrai-kernels`` (all).
+``astrai-attention`` / ``astrai-elementwise`` / ``astrai-fp8``, and ``astrai-kernels`` (all).
 
 >>> install_command((13, 0), "pip", "fp8")
 'pip install "astrai[fp8]" --extra-index-url https://astrai-kernels.github.io/whl/cu130'
@@ -41,8 +41,9 @@ def conda_channel() -> str:
 
 def conda_package(extra: str) -> str:
     """The conda package(s) that provide ``astrai[extra]``: ``astrai-fp8``, ``astrai-kernels``
-    for all, ``astrai-rotary astrai-fp8`` for "rotary,fp8"."""
-    return "astrai-kernels" if extra == "all" else " ".join(f"astrai-{part}" for part in extra.split(","))
+    for all, ``astrai-elementwise astrai-fp8`` for "rotary,fp8"."""
+    packages = {name: package for package, name in PLUGIN_EXTRAS.items()}
+    return "astrai-kernels" if extra == "all" else " ".join(packages[part] for part in extra.split(","))
 
 
 def install_command(driver_cuda: tuple[int, int] | None, installer: str, extra: str = "all") -> str:

@@ -49,7 +49,7 @@ BINDINGS: dict[str, Binding] = {
                                    "kv_lens", "q_tile_to_batch", "q_tile_to_index"),
                                   ("is_causal", "stream", "variant", "kv_scales")),
     "gather_pages": Binding(("k_cache", "v_cache", "source", "k_out", "v_out", "stream"), ("kv_scales",)),
-    # astrai-rotary: _rotary_emb (csrc/rotary_emb.cu)
+    # astrai-elementwise: _rotary_emb (csrc/rotary_emb.cu)
     "rotary": Binding(("q", "k", "cos", "sin", "positions", "q_out", "k_out", "interleaved", "inverse", "stream")),
     "rope_paged_append": Binding(("q", "k", "v", "k_cache", "v_cache", "cos", "sin", "positions", "slots", "q_out",
                                   "interleaved", "stream"), ("kv_scales",)),

@@ -15,7 +15,7 @@ PUBLISHED = False
 # Published CUDA builds, newest first: (major, minor) -> index folder.
 PUBLISHED_CUDA = ((13, 0), (12, 4))
 
-PLUGIN_EXTRAS = {"astrai-attention": "attention", "astrai-rotary": "rotary", "astrai-fp8": "fp8"}
+PLUGIN_EXTRAS = {"astrai-attention": "attention", "astrai-elementwise": "rotary", "astrai-fp8": "fp8"}
 
 
 def index_url() -> str:

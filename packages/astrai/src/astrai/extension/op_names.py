@@ -14,7 +14,7 @@ ATTN_DECODE = "attn_decode"
 ATTN_PREFILL = "attn_prefill"
 ATTN_PAGED_DECODE = "attn_paged_decode"
 ATTN_PAGED_PREFILL = "attn_paged_prefill"
-# astrai-rotary
+# astrai-elementwise
 ROTARY_EMB = "rotary_emb"
 ROPE_PAGED_APPEND = "rope_paged_append"
 RMS_NORM = "rms_norm"

@@ -51,7 +51,7 @@ class EntryPointLike(Protocol):
 class PluginRecord:
     """One entry point of the group and what became of it."""
 
-    entry_point: str  # "rotary = astrai_rotary:manifest"
+    entry_point: str  # "elementwise = astrai_elementwise:manifest"
     distribution: str | None
     manifest: Manifest | None = None
     rejected: str | None = None  # the reason, when discovery rejected it

@@ -7,7 +7,7 @@ input dtype. ``fused_add_rms_norm(x, residual, weight, eps)`` is a decoder layer
 returns ``(x, residual)``); ``silu_and_mul(gate_up)`` is ``F.silu(gate) * up`` of the two
 halves of a fused gate/up projection's last dim.
 
-Per call the astrai-rotary plugin's kernel (ops ``rms_norm``, ``fused_add_rms_norm``,
+Per call the astrai-elementwise plugin's kernel (ops ``rms_norm``, ``fused_add_rms_norm``,
 ``silu_and_mul``) runs for CUDA tensors in a dtype its manifest lists, with the weight in
 ``x``'s dtype, rows the kernel can address (a contiguous last dim; in place: leading dims
 that fold into one stride) and no gradient wanted (the kernels have no backward). Otherwise

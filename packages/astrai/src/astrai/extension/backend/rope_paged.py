@@ -3,7 +3,7 @@
 ``rope_and_append(q, k, v, kv_cache, layer_id, rope, interleaved)`` rotates ``q`` and this
 step's new keys ``k`` at their cache positions, writes the rotated keys and ``v`` into the
 layer's pages at the plan's slots, and returns the rotated ``q`` (``q``'s shape). On CUDA,
-with the astrai-rotary plugin's ``rope_paged_append`` usable for the dtype, that is one
+with the astrai-elementwise plugin's ``rope_paged_append`` usable for the dtype, that is one
 kernel; otherwise ``apply_rotary_emb_qk`` then ``PagedKVCache.append``. An FP8 cache
 (``kv_dtype`` != ``dtype``) takes the kernel where the plugin's manifest states its page dtype
 (``kv_dtypes``) and the layer's scales are known (set, or calibrated by an earlier append): the

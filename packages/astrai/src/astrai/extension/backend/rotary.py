@@ -14,7 +14,7 @@ with ``False`` (NeoX: transformers' ``apply_rotary_pos_emb``); channels past ``r
 ``[seq, head_dim // 2]`` keeps its original meaning. ``apply_rotary_emb_qk`` rotates q and
 k in one launch, optionally in place.
 
-Per call the ``rotary_emb`` kernel of the astrai-rotary plugin runs when ``x`` is on CUDA in
+Per call the ``rotary_emb`` kernel of the astrai-elementwise plugin runs when ``x`` is on CUDA in
 a dtype the plugin's manifest lists; with a gradient its backward is the same kernel
 rotating backwards. Otherwise (CPU, float64, no plugin, a gradient for cos/sin) the torch
 path runs (``rotary_torch``, autograd-capable). The choice goes through the runtime's
@@ -51,7 +51,7 @@ class RotaryCall(NamedTuple):
 
 
 class _Kernel:
-    """A plugin kernel (``op``, an astrai-rotary one unless said: the norms, and the FP8 plugin's
+    """A plugin kernel (``op``, an astrai-elementwise one unless said: the norms, and the FP8 plugin's
     weight GEMM share this dispatch): its manifest states the dtypes (and head dims, if limited)."""
 
     name = "cuda"

@@ -1,4 +1,4 @@
-"""RMSNorm, residual add + RMSNorm and SiLU-and-mul: the astrai-rotary plugin's kernels as torch custom ops.
+"""RMSNorm, residual add + RMSNorm and SiLU-and-mul: the astrai-elementwise plugin's kernels as torch custom ops.
 
 - ``rms_norm(x, weight, eps)``: a new tensor ``weight * T(x * rsqrt(mean(x^2) + eps))`` of
   ``x [..., hidden]`` (float16/bfloat16/float32, CUDA), statistics in float32, ``weight

@@ -1,4 +1,4 @@
-"""Rotary embedding: the astrai-rotary plugin's kernel as torch custom ops.
+"""Rotary embedding: the astrai-elementwise plugin's kernel as torch custom ops.
 
 ``rotary_emb(x, cos, sin, positions, interleaved, inverse)`` rotates ``x [batch, seq, heads,
 head_dim]`` (float16/bfloat16/float32, CUDA, any strides) by rows of ``cos`` / ``sin``

@@ -1,4 +1,4 @@
-// Rotary embedding entry points of astrai_rotary._rotary_emb (ABI 1; the kernel is in
+// Rotary embedding entry points of astrai_elementwise._rotary_emb (ABI 1; the kernel is in
 // rotary_kernel.cuh):
 //
 //   rotary(q, k, cos, sin, positions, q_out, k_out, interleaved, inverse, stream)

@@ -1,11 +1,12 @@
-"""AstrAI rotary plugin: the manifest of its compiled module, and nothing compiled.
+"""AstrAI element-wise plugin (rotary embedding, the RMSNorms, SiLU-and-mul): the manifest of its
+compiled module, and nothing compiled.
 
 The core's registry calls :func:`manifest` through the entry point ``astrai.kernels:
-rotary``; the compiled module ``astrai_rotary._rotary_emb`` is imported by the core
+elementwise``; the compiled module ``astrai_elementwise._rotary_emb`` is imported by the core
 only when the op first runs. What the binary really holds (CUDA version, SASS and PTX
 archs) comes from ``build_info.json``, written by the build next to the module. What the
 kernels serve (dtypes, page dtypes, min arch) is stated once, in
-:mod:`astrai_rotary.capabilities`; the ops' specs below and the C++ read it.
+:mod:`astrai_elementwise.capabilities`; the ops' specs below and the C++ read it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ API_VERSION = 1
 CORE_REQUIRES = ">=0.1.0,<0.2.0"
 
 _COMMON: dict[str, Any] = {
-    "module": "astrai_rotary._rotary_emb",
+    "module": "astrai_elementwise._rotary_emb",
     "abi": 1,
     "dtypes": list(capabilities.DTYPES),
     "min_sm": capabilities.MIN_SM,
@@ -51,7 +52,7 @@ def manifest() -> dict[str, Any]:
     info = build_info()
     return {
         "api_version": API_VERSION,
-        "name": "astrai-rotary",
+        "name": "astrai-elementwise",
         "version": info["version"],
         "core_requires": CORE_REQUIRES,
         "cuda": info["cuda"],

@@ -1,4 +1,4 @@
-// RMSNorm and SiLU-and-mul entry points of astrai_rotary._rotary_emb (ABI 1; the kernels are
+// RMSNorm and SiLU-and-mul entry points of astrai_elementwise._rotary_emb (ABI 1; the kernels are
 // in norm_kernel.cuh and silu_mul_kernel.cuh):
 //
 //   rms_norm(x, weight, out, eps, stream)

@@ -1,6 +1,6 @@
-"""What the rotary plugin's kernels serve, stated once.
+"""What the element-wise plugin's kernels (rotary embedding, the norms, SiLU-and-mul) serve, stated once.
 
-The manifest (``astrai_rotary.manifest``) is built from these names, and the C++ reads
+The manifest (``astrai_elementwise.manifest``) is built from these names, and the C++ reads
 them through ``csrc/capabilities.h``, which ``csrc/gen_capabilities.py`` writes from this
 file: the argument checks and their error messages, and the module's ``KV_DTYPES``. The
 CMake build passes ``MIN_SM``. tests/rotary/test_rotary_capabilities.py fails when any of
