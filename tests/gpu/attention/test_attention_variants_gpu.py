@@ -199,3 +199,35 @@ def test_attention_runs_the_variants_on_the_cuda_backend(mode):
     with attn_backend(ATTN_BACKEND.TORCH_NATIVE):
         want = attention(q, k, v, kv_cache=cache, layer_id=0, **kw)  # rewrites the same slots
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["dense", "prefill", "decode"])
+def test_alibi_runs_on_the_torch_path_of_a_cuda_device(mode):
+    """ALiBi has no kernel yet: on a CUDA device the CUDA backend passes the call over with the
+    reason (explain), and the torch path runs it on the device, dense and over a cache, equal
+    to the float64 reference."""
+    from astrai.extension import attention, explain
+    from astrai.extension.backend.attention.variant import alibi_slopes
+    from astrai.extension.kv_cache import PagedKVCache
+
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kw = dict(alibi_slopes=alibi_slopes(hq, "cuda"), window_left=300)
+    if mode == "dense":
+        q, k, v = (torch.randn(2, n, h, d, device="cuda", generator=gen).to(BF16)
+                   for n, h in ((97, hq), (610, hkv), (610, hkv)))
+        got = attention(q, k, v, is_causal=True, **kw)
+        want, magnitude = reference(q, k, v, None, True, **kw)
+    else:
+        cache = PagedKVCache(1, 96, 16, hkv, d, dtype=BF16, device="cuda")
+        cache.add_sequence("a")
+        seq = [torch.randn(1, 700, h, d, device="cuda", generator=gen).to(BF16) for h in (hq, hkv, hkv)]
+        done = 699 if mode == "decode" else 500
+        cache.plan(["a"], [done])
+        attention(*(t[:, :done] for t in seq), kv_cache=cache, layer_id=0, **kw)
+        cache.plan(["a"], [700 - done])
+        got = attention(*(t[:, done:700] for t in seq), kv_cache=cache, layer_id=0, **kw)
+        want, magnitude = reference(seq[0][:, done:700], seq[1], seq[2], None, True, **kw)
+    assert_close(got, (want, magnitude), BF16, f"alibi {mode}")
+    text = "\n".join(str(decision) for decision in explain("attention"))
+    assert "alibi_slopes" in text and "-> torch_native" in text
