@@ -354,7 +354,7 @@ def test_backends_without_alibi_pass_the_call_over(monkeypatch):
 
 def test_the_cuda_ops_refuse_alibi_rather_than_drop_it():
     from astrai.extension.backend.attention.variant import check_variant
-    from astrai.extension.ops.attention import variant_kwargs
+    from astrai.extension.ops.attention_args import variant_kwargs
 
     q = torch.zeros(1, 1, 4, 64)
     with pytest.raises(ValueError, match="alibi_slopes"):

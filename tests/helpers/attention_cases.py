@@ -14,7 +14,7 @@ from astrai.extension.abi import dtype_code, stream_handle
 from astrai.extension.batch_plan import q_tile_schedule
 from astrai.extension.ops import _plugin
 from astrai.extension.ops.attention import q_tile_rows
-from astrai.extension.ops.attention import variant_arg as attn_variant_arg
+from astrai.extension.ops.attention_args import variant_arg as attn_variant_arg
 
 
 def abi(t: torch.Tensor | None):

@@ -26,21 +26,16 @@ from ..extension.kv_window import shared_window
 from .config import ModelConfig, preset
 from .graphs import DecodeGraphs, held_while_growing
 from .greedy import greedy_tokens
+from .inflight import InFlight
 from .kv_cache_dtype import calibrate_kv_scales, check_kv_cache_dtype
 from .model import DecoderModel, hf_state_dict, load_hf_state_dict
+from .precision import check_linear_precision
 from .scheduler import Request, Scheduler, Step, requests_of
 from .stats import GenerationStats, progress
 
 __all__ = ["LLM"]
 
 _PAD_SEQ = "__pad__"
-
-
-# Measured on an H100 (docs/fp8.md, "FP8 linears or FP8 weights for serving").
-FP8_LINEARS_NOTE = ("FP8 linears (fp8=True, --fp8) quantize each linear's activations per tensor on every call: at "
-                    "decode sizes that costs more than the halved weight bytes save (an H100, 64 requests: 0.90x the "
-                    "16-bit tokens/s, where FP8 weights ran at 1.19x). To serve, use FP8 weights (fp8_weights=True, "
-                    "--fp8-weights); FP8 linears are for training and prefill-heavy work.")
 
 
 @contextlib.contextmanager
@@ -54,25 +49,6 @@ def _released_on_failure(cache: PagedKVCache, requests: list[Request]):
             if r.rid in cache.sequences:
                 cache.release(r.rid)
         raise
-
-
-class _InFlight:
-    """A launched decode step: its tokens on their way to the host (pinned memory on CUDA)."""
-
-    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
-        self.logits = logits
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = tokens.clone(), None
-
-    def tokens(self) -> list[int]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
 
 
 class LLM:
@@ -123,10 +99,8 @@ class LLM:
                  kv_cache_dtype: torch.dtype | None = None, fp8_weights: bool = False) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
-        if fp8 and fp8_weights:
-            raise ValueError("fp8 (FP8 weights and activations) and fp8_weights (FP8 weights only) exclude each other")
-        if model.linears_released and not fp8_weights:
-            raise ValueError("the model's decoder linears hold only FP8 copies: pass fp8_weights=True")
+        # where the precision chosen is measured to lose to another at serving sizes
+        self.precision_note: str | None = check_linear_precision(model, fp8, fp8_weights)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, model.dtype)
         for name, value, low in (("page_size", page_size, 3), ("max_batch_size", max_batch_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1)):
@@ -143,8 +117,6 @@ class LLM:
         self.graphs_off_reason: str | None = None  # why decode steps run eagerly on CUDA, when they do
         self.fp8 = bool(fp8)
         self.fp8_weights = bool(fp8_weights)
-        # where the precision chosen is measured to lose to another at serving sizes
-        self.precision_note: str | None = FP8_LINEARS_NOTE if self.fp8 else None
         if self.fp8_weights and not all(layer.fp8_weights for layer in model.layers):
             model.quantize_weights_fp8()
         self.memory_fraction = memory_fraction
@@ -356,7 +328,7 @@ class LLM:
         for _ in range(steps):
             with cache.step(ids, [1] * len(ids), into=into) as plan:
                 next_tokens, logits = self._decode(plan, tokens)
-            launched = _InFlight(next_tokens, logits.float().clone() if keep_logits else None)
+            launched = InFlight(next_tokens, logits.float().clone() if keep_logits else None)
             tokens = next_tokens
             ran += 1
             stopped = pending is not None and self._resolve(pending, reqs, emit, stats)
@@ -369,7 +341,7 @@ class LLM:
         stats.add_decode_run(ran, len(reqs), time.perf_counter() - t0, context)
 
     @staticmethod
-    def _resolve(step: _InFlight, reqs: tuple[Request, ...], emit, stats: GenerationStats) -> bool:
+    def _resolve(step: InFlight, reqs: tuple[Request, ...], emit, stats: GenerationStats) -> bool:
         """Hand a launched step's tokens to their requests; True when one of them stopped."""
         tokens = step.tokens()
         now = time.perf_counter()

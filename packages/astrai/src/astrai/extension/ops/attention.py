@@ -45,6 +45,7 @@ from ..abi import (contiguous_strides, current_device, current_stream, dtype_cod
 from ..compiling import assume_constant_result
 from ..op_names import ATTN_DECODE, ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from . import _plugin
+from .attention_args import kv_scales_arg, variant_arg
 # _num_sms, fp8_plan_arg and _split_workspaces are attention_plan's too, through this module
 from .decode_splits import (_decode_workspace, _num_sms, _split_count, _split_workspace_shapes,  # noqa: F401
                             _split_workspaces, fp8_plan_arg)
@@ -94,46 +95,6 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
     """Rows of the paged prefill kernels' Q tiles (``q_tile_to_batch`` / ``q_tile_to_index``):
     the compiled module's ``Q_TILE_ROWS``, the one definition of it."""
     return int(_plugin.require(ATTN_PAGED_PREFILL, device).Q_TILE_ROWS)
-
-
-def variant_arg(scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                sinks: torch.Tensor | None = None) -> dict:
-    """The modules' ``variant`` keyword of the ops' variant keywords: none for plain attention (so a
-    plugin built before variants still runs it), else :func:`_binding_variant`'s tuple."""
-    if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None:
-        return {}
-    return _binding_variant(scale, logits_soft_cap, window_left, sinks)
-
-
-def variant_binding(variant) -> dict:
-    """The modules' ``variant`` keyword of ``variant`` (an ``AttentionVariant`` of the backend
-    layer, or None), straight from its fields: what the launch plans pass."""
-    if variant is None or not variant.features:
-        return {}
-    _refuse_alibi(variant)
-    return _binding_variant(variant.scale, variant.logits_soft_cap, variant.window_left, variant.sinks)
-
-
-def _binding_variant(scale, logits_soft_cap, window_left, sinks) -> dict:
-    """The one conversion to the binding's variant: ``(scale, soft-cap, window_left, sinks)`` with
-    0 for an unset scale or soft-cap (csrc/entry_utils.h: set_variant)."""
-    return {"variant": (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))}
-
-
-def variant_kwargs(variant) -> dict:
-    """The ops' variant keywords of ``variant`` (an ``AttentionVariant`` of the backend layer, or
-    None): none for plain attention. For the registered ops' traced calls, whose schema takes the
-    fields one by one."""
-    if variant is None or not variant.features:
-        return {}
-    _refuse_alibi(variant)
-    return dict(scale=variant.scale, logits_soft_cap=variant.logits_soft_cap, window_left=variant.window_left,
-                sinks=variant.sinks)
-
-
-def _refuse_alibi(variant) -> None:
-    if variant.alibi_slopes is not None:  # the CUDA backend passes such calls over (its manifest lacks it)
-        raise ValueError("alibi_slopes: the CUDA attention ops take no ALiBi bias (the torch path runs it)")
 
 
 # ---- attn_decode ----------------------------------------------------------------------
@@ -206,15 +167,6 @@ def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[in
     if q.dim() < 1:
         raise ValueError(f"{op}: q must have a batch (or token) dimension, got shape {tuple(q.shape)}")
     return q.shape[0], k_cache.shape[1], k_cache.shape[0]
-
-
-def kv_scales_arg(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
-    """The paged modules' ``kv_scales`` keyword: none for a 16-bit cache."""
-    if k_scale is None and v_scale is None:
-        return {}
-    if k_scale is None or v_scale is None:
-        raise ValueError("k_scale: an FP8 cache needs both k_scale and v_scale")
-    return {"kv_scales": (tensor_arg(k_scale), tensor_arg(v_scale))}
 
 
 def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,

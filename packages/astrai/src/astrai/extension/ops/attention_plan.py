@@ -35,7 +35,8 @@ from ..abi import contiguous_strides, current_device, current_stream, dtype_code
 from ..op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL
 from . import _plugin
 from .attention import (_num_sms, _rows_aligned, _rows_layout_ok, _split_workspaces, attn_paged_decode,
-                        attn_paged_prefill, fp8_plan_arg, kv_scales_arg, variant_binding, variant_kwargs)
+                        attn_paged_prefill, fp8_plan_arg)
+from .attention_args import kv_scales_arg, variant_binding, variant_kwargs
 from .page_table import check_decode_table, check_prefill_table, check_q_tiles, debug_checks_enabled
 
 __all__ = ["PagedDecodeLaunch", "PagedPrefillLaunch", "plan_paged_decode", "plan_paged_prefill"]

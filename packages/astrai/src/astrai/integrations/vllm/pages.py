@@ -156,8 +156,9 @@ def attend(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: 
         k_scale = v_scale = None
     if kernels:
         from ...extension.ops import attention as attn_ops  # the plugin's ops: CUDA only
+        from ...extension.ops.attention_args import variant_kwargs
 
-        kwargs = dict(k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
+        kwargs = dict(k_scale=k_scale, v_scale=v_scale, **variant_kwargs(variant))
         if plan.is_decode:
             out = attn_ops.attn_paged_decode(q.unsqueeze(1), k_pages, v_pages, plan.kv_indptr, plan.kv_indices,
                                              plan.kv_lens, **kwargs)

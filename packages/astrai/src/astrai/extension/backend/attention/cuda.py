@@ -38,6 +38,7 @@ from ...kv_cache import BatchPlan, PagedKVCache
 from ...op_names import ATTN_PAGED_DECODE, ATTN_PAGED_PREFILL, ATTN_PREFILL
 from .. import prefer
 from ...ops import attention as attn_ops
+from ...ops.attention_args import variant_kwargs
 from ...ops.attention_plan import plan_paged_decode, plan_paged_prefill
 from ...runtime import current_runtime
 from . import ordered_pages
@@ -113,7 +114,7 @@ class CudaBackend(AttentionBackend):
     def forward(self, call, q, k, v, *, kv_cache=None, layer_id=None, mask=None, is_causal=False, appended=False,
                 variant=PLAIN):
         if kv_cache is None:  # dense prefill: the contiguous kernel on the caller's tensors
-            return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal), **attn_ops.variant_kwargs(variant))
+            return attn_ops.attn_prefill(q, k, v, mask, bool(is_causal), **variant_kwargs(variant))
         if call.mode == "decode" and type(q) is torch.Tensor and not torch.compiler.is_compiling():
             return self._decode_step(q, k, v, kv_cache, layer_id, appended, variant)
         return super().forward(call, q, k, v, kv_cache=kv_cache, layer_id=layer_id, mask=mask, is_causal=is_causal,
@@ -174,7 +175,7 @@ class CudaBackend(AttentionBackend):
         if torch.compiler.is_compiling():  # the registered op plans inside the traced graph
             k_scale, v_scale = scales or (None, None)
             out = attn_ops.attn_paged_decode(q_rows, k_pages, v_pages, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
-                                             k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
+                                             k_scale=k_scale, v_scale=v_scale, **variant_kwargs(variant))
         else:
             out = self._launch(kv_cache, plan, q_rows.shape[2], True)(q_rows, k_pages, v_pages, variant=variant,
                                                                       kv_scales=scales)
@@ -193,7 +194,7 @@ class CudaBackend(AttentionBackend):
             k_scale, v_scale = scales or (None, None)
             out = attn_ops.attn_paged_prefill(q_rows, k_pages, v_pages, plan.qo_indptr, plan.kv_indptr,
                                               plan.kv_indices, plan.kv_lens, *tiles, bool(is_causal),
-                                              k_scale=k_scale, v_scale=v_scale, **attn_ops.variant_kwargs(variant))
+                                              k_scale=k_scale, v_scale=v_scale, **variant_kwargs(variant))
         elif gather_pays(kv_cache, plan, variant.window_left):  # FP8 or scattered pages, a long step
             gathered = GatheredPrefill.of(kv_cache, plan)
             out = gathered.launch(q_rows, *gathered.pages(kv_cache, layer_id, scales), bool(is_causal),

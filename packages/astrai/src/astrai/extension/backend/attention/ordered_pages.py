@@ -40,6 +40,7 @@ from ...kv_cache import PagedKVCache
 from ...op_names import ATTN_PAGED_PREFILL
 from ...ops import _plugin
 from ...ops import attention as attn_ops
+from ...ops.attention_args import kv_scales_arg
 from ...ops.attention_plan import plan_paged_prefill
 
 __all__ = ["FP8_MIN_ROWS", "SCATTERED_MIN_BREAKS", "SCATTERED_MIN_ROWS", "GatheredPrefill", "explain",
@@ -138,7 +139,7 @@ def _gather(entry, k_pages: torch.Tensor, v_pages: torch.Tensor, source: torch.T
             v_out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     if entry is not None:
         launch(k_out.device, entry, tensor_arg(k_pages), tensor_arg(v_pages), tensor_arg(source), tensor_arg(k_out),
-               tensor_arg(v_out), **attn_ops.kv_scales_arg(*(scales or (None, None))))
+               tensor_arg(v_out), **kv_scales_arg(*(scales or (None, None))))
         return
     scratch = None if scales is None else torch.empty(k_out.shape, dtype=torch.uint8, device=k_out.device)
     for i, (pages, out) in enumerate(((k_pages, k_out), (v_pages, v_out))):
