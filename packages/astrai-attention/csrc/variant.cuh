@@ -65,19 +65,13 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return y;
 }
 
-// A tile of raw scores (mma C layout) soft-capped in place; online_softmax then multiplies by
-// scale_log2 = 1. Masking comes after (tanh(-inf) would be a finite -1).
-// cap_in: p.cap_in, or that times a factor the raw scores still carry (an fp8 K scale).
+// A tile of raw scores (mma C layout) soft-capped in place (Variant::logits says when).
 template <int NT>
 __device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p, float cap_in) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] = p.cap_log2 * fast_tanh(s[j][e] * cap_in);
-}
-template <int NT>
-__device__ __forceinline__ void soft_cap_tile(float (&s)[NT][4], const AttentionParams& p) {
-    soft_cap_tile(s, p, p.cap_in);
 }
 
 // The first key a query at absolute position pos sees (0 without a window).
@@ -132,7 +126,7 @@ struct Variant {
     }
     template <int NT>
     __device__ __forceinline__ static void logits(float (&s)[NT][4], const AttentionParams& p) {
-        if (capped(p)) soft_cap_tile(s, p);
+        logits(s, p, p.cap_in);
     }
 
     // One raw score into the log2 domain online softmax works in (the scalar kernels).
