@@ -1,6 +1,7 @@
 """The norm kernels of the astrai-elementwise build, on a machine without a GPU: the build report
 (every instantiation for both SASS archs, no spills), the block shapes the module launches,
-and the C++ validation of rms_norm, fused_add_rms_norm and silu_and_mul before any CUDA call.
+and the C++ validation of rms_norm, fused_add_rms_norm and silu_and_mul (and of their e4m3-row
+forms, rms_norm_fp8 and silu_and_mul_fp8) before any CUDA call.
 
 The wheel is the shared rotary build (tests/conftest.py's ``rotary_build``, sm_80 + sm_90a).
 """
@@ -38,8 +39,12 @@ def test_every_norm_kernel_is_built_for_both_archs_without_spills(rotary_build):
     for arch in ("sm_80", "sm_90a"):
         norm = {n for a, n in names if a == arch and "rms_norm_kernel" in n}
         silu = {n for a, n in names if a == arch and "silu_and_mul_kernel" in n}
-        assert len(norm) == 18, norm  # 3 dtypes x (registers 1, 2, 4, 8 + two passes, + scalar)
+        silu_fp8 = {n for a, n in names if a == arch and "silu_and_mul_fp8_kernel" in n}
+        # 3 dtypes x (registers 1, 2, 4, 8 + two passes, + scalar), 16-bit and e4m3 rows
+        assert len({n for n in norm if n.endswith("false>(astrai::norm::NormParams)")}) == 18, norm
+        assert len({n for n in norm if n.endswith("true>(astrai::norm::NormParams)")}) == 18, norm
         assert len(silu) == 6, silu  # 3 dtypes x (vector, scalar)
+        assert len(silu_fp8) == 18, silu_fp8  # one block a row, as the norm
     for k in kernels:
         if "norm" in k["kernel"] or "silu" in k["kernel"]:
             assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
@@ -141,6 +146,64 @@ def test_silu_and_mul_validation_names_the_argument(compiled, case):
         compiled.silu_and_mul(**args)
 
 
+E4M3 = 3
+
+
+def _q(ptr=524288, shape=(ROWS, HIDDEN), strides=None):
+    return (ptr, shape, strides or (shape[1], 1), E4M3)
+
+
+def _scale(ptr=786432, rows=ROWS, dtype=F32):
+    return (ptr, (rows,), (1,), dtype)
+
+
+FP8_ROWS_BAD = {
+    "q dtype": (dict(q=(524288, (ROWS, HIDDEN), (HIDDEN, 1), BF16)), r"q: expected float8_e4m3fn \[3, 64\], got bfloat16"),
+    "q shape": (dict(q=_q(shape=(ROWS, HIDDEN + 8))), r"q: expected float8_e4m3fn \[3, 64\], got float8_e4m3fn \[3, 72\]"),
+    "q strided": (dict(q=_q(strides=(2 * HIDDEN, 2))), r"q: the last dim must be contiguous"),
+    "q overlaps x": (dict(q=_q(ptr=4096)), r"q: overlaps x"),
+    "scale rows": (dict(scale=_scale(rows=ROWS + 1)), r"scale: expected float32 \[3\] \(one scale a row\), got float32 \[4\]"),
+    "scale dtype": (dict(scale=_scale(dtype=BF16)), r"scale: expected float32 \[3\]"),
+    "scale inside q": (dict(scale=_scale(ptr=524288 + 8)), r"scale: overlaps q"),
+}
+
+
+NORM_FP8_BAD = {
+    **{case: bad for case, bad in NORM_BAD.items() if "out" not in bad[0]},  # no 16-bit out here
+    **FP8_ROWS_BAD,
+    "residual dtype": (dict(residual=_t(ptr=262144, dtype=F32)), r"residual: dtype float32 must equal x's bfloat16"),
+    "q overlaps residual": (dict(residual=_t(ptr=262144), q=_q(ptr=262144)), r"q: overlaps residual"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORM_FP8_BAD))
+def test_rms_norm_fp8_validation_names_the_argument(compiled, case):
+    override, message = NORM_FP8_BAD[case]
+    args = dict(x=_t(), residual=None, weight=_w(), q=_q(), scale=_scale(), eps=1e-5, stream=0)
+    args.update(override)
+    with pytest.raises(ValueError, match=message):
+        compiled.rms_norm_fp8(**args)
+
+
+INTER = HIDDEN // 2
+SILU_FP8_BAD = {
+    "odd channels": (dict(gate_up=_t(shape=(ROWS, 63), strides=(63, 1))), r"gate_up: the last dim \(gate and up"),
+    "q shape": (dict(q=_q(shape=(ROWS, HIDDEN))), r"q: expected float8_e4m3fn \[3, 32\], got float8_e4m3fn \[3, 64\]"),
+    "q dtype": (dict(q=(524288, (ROWS, INTER), (INTER, 1), BF16)), r"q: expected float8_e4m3fn \[3, 32\], got bfloat16"),
+    "q inside gate_up": (dict(q=_q(ptr=4096 + 64, shape=(ROWS, INTER))), r"q: overlaps gate_up"),
+    "scale rows": (dict(scale=_scale(rows=ROWS - 1)), r"scale: expected float32 \[3\] \(one scale a row\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SILU_FP8_BAD))
+def test_silu_and_mul_fp8_validation_names_the_argument(compiled, case):
+    override, message = SILU_FP8_BAD[case]
+    args = dict(gate_up=_t(), q=_q(shape=(ROWS, INTER)), scale=_scale(), stream=0)
+    args.update(override)
+    with pytest.raises(ValueError, match=message):
+        compiled.silu_and_mul_fp8(**args)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="valid arguments would launch on made-up pointers")
 def test_valid_arguments_reach_cuda_only_after_validation(compiled):
     """Valid arguments pass validation and fail at the launch (no GPU here) with the CUDA
@@ -148,10 +211,15 @@ def test_valid_arguments_reach_cuda_only_after_validation(compiled):
     for call in (lambda: compiled.rms_norm(**_norm_args()),
                  lambda: compiled.rms_norm(**_norm_args(out=_t())),
                  lambda: compiled.fused_add_rms_norm(**_norm_args(residual=_t(ptr=262144), out=_t())),
-                 lambda: compiled.silu_and_mul(_t(), _t(ptr=131072, shape=(ROWS, HIDDEN // 2)), 0)):
+                 lambda: compiled.silu_and_mul(_t(), _t(ptr=131072, shape=(ROWS, HIDDEN // 2)), 0),
+                 lambda: compiled.rms_norm_fp8(_t(), None, _w(), _q(), _scale(), 1e-5, 0),
+                 lambda: compiled.rms_norm_fp8(_t(), _t(ptr=262144), _w(), _q(), _scale(), 1e-5, 0),
+                 lambda: compiled.silu_and_mul_fp8(_t(), _q(shape=(ROWS, HIDDEN // 2)), _scale(), 0)):
         with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
             call()
     empty = _t(shape=(0, HIDDEN))
     assert compiled.rms_norm(empty, _w(), empty, 1e-5, 0) is None
     assert compiled.fused_add_rms_norm(empty, empty, _w(), empty, 1e-5, 0) is None
     assert compiled.silu_and_mul(empty, _t(shape=(0, HIDDEN // 2)), 0) is None
+    assert compiled.rms_norm_fp8(empty, None, _w(), _q(shape=(0, HIDDEN)), _scale(rows=0), 1e-5, 0) is None
+    assert compiled.silu_and_mul_fp8(empty, _q(shape=(0, HIDDEN // 2)), _scale(rows=0), 0) is None

@@ -123,3 +123,34 @@ def test_released_linears_need_fp8_weights_and_export_dequantized():
     with torch.no_grad():
         want = hf(torch.tensor([prompt + tokens[0][:-1]])).logits[0, len(prompt) - 1:]
     torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_w8a8_layers_read_inputs_quantized_where_they_are_made(monkeypatch):
+    """Where the route is W8A8 (forced here: the CPU has no FP8 GEMM route of its own), the
+    linears after a norm or SiLU-and-mul take rows that launch quantized (backend.norm_fp8) and
+    the step is the step whose linears quantize their 16-bit input themselves, to the bit."""
+    from astrai.extension.backend import fp8_weights
+    from astrai.serve import model as model_module
+
+    llm = LLM.from_preset("tiny", dtype=torch.bfloat16, device="cpu", seed=3)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # norms of their own, so that a norm's weight read in another's place shows
+        for layer in llm.model.layers:
+            for norm in (layer.attn_norm, layer.mlp_norm):
+                norm.copy_(1 + 0.5 * torch.randn(norm.shape, generator=gen))
+    fp8 = LLM(llm.model, fp8_weights=True)
+    prompts = _prompts(5, [9, 17], llm.config.vocab_size)
+    monkeypatch.setattr(fp8_weights, "fp8_weight_route", lambda *args, **kwargs: "w8a8")
+    monkeypatch.setattr(model_module, "fp8_weight_route", lambda *args, **kwargs: "weight")  # the linears quantize
+    want_tokens, want = fp8.generate(prompts, max_new_tokens=3, return_logits=True)
+    made = []
+    for name in ("add_rms_norm_fp8", "silu_and_mul_fp8"):
+        real = getattr(model_module, name)
+        monkeypatch.setattr(model_module, name, lambda *args, _real=real, _name=name: made.append(_name) or _real(*args))
+    monkeypatch.setattr(model_module, "fp8_weight_route", lambda *args, **kwargs: "w8a8")
+    tokens, got = fp8.generate(prompts, max_new_tokens=3, return_logits=True)
+    assert tokens == want_tokens
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    steps = 3  # one prefill, two decode steps
+    assert made == ["add_rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8"] * llm.config.num_layers * steps

@@ -16,12 +16,18 @@
 // each thread writes only the channels it read. The sum and the output are stored plainly
 // (the next kernel reads them), the weight read through the read-only cache (every row
 // reads it).
+//
+// With kFp8 the normalized row leaves as e4m3 with its per-token scale (row_fp8.cuh) instead
+// of in T: the quantize of the W8A8 linear that reads it, fused (the 16-bit row is rounded as
+// above first, so the bytes equal rms_norm then quantize). The register path keeps the row
+// for the amax's barrier; the two-pass path makes a third pass, the amax before the bytes.
 #pragma once
 
 #include <cstdint>
 
 #include "astrai/reduce.cuh"
 #include "elementwise.cuh"
+#include "row_fp8.cuh"
 
 namespace astrai::norm {
 
@@ -29,6 +35,9 @@ using elementwise::Cache;
 using elementwise::from_float;
 using elementwise::load;
 using elementwise::store;
+using elementwise::abs_max_bits;
+using elementwise::row_scale;
+using elementwise::store_fp8;
 using elementwise::to_float;
 
 // Threads of a block for rows of `accesses` accesses, `vecs` a thread: whole warps, at least one.
@@ -46,6 +55,9 @@ struct NormParams {
     int32_t accesses = 0;          // per row: hidden / kElems
     float inv_hidden = 0.f;        // 1 / hidden, rounded to float (what torch's mean multiplies by)
     float eps = 0.f;
+    uint8_t* q = nullptr;          // kFp8: [rows, hidden] e4m3, row stride q_stride bytes (8-byte aligned rows)
+    float* scale = nullptr;        // kFp8: [rows] dequantization scales
+    int64_t q_stride = 0;
 };
 
 // One kernel instantiation: dtype T, kElems channels per access, kVecs accesses per thread.
@@ -101,27 +113,34 @@ __device__ __forceinline__ void load_weight(const NormParams& p, int at, T (&w)[
     load<kElems * int(sizeof(T)), Cache::ReadOnly>(static_cast<const T*>(p.weight) + int64_t{at} * kElems, w);
 }
 
-// out[at] = T(w * T(s * inv)).
+// s = T(w * T(s * inv)).
 template <typename T, int kElems>
-__device__ __forceinline__ void store_scaled(T* out, int at, T (&s)[kElems], const T (&w)[kElems], float inv) {
-    constexpr int kBytes = kElems * int(sizeof(T));
+__device__ __forceinline__ void scale_by(T (&s)[kElems], const T (&w)[kElems], float inv) {
 #pragma unroll
     for (int e = 0; e < kElems; ++e) {
         const T normed = from_float<T>(to_float(s[e]) * inv);
         s[e] = from_float<T>(to_float(w[e]) * to_float(normed));
     }
-    store<kBytes, false>(out + int64_t{at} * kElems, s);
 }
 
-template <typename T, int kElems, int kVecs>
+// out[at] = T(w * T(s * inv)).
+template <typename T, int kElems>
+__device__ __forceinline__ void store_scaled(T* out, int at, T (&s)[kElems], const T (&w)[kElems], float inv) {
+    scale_by(s, w, inv);
+    store<kElems * int(sizeof(T)), false>(out + int64_t{at} * kElems, s);
+}
+
+template <typename T, int kElems, int kVecs, bool kFp8 = false>
 __global__ void __launch_bounds__(NormConfig<T, kElems, kVecs>::kMaxThreads)
 rms_norm_kernel(const NormParams p) {
     using Config = NormConfig<T, kElems, kVecs>;
     __shared__ float partial[Config::kMaxWarps];
+    __shared__ uint32_t partial_max[kFp8 ? Config::kMaxWarps : 1];
     const int64_t row = blockIdx.x;
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     T* residual = p.residual == nullptr ? nullptr : static_cast<T*>(p.residual) + row * p.residual_stride;
-    T* out = static_cast<T*>(p.out) + row * p.out_stride;
+    T* out = kFp8 ? nullptr : static_cast<T*>(p.out) + row * p.out_stride;
+    uint8_t* q = kFp8 ? p.q + row * p.q_stride : nullptr;
     float squares = 0.f;
     constexpr int kBytes = Config::kBytes;
     if constexpr (kVecs == 0) {  // any width: two passes over the row
@@ -137,12 +156,34 @@ rms_norm_kernel(const NormParams p) {
         }
         const float inv = rsqrtf(block_sum(squares, partial) * p.inv_hidden + p.eps);
         const T* sums = residual != nullptr ? residual : x;
-        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
-            alignas(16) T s[kElems];
+        // the normalized access at `at` (into s)
+        const auto normed = [&](int at, T (&s)[kElems]) {
             alignas(16) T w[kElems];
             load<kBytes, Cache::Plain>(sums + int64_t{at} * kElems, s);
             load_weight(p, at, w);
-            store_scaled(out, at, s, w, inv);
+            scale_by(s, w, inv);
+        };
+        float scale = 0.f;
+        if constexpr (kFp8) {
+            uint32_t bits = 0u;
+            for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
+                alignas(16) T s[kElems];
+                normed(at, s);
+                bits = abs_max_bits(s, bits);
+            }
+            scale = row_scale(bits, partial_max);
+        }
+        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
+            alignas(16) T s[kElems];
+            normed(at, s);
+            if constexpr (kFp8) {
+                store_fp8(q + int64_t{at} * kElems, s, scale);
+            } else {
+                store<kBytes, false>(out + int64_t{at} * kElems, s);
+            }
+        }
+        if constexpr (kFp8) {
+            if (threadIdx.x == 0) p.scale[row] = scale;
         }
     } else {  // the row in registers, every load issued before the first use
         alignas(16) T s[kVecs][kElems];
@@ -171,10 +212,29 @@ rms_norm_kernel(const NormParams p) {
             if (at < p.accesses) load_weight(p, at, w[i]);
         }
         const float inv = rsqrtf(block_sum(squares, partial) * p.inv_hidden + p.eps);
+        if constexpr (kFp8) {
+            uint32_t bits = 0u;
 #pragma unroll
-        for (int i = 0; i < kVecs; ++i) {
-            const int at = i * blockDim.x + threadIdx.x;
-            if (at < p.accesses) store_scaled(out, at, s[i], w[i], inv);
+            for (int i = 0; i < kVecs; ++i) {
+                const int at = i * blockDim.x + threadIdx.x;
+                if (at < p.accesses) {
+                    scale_by(s[i], w[i], inv);
+                    bits = abs_max_bits(s[i], bits);
+                }
+            }
+            const float scale = row_scale(bits, partial_max);
+#pragma unroll
+            for (int i = 0; i < kVecs; ++i) {
+                const int at = i * blockDim.x + threadIdx.x;
+                if (at < p.accesses) store_fp8(q + int64_t{at} * kElems, s[i], scale);
+            }
+            if (threadIdx.x == 0) p.scale[row] = scale;
+        } else {
+#pragma unroll
+            for (int i = 0; i < kVecs; ++i) {
+                const int at = i * blockDim.x + threadIdx.x;
+                if (at < p.accesses) store_scaled(out, at, s[i], w[i], inv);
+            }
         }
     }
 }

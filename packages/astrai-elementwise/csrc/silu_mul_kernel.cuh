@@ -10,12 +10,19 @@
 // of up and of out on the vector path, one element on the scalar path), in (row, item)
 // order; each thread takes kItems items a block-width apart and issues all their loads
 // before using any.
+//
+// silu_and_mul_fp8_kernel writes the row as e4m3 with its per-token scale instead (row_fp8.cuh:
+// the W8A8 down projection's quantize, fused; the bytes equal silu_and_mul then quantize). The
+// amax needs the whole row, so there one block takes one row: its kVecs accesses a thread held
+// in registers across the amax's barrier, or with kVecs = 0 two passes (the amax, then the bytes).
 #pragma once
 
 #include <cstdint>
 
 #include "astrai/fast_divmod.cuh"
 #include "elementwise.cuh"
+#include "norm_kernel.cuh"
+#include "row_fp8.cuh"
 
 namespace astrai::norm {
 
@@ -26,6 +33,10 @@ struct SiluMulParams {
     int64_t inter = 0;         // channels of gate (and of up, and of out)
     uint32_t total = 0;        // items of the launch: rows * per_row
     FastDivmod per_row;        // items per row: inter / kElems
+    uint8_t* q = nullptr;      // fp8 kernel: out as e4m3 [rows, inter], row stride q_stride bytes
+    float* scale = nullptr;    // fp8 kernel: [rows] dequantization scales
+    int64_t q_stride = 0;
+    int32_t accesses = 0;      // fp8 kernel: per row, inter / kElems
 };
 
 template <typename T, int kElems>
@@ -42,6 +53,16 @@ struct SiluMulConfig {
 };
 
 __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + __expf(-v)); }
+
+// gate = T(float(T(silu(gate))) * float(up)).
+template <typename T, int kElems>
+__device__ __forceinline__ void silu_times(T (&gate)[kElems], const T (&up)[kElems]) {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+        const T g = elementwise::from_float<T>(silu(elementwise::to_float(gate[e])));
+        gate[e] = elementwise::from_float<T>(elementwise::to_float(g) * elementwise::to_float(up[e]));
+    }
+}
 
 template <typename T, int kElems>
 __global__ void __launch_bounds__(SiluMulConfig<T, kElems>::kThreads)
@@ -69,12 +90,68 @@ silu_and_mul_kernel(const SiluMulParams p) {
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
         if (out_at[k] < 0) continue;
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) {
-            const T g = elementwise::from_float<T>(silu(elementwise::to_float(gate[k][e])));
-            gate[k][e] = elementwise::from_float<T>(elementwise::to_float(g) * elementwise::to_float(up[k][e]));
-        }
+        silu_times(gate[k], up[k]);
         elementwise::store<kBytes, false>(static_cast<T*>(p.out) + out_at[k], gate[k]);
+    }
+}
+
+template <typename T, int kElems, int kVecs>
+__global__ void __launch_bounds__(NormConfig<T, kElems, kVecs>::kMaxThreads)
+silu_and_mul_fp8_kernel(const SiluMulParams p) {
+    using Config = NormConfig<T, kElems, kVecs>;
+    constexpr int kBytes = Config::kBytes;
+    using elementwise::Cache;
+    __shared__ uint32_t partial_max[Config::kMaxWarps];
+    const int64_t row = blockIdx.x;
+    const T* in = static_cast<const T*>(p.in) + row * p.in_stride;
+    uint8_t* q = p.q + row * p.q_stride;
+    // the product at access `at` (into gate)
+    const auto product = [&](int at, T (&gate)[kElems]) {
+        alignas(16) T up[kElems];
+        elementwise::load<kBytes, Cache::Plain>(in + int64_t{at} * kElems, gate);
+        elementwise::load<kBytes, Cache::Plain>(in + p.inter + int64_t{at} * kElems, up);
+        silu_times(gate, up);
+    };
+    uint32_t bits = 0u;
+    if constexpr (kVecs == 0) {
+        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
+            alignas(16) T y[kElems];
+            product(at, y);
+            bits = elementwise::abs_max_bits(y, bits);
+        }
+        const float scale = elementwise::row_scale(bits, partial_max);
+        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
+            alignas(16) T y[kElems];
+            product(at, y);
+            elementwise::store_fp8(q + int64_t{at} * kElems, y, scale);
+        }
+        if (threadIdx.x == 0) p.scale[row] = scale;
+    } else {
+        alignas(16) T gate[kVecs][kElems];
+        alignas(16) T up[kVecs][kElems];
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+            const int at = i * blockDim.x + threadIdx.x;
+            if (at < p.accesses) {
+                elementwise::load<kBytes, Cache::Stream>(in + int64_t{at} * kElems, gate[i]);
+                elementwise::load<kBytes, Cache::Stream>(in + p.inter + int64_t{at} * kElems, up[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+            const int at = i * blockDim.x + threadIdx.x;
+            if (at < p.accesses) {
+                silu_times(gate[i], up[i]);
+                bits = elementwise::abs_max_bits(gate[i], bits);
+            }
+        }
+        const float scale = elementwise::row_scale(bits, partial_max);
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+            const int at = i * blockDim.x + threadIdx.x;
+            if (at < p.accesses) elementwise::store_fp8(q + int64_t{at} * kElems, gate[i], scale);
+        }
+        if (threadIdx.x == 0) p.scale[row] = scale;
     }
 }
 

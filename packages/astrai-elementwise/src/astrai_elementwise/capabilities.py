@@ -21,5 +21,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # the dtypes of k and v an fp8 page is quantized from
 FP8_KV_SOURCE_DTYPES = ("float16", "bfloat16")
+# the dtype of the norm and SiLU-and-mul rows written with per-token scales (rms_norm_fp8,
+# silu_and_mul_fp8: a W8A8 linear's input; csrc/row_fp8.cuh)
+FP8_ROW_DTYPES = ("float8_e4m3fn",)
 # the lowest arch the kernels are built for (the release arch lists start there)
 MIN_SM = 80

@@ -58,6 +58,8 @@ BINDINGS: dict[str, Binding] = {
     "rms_norm": Binding(("x", "weight", "out", "eps", "stream")),
     "fused_add_rms_norm": Binding(("x", "residual", "weight", "out", "eps", "stream")),
     "silu_and_mul": Binding(("gate_up", "out", "stream")),
+    "rms_norm_fp8": Binding(("x", "residual", "weight", "q", "scale", "eps", "stream")),
+    "silu_and_mul_fp8": Binding(("gate_up", "q", "scale", "stream")),
     "norm_launch": Binding(("hidden", "dtype_code", "vector")),
     # astrai-fp8: _fp8_ops (csrc/ops.cu)
     "quantize": Binding(("x", "scale", "q", "q_t", "amax", "out_layout", "stream")),

@@ -14,6 +14,11 @@ activation is ``silu_and_mul`` of the gate/up projection's output. Both are the 
 kernels on CUDA and transformers' math op for op elsewhere (the CPU's results are
 unchanged by the fusion: the same additions and roundings in the same order).
 
+With FP8 weights a linear whose rows take the W8A8 route (``fp8_weight_route``: a step of many
+requests on Hopper) reads activations quantized per token by the launch that makes them: the
+norm before q/k/v and before gate/up, and SiLU-and-mul before down (``backend.norm_fp8``). The
+attention output is quantized inside the o projection's ``fp8_weight_linear``.
+
 Weights come from transformers (:func:`load_hf_state_dict`) or from a seeded random init
 (:meth:`DecoderModel.random`); :func:`hf_state_dict` gives them back in transformers' names.
 
@@ -30,6 +35,8 @@ from torch import nn
 
 from ..extension import (DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast,
                          fp8_weight_linear, fused_add_rms_norm, quantize_weight, rms_norm, silu_and_mul)
+from ..extension.backend.fp8_weights import fp8_input_linear, fp8_weight_route
+from ..extension.backend.norm_fp8 import add_rms_norm_fp8, silu_and_mul_fp8
 from .config import ModelConfig
 
 __all__ = ["DecoderModel", "add_rms_norm", "hf_layer_state", "hf_state_dict", "load_hf_state_dict", "rms_norm"]
@@ -106,6 +113,26 @@ class DecoderLayer(nn.Module):
             return linear(x)
         return fp8_weight_linear(x, *self.fp8_weights[name], linear.bias)
 
+    def takes_fp8_input(self, name: str, x2: torch.Tensor) -> bool:
+        """Whether the FP8 copy of linear ``name`` runs W8A8 on rows like ``x2 [rows, K]``: then
+        its input is quantized by the launch that makes it."""
+        return fp8_weight_route(x2, *self.fp8_weights[name]) == "w8a8"
+
+    def project_fp8_input(self, name: str, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The linear ``name`` of per-token e4m3 rows ``xq`` (scales ``x_scale``), in ``dtype``."""
+        return fp8_input_linear(xq, x_scale, *self.fp8_weights[name], getattr(self, name).bias, dtype)
+
+    def normed_projection(self, name: str, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
+                          fp8_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear name of add_rms_norm(x, residual, norm), the residual stream)``; where the
+        FP8 copy runs W8A8, the norm writes its rows quantized."""
+        eps = self.config.rms_norm_eps
+        if fp8_weights and self.takes_fp8_input(name, x):
+            hq, h_scale, residual = add_rms_norm_fp8(x, residual, norm, eps)
+            return self.project_fp8_input(name, hq, h_scale, x.dtype), residual
+        h, residual = add_rms_norm(x, residual, norm, eps)
+        return self.project(name, h, fp8_weights), residual
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv_cache: PagedKVCache,
                 fused_rope: bool = True, fp8_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +142,8 @@ class DecoderLayer(nn.Module):
         c = self.config
         t = x.shape[0]
         cos, sin, positions = rope
-        h, residual = add_rms_norm(x, residual, self.attn_norm, c.rms_norm_eps)
-        q, k, v = self.project("qkv", h, fp8_weights).split([c.q_size, c.kv_size, c.kv_size], -1)
+        qkv, residual = self.normed_projection("qkv", x, residual, self.attn_norm, fp8_weights)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], -1)
         q, k = q.view(1, t, c.num_heads, c.head_dim), k.view(1, t, c.num_kv_heads, c.head_dim)
         v = v.view(1, t, c.num_kv_heads, c.head_dim)
         window = self.window_left
@@ -126,9 +153,12 @@ class DecoderLayer(nn.Module):
         else:
             q, k = apply_rotary_emb_qk(q, k, (cos, sin), positions=positions, interleaved=False)
             out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, window_left=window)
-        h, residual = fused_add_rms_norm(self.project("o", out.reshape(t, c.q_size), fp8_weights), residual,
-                                         self.mlp_norm, c.rms_norm_eps)
-        return self.project("down", silu_and_mul(self.project("gate_up", h, fp8_weights)), fp8_weights), residual
+        o = self.project("o", out.reshape(t, c.q_size), fp8_weights)
+        gate_up, residual = self.normed_projection("gate_up", o, residual, self.mlp_norm, fp8_weights)
+        if fp8_weights and self.takes_fp8_input("down", gate_up[:, :c.intermediate_size]):
+            aq, a_scale = silu_and_mul_fp8(gate_up)
+            return self.project_fp8_input("down", aq, a_scale, gate_up.dtype), residual
+        return self.project("down", silu_and_mul(gate_up), fp8_weights), residual
 
 
 class DecoderModel(nn.Module):

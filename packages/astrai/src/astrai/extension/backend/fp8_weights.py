@@ -28,7 +28,8 @@ from ..op_names import FP8_WEIGHT_GEMM
 from ..ops import fp8_weights as ops_fp8_weights
 from .rotary import choose, fall_back
 
-__all__ = ["W8A8_MIN_ROWS", "fp8_weight_linear", "fp8_weight_route", "quantize_per_token", "quantize_weight"]
+__all__ = ["W8A8_MIN_ROWS", "fp8_input_linear", "fp8_weight_linear", "fp8_weight_route", "quantize_activations",
+           "quantize_per_token", "quantize_weight"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # rows of x the kernel serves, in launches of ops_fp8_weights.MAX_ROWS: a decode step of up to 256
@@ -106,17 +107,32 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
+def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token(x2)`` for ``x2 [M, K]``: the plugin's one launch where it has it
+    (CUDA, 16-bit rows it can take), torch's seven kernels otherwise (the same bytes)."""
+    return ops_fp8_weights.fp8_quantize_rows_unchecked(x2) if _plugin_quantizes(x2) else quantize_per_token(x2)
+
+
+def fp8_input_linear(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 route's GEMM over activations already quantized per token (``xq [M, K]`` e4m3,
+    ``x_scale [M, 1]``: :func:`quantize_per_token`'s pair, or a norm's that made them,
+    ``backend.norm_fp8``): ``(xq * x_scale) @ (w * w_scale[:, None]).T (+ bias)`` in ``out_dtype``,
+    float32 accumulation (``torch._scaled_mm`` with row-wise scales). Only where
+    :func:`fp8_weight_route` gives "w8a8" for the 16-bit rows."""
+    y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
 def _w8a8(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Per-token e4m3 activations times the e4m3 weights, scaled by rows and by channels, in
-    ``x2``'s dtype (float32 accumulation). The quantize is the plugin's one launch where it has
-    it (the route only runs where the plugin serves the call), torch's seven kernels otherwise."""
-    quantize = ops_fp8_weights.fp8_quantize_rows_unchecked if _plugin_quantizes(x2) else quantize_per_token
-    xq, x_scale = quantize(x2)
-    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x2.dtype)
+    ``x2``'s dtype (float32 accumulation)."""
+    return fp8_input_linear(*quantize_activations(x2), w, w_scale, None, x2.dtype)
 
 
 def _plugin_quantizes(x2: torch.Tensor) -> bool:
-    return x2.shape[1] % 8 == 0 and _aligned(x2) and ops_fp8_weights.has_quantize_rows(x2.device)
+    return (x2.dtype in (torch.bfloat16, torch.float16) and x2.shape[1] % 8 == 0 and _aligned(x2)
+            and ops_fp8_weights.has_quantize_rows(x2.device))
 
 
 def fp8_weight_route(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool = False) -> str:

@@ -27,10 +27,10 @@ from ..ops.norm_args import check_gate_up, check_norm, rows
 from .norm_torch import fused_add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch
 from .rotary import choose, fall_back
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "silu_and_mul"]
+__all__ = ["fused_add_rms_norm", "kernel_takes", "rms_norm", "silu_and_mul"]
 
 
-def _kernel_takes(op: str, x: torch.Tensor, *others: torch.Tensor) -> bool:
+def kernel_takes(op: str, x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Can ``op``'s kernel take this call: the plugin chosen for ``x``'s device and dtype (the
     resolver's decision, traced), one dtype for every tensor, no gradient wanted."""
     if choose(x, False, op) != "cuda" or any(t.dtype != x.dtype for t in others):
@@ -43,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     shape (and dtype, for a weight of ``x``'s dtype). Bad arguments raise ``TypeError`` /
     ``ValueError`` naming the argument."""
     check_norm(x, weight, eps)
-    if _kernel_takes(RMS_NORM, x, weight):
+    if kernel_takes(RMS_NORM, x, weight):
         try:
             return ops_norm.rms_norm_unchecked(x, weight, float(eps))
         except RuntimeError:
@@ -58,7 +58,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     device. Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument."""
     check_norm(x, weight, eps, residual, fused=True)
     op = FUSED_ADD_RMS_NORM
-    if _kernel_takes(op, x, residual, weight) and rows(x) is not None and rows(residual) is not None:
+    if kernel_takes(op, x, residual, weight) and rows(x) is not None and rows(residual) is not None:
         try:
             ops_norm.fused_add_rms_norm_unchecked(x, residual, weight, float(eps))
             return x, residual
@@ -71,7 +71,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, dim=-1)``: a new ``[..., inter]``
     tensor. Bad arguments raise ``TypeError`` / ``ValueError`` naming the argument."""
     check_gate_up(gate_up)
-    if _kernel_takes(SILU_AND_MUL, gate_up):
+    if kernel_takes(SILU_AND_MUL, gate_up):
         try:
             return ops_norm.silu_and_mul_unchecked(gate_up)
         except RuntimeError:

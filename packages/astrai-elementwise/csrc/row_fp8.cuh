@@ -1,0 +1,77 @@
+// A row's per-token e4m3 output, for kernels that produce the row in one thread block (the
+// RMSNorm and SiLU-and-mul rows a W8A8 linear reads next): the block's amax, the row's scale
+// and the bytes, so that the row y (already rounded to its dtype T) leaves as
+//
+//   scale = amax(|y|) * float32(1 / 448) (1 where the amax is not > 0: a zero or NaN row),
+//   q = e4m3(y / scale) (round to nearest even, saturating at 448)
+//
+// byte for byte what torch gives for (y.float() / (amax * (1 / 448))).to(float8_e4m3fn), and
+// what astrai-fp8's quantize_rows writes for a 16-bit row y: a norm or SiLU-mul fused with the
+// quantize equals the two launches it replaces. The amax is a max over the float bits with the
+// sign cleared, so a NaN wins it (and its row gets scale 1, as torch.where gives) where fmaxf
+// would drop it. Rounding is IEEE (__fdiv_rn, __fmul_rn) whatever the fast-math flags. Where a
+// row holds a NaN or an Inf (scale 1 or Inf), its NaN bytes are 0x7f where torch keeps the sign,
+// and a value past 464 saturates to 448 where torch's cast gives NaN.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "elementwise.cuh"
+
+namespace astrai::elementwise {
+
+constexpr float kInvE4M3Max = 1.f / 448.f;  // e4m3's largest finite value is 448
+
+template <typename T, int kElems>
+__device__ __forceinline__ uint32_t abs_max_bits(const T (&y)[kElems], uint32_t bits) {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) bits = max(bits, __float_as_uint(to_float(y[e])) & 0x7fffffffu);
+    return bits;
+}
+
+// The row's dequantization scale from the block's largest |y| bits; every thread must call it.
+// `partial` holds a word per warp (the caller's shared memory, not shared with another reduction
+// still being read).
+__device__ __forceinline__ float row_scale(uint32_t bits, uint32_t* partial) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) partial[warp] = bits;
+    __syncthreads();
+    bits = lane < int(blockDim.x / 32) ? partial[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+    const float amax = __uint_as_float(bits);
+    return amax > 0.f ? __fmul_rn(amax, kInvE4M3Max) : 1.f;
+}
+
+// q[0, kElems) = e4m3(y / scale), kElems bytes in one store.
+template <typename T, int kElems>
+__device__ __forceinline__ void store_fp8(uint8_t* q, const T (&y)[kElems], float scale) {
+    static_assert(kElems == 1 || kElems == 4 || kElems == 8, "one byte or a 4- or 8-byte word");
+    if constexpr (kElems == 1) {
+        *q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(to_float(y[0]), scale), __NV_SATFINITE, __NV_E4M3));
+    } else {
+        uint32_t words[kElems / 4];
+#pragma unroll
+        for (int w = 0; w < kElems / 4; ++w) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float2 pair = make_float2(__fdiv_rn(to_float(y[4 * w + 2 * h]), scale),
+                                                __fdiv_rn(to_float(y[4 * w + 2 * h + 1]), scale));
+                word |= uint32_t{__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3)} << (16 * h);
+            }
+            words[w] = word;
+        }
+        if constexpr (kElems == 8) {
+            *reinterpret_cast<uint2*>(q) = make_uint2(words[0], words[1]);
+        } else {
+            *reinterpret_cast<uint32_t*>(q) = words[0];
+        }
+    }
+}
+
+}  // namespace astrai::elementwise
