@@ -9,7 +9,8 @@ program compute-sanitizer runs.
     env -u PYTORCH_NO_CUDA_MEMORY_CACHING compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 bench/sanitize/sanitize.py graph_replay
 
-Shapes are chosen to hit partial tiles (lengths not multiples of 64, 16 or the page
+The norms' part runs the 16-bit kernels and their per-token e4m3 forms over rows in registers,
+in two passes and on the scalar path. Shapes are chosen to hit partial tiles (lengths not multiples of 64, 16 or the page
 size), GQA, masks, causal bottom-right alignment, paged prefill + decode (also over the pages
 gathered in order first), a CUDA graph replayed over a static decode step that splits the keys, FP8
 tails and both transposes. Exits non-zero on a wrong result; prints one line per kernel.
@@ -32,7 +33,12 @@ from reference import attention_ref, rotary_ref, rotary_tables, tolerance  # noq
 from astrai.extension import ATTN_BACKEND, PagedKVCache, attention, attn_backend  # noqa: E402
 from astrai.extension.backend.attention import ordered_pages  # noqa: E402
 from astrai.extension.ops import attention as attn_ops  # noqa: E402
+from astrai.extension.backend.fp8_weights import quantize_per_token  # noqa: E402
+from astrai.extension.backend.norm_torch import rms_norm_torch, silu_and_mul_torch  # noqa: E402
 from astrai.extension.ops import fp8 as fp8_ops  # noqa: E402
+from astrai.extension.ops import fp8_weights as fp8_weights_ops  # noqa: E402
+from astrai.extension.ops import norm as norm_ops  # noqa: E402
+from astrai.extension.ops import norm_fp8 as norm_fp8_ops  # noqa: E402
 from astrai.extension.ops import rope_paged as rope_paged_ops  # noqa: E402
 from astrai.extension.ops import rotary as rotary_ops  # noqa: E402
 
@@ -206,10 +212,40 @@ def fp8() -> None:
         print(f"ok fp8_gemm M={m} (small-M configs)", flush=True)
 
 
+def same_fp8(name, got, want):
+    """Per-token e4m3 rows and scales, byte for byte."""
+    (q, scale), (want_q, want_scale) = got, want
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), name
+    print(f"ok {name}", flush=True)
+
+
+def norms() -> None:
+    # rows in registers (4096: one access a thread; 8192: two), in two passes (65536), the scalar path (4095)
+    for hidden in (4096, 8192, 65536, 4095):
+        x, w, residual = rand(3, hidden), rand(hidden), rand(3, hidden)
+        close(f"rms_norm {hidden}", norm_ops.rms_norm_unchecked(x, w, 1e-5), rms_norm_torch(x, w, 1e-5).double().cpu(),
+              torch.bfloat16)
+        xi, ri = x.clone(), residual.clone()
+        norm_ops.fused_add_rms_norm_unchecked(xi, ri, w, 1e-5)
+        close(f"fused_add_rms_norm {hidden}", xi, rms_norm_torch(residual + x, w, 1e-5).double().cpu(), torch.bfloat16)
+        same_fp8(f"rms_norm_fp8 {hidden}", norm_fp8_ops.rms_norm_fp8_unchecked(x, w, 1e-5),
+                 quantize_per_token(norm_ops.rms_norm_unchecked(x, w, 1e-5)))
+        ri = residual.clone()
+        same_fp8(f"fused_add_rms_norm_fp8 {hidden}", norm_fp8_ops.fused_add_rms_norm_fp8_unchecked(x, ri, w, 1e-5),
+                 quantize_per_token(norm_ops.rms_norm_unchecked(residual + x, w, 1e-5)))
+        gate_up = rand(3, 2 * hidden)
+        close(f"silu_and_mul {hidden}", norm_ops.silu_and_mul_unchecked(gate_up),
+              silu_and_mul_torch(gate_up).double().cpu(), torch.bfloat16)
+        same_fp8(f"silu_and_mul_fp8 {hidden}", norm_fp8_ops.silu_and_mul_fp8_unchecked(gate_up),
+                 quantize_per_token(norm_ops.silu_and_mul_unchecked(gate_up)))
+        if hidden % 8 == 0:
+            same_fp8(f"quantize_rows {hidden}", fp8_weights_ops.fp8_quantize_rows_unchecked(x), quantize_per_token(x))
+
+
 def main() -> int:
     torch.manual_seed(0)
     failed = []
-    parts = (rotary, dense_attention, paged_attention, graph_replay, fp8)
+    parts = (rotary, norms, dense_attention, paged_attention, graph_replay, fp8)
     chosen = sys.argv[1:]  # part names; none: every part
     unknown = set(chosen) - {p.__name__ for p in parts}
     if unknown:
