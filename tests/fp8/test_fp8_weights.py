@@ -206,3 +206,33 @@ def test_the_w8a8_route_quantizes_with_the_plugin_where_it_can(monkeypatch):
     xq, x_scale = fp8_weights.quantize_per_token(x)
     want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
     torch.testing.assert_close(y.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+
+
+def test_decided_routes_counts_and_forces_each_route(monkeypatch):
+    """A route forced within decided_routes wherever it can take the call (the weight-only kernel
+    at 64 rows, W8A8 at one), the calls counted by the route they ran; e5m2 weights have no
+    W8A8 route, and a float32 call no kernel at all."""
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_weight_gemm_unchecked",
+                        lambda x2, w, s: fp8_weights._torch_path(x2, w, s))
+    w, w_scale = quantize_weight(rand(32, 512))
+    w5, s5 = quantize_weight(rand(32, 512), E5M2)
+    few, many = rand(1, 512, dtype=torch.bfloat16), rand(64, 512, dtype=torch.bfloat16, seed=1)
+    with use_runtime(fp8_runtime()):
+        with fp8_weights.decided_routes() as counts:
+            for x in (few, many, many.float()):
+                fp8_weight_linear(x, w, w_scale)
+        assert counts == {"weight": 1, "w8a8": 1, "torch": 1}
+        with fp8_weights.decided_routes("weight") as counts:
+            fp8_weight_linear(many, w, w_scale)
+        assert counts == {"weight": 1}
+        with fp8_weights.decided_routes("w8a8") as counts:
+            fp8_weight_linear(few, w, w_scale)
+            fp8_weight_linear(few, w5, s5)
+            fp8_weight_linear(few.float(), w, w_scale)
+        assert counts == {"w8a8": 1, "weight": 1, "torch": 1}
+    assert not fp8_weights._DECIDING
+    with pytest.raises(ValueError, match="force must be None, 'weight' or 'w8a8'"):
+        with fp8_weights.decided_routes("fast"):
+            pass

@@ -44,7 +44,12 @@ def test_cli_prints_the_precision_table(tmp_path, capsys):
     assert main(argv) == 0
     flat = " ".join(capsys.readouterr().out.split())
     acc = json.loads(out.read_text())["precision_accuracy"]
-    assert [m["mode"] for m in acc["modes"]] == ["bfloat16", "FP8 weights", "FP8 linears", "FP8 KV cache (e4m3)"]
+    assert [m["mode"] for m in acc["modes"]] == ["bfloat16", "FP8 weights", "FP8 weights, weight-only kernel",
+                                                 "FP8 weights, W8A8", "FP8 linears", "FP8 KV cache (e4m3)"]
     assert all(m["failed"] is None and m["error"] > 0 for m in acc["modes"])
+    # what each FP8-weights mode ran, said: the CPU has neither kernel, whatever a mode forces
+    for mode in acc["modes"]:
+        assert (set(mode["routes"]) == {"torch"}) == mode["mode"].startswith("FP8 weights"), mode
+    assert "FP8 linears'" in flat and "torch 24" in flat  # 2 layers x 4 linears x (prefill + 2 steps)
     assert "accuracy by precision (bfloat16 weights, 2 requests, 3 new tokens" in flat
     assert "x bfloat16" in flat and "top-1 agreement" in flat

@@ -86,14 +86,16 @@ def print_precision_accuracy(console: Console, acc: dict) -> None:
         return
     table = Table(title=f"accuracy by precision ({acc['dtype']} weights, {acc['requests']} requests, "
                         f"{acc['new_tokens']} new tokens, teacher-forced against float32)")
-    for col in ("mode", "relative L2", f"x {acc['modes'][0]['mode']}", "top-1 agreement"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+    for col in ("mode", "relative L2", f"x {acc['modes'][0]['mode']}", "top-1 agreement", "FP8 linears' routes"):
+        table.add_column(col, justify="right" if col in ("relative L2", "top-1 agreement") or col.startswith("x ")
+                         else "left")
     for row in acc["modes"]:
+        routes = ", ".join(f"{name} {n}" for name, n in row.get("routes", {}).items()) or "-"
         if row["failed"] is not None:
-            table.add_row(escape(row["mode"]), f"[red]failed: {escape(row['failed'])}[/]", "-", "-")
+            table.add_row(escape(row["mode"]), f"[red]failed: {escape(row['failed'])}[/]", "-", "-", "-")
         else:
             table.add_row(escape(row["mode"]), f"{row['error']:.3g}", _fmt(row["x_base"], ".2f"),
-                          f"{row['top1']:.1%}")
+                          f"{row['top1']:.1%}", routes)
     console.print(table)
 
 

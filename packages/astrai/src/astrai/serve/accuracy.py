@@ -24,9 +24,12 @@ __all__ = ["PRECISION_MODES", "float32_reference", "logit_errors", "precision_er
            "teacher_forced_logits", "top1_agreement"]
 
 # the engine's precision modes, as LLM options: each FP8 mode beside the model's own dtype ("")
+# ("fp8_route": every FP8-weight linear the route can take on it, whatever the rows)
 PRECISION_MODES = {
     "": {},
     "FP8 weights": {"fp8_weights": True},
+    "FP8 weights, weight-only kernel": {"fp8_weights": True, "fp8_route": "weight"},
+    "FP8 weights, W8A8": {"fp8_weights": True, "fp8_route": "w8a8"},
     "FP8 linears": {"fp8": True},
     "FP8 KV cache (e4m3)": {"kv_cache_dtype": torch.float8_e4m3fn},
 }
@@ -105,15 +108,23 @@ def precision_errors(model, reference, prompts: list[list[int]], max_new_tokens:
     relative L2 error and top-1 agreement against ``reference``, teacher-forced on that mode's
     own tokens, and its error as a multiple of the first mode's (``x_base``: the model's own
     dtype, named after it). A mode that raises is reported with its error (``failed``), never
-    as a number."""
+    as a number. ``routes``: how many FP8-weight linear calls took each route ("weight",
+    "w8a8", "torch"; a CUDA graph's counted once, at its capture), so a mode that forces a route
+    says where it could not (the CPU has neither kernel)."""
+    from ..extension.backend.fp8_weights import decided_routes
     from .engine import LLM
 
     rows = []
     for name, options in (modes or PRECISION_MODES).items():
-        row = {"mode": name or str(model.dtype).removeprefix("torch."), "error": None, "top1": None, "failed": None}
+        row = {"mode": name or str(model.dtype).removeprefix("torch."), "error": None, "top1": None, "failed": None,
+               "routes": {}}
+        options = dict(options)
+        force = options.pop("fp8_route", None)
         try:
-            llm = LLM(model, **engine_options, **options)
-            tokens, logits = llm.generate(prompts, max_new_tokens=max_new_tokens, return_logits=True)
+            with decided_routes(force) as routes:
+                llm = LLM(model, **engine_options, **options)
+                tokens, logits = llm.generate(prompts, max_new_tokens=max_new_tokens, return_logits=True)
+            row["routes"] = dict(sorted(routes.items()))
             del llm  # its KV cache, before the next mode's
             want = [teacher_forced_logits(reference, p, t) for p, t in zip(prompts, tokens)]
             row["error"], row["top1"] = relative_l2(logits, want), top1_agreement(logits, want)

@@ -20,6 +20,9 @@ prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the r
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +31,7 @@ from ..op_names import FP8_WEIGHT_GEMM
 from ..ops import fp8_weights as ops_fp8_weights
 from .rotary import choose, fall_back
 
-__all__ = ["W8A8_MIN_ROWS", "fp8_input_linear", "fp8_weight_linear", "fp8_weight_route", "quantize_activations",
+__all__ = ["W8A8_MIN_ROWS", "decided_routes", "fp8_input_linear", "fp8_weight_linear", "fp8_weight_route", "quantize_activations",
            "quantize_per_token", "quantize_weight"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -120,6 +123,7 @@ def fp8_input_linear(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
     ``backend.norm_fp8``): ``(xq * x_scale) @ (w * w_scale[:, None]).T (+ bias)`` in ``out_dtype``,
     float32 accumulation (``torch._scaled_mm`` with row-wise scales). Only where
     :func:`fp8_weight_route` gives "w8a8" for the 16-bit rows."""
+    _ran("w8a8")
     y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
 
@@ -135,13 +139,41 @@ def _plugin_quantizes(x2: torch.Tensor) -> bool:
             and ops_fp8_weights.has_quantize_rows(x2.device))
 
 
+_DECIDING: list[tuple[str | None, Counter]] = []  # decided_routes' contexts, innermost last
+
+
+@contextlib.contextmanager
+def decided_routes(force: str | None = None):
+    """Count the linears over FP8 weights run within, by route (a Counter, yielded: a CUDA
+    graph's calls count once, at its capture); with ``force`` ("weight" or
+    "w8a8"), that route wherever it can take a call the table sends to the other, so each
+    route's accuracy can be measured at any batch size (``astrai generate --accuracy``)."""
+    if force not in (None, "weight", "w8a8"):
+        raise ValueError(f"force must be None, 'weight' or 'w8a8', got {force!r}")
+    counts: Counter = Counter()
+    _DECIDING.append((force, counts))
+    try:
+        yield counts
+    finally:
+        _DECIDING.remove((force, counts))
+
+
 def fp8_weight_route(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool = False) -> str:
     """Which route a linear over FP8 weights takes for ``x2 [M, K]`` (see the route table):
     "weight" (the astrai-fp8 kernel), "w8a8" (per-token e4m3 activations, ``torch._scaled_mm``)
     or "torch" (the dequantized weights' product)."""
+    route = "torch"
     if _kernel_takes(x2, w, w_scale, needs_grad):
-        return "w8a8" if x2.shape[0] >= W8A8_MIN_ROWS and _w8a8_takes(x2, w) else "weight"
-    return "torch"
+        w8a8 = _w8a8_takes(x2, w)
+        route = "w8a8" if x2.shape[0] >= W8A8_MIN_ROWS and w8a8 else "weight"
+        if _DECIDING and _DECIDING[-1][0] is not None:
+            route = "w8a8" if _DECIDING[-1][0] == "w8a8" and w8a8 else "weight"
+    return route
+
+
+def _ran(route: str) -> None:
+    if _DECIDING:
+        _DECIDING[-1][1][route] += 1
 
 
 def _w8a8_takes(x2: torch.Tensor, w: torch.Tensor) -> bool:
@@ -186,6 +218,8 @@ def fp8_weight_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_scale.requires_grad)
     route = fp8_weight_route(x2, w, w_scale, needs_grad)
+    if route != "w8a8":  # (fp8_input_linear counts its own)
+        _ran(route)
     if route == "w8a8":
         y = _w8a8(x2, w, w_scale)
     elif route == "weight":
