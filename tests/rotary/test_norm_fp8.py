@@ -158,6 +158,17 @@ class StandIn:
         return quantize_per_token(silu_and_mul_torch(gate_up))
 
 
+def test_the_core_makes_e4m3_rows_in_the_kernel_from_the_dtypes_the_plugin_states():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "packages/astrai-elementwise/src/astrai_elementwise/capabilities.py"
+    spec = importlib.util.spec_from_file_location("elementwise_capabilities", path)
+    caps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(caps)
+    assert tuple(str(t).removeprefix("torch.") for t in norm_fp8.ROW_SOURCE_DTYPES) == caps.FP8_ROW_SOURCE_DTYPES
+
+
 def test_one_launch_where_the_plugin_has_the_fp8_rows_two_where_it_has_not(monkeypatch):
     kernel = StandIn(monkeypatch)
     x, r = rand(4, 64, dtype=torch.bfloat16), rand(4, 64, dtype=torch.bfloat16, seed=1)
@@ -173,6 +184,10 @@ def test_one_launch_where_the_plugin_has_the_fp8_rows_two_where_it_has_not(monke
             results.append((norm_fp8.add_rms_norm_fp8(x, None, w, EPS)[:2], norm_fp8.add_rms_norm_fp8(x, rr, w, EPS)[:2],
                             norm_fp8.silu_and_mul_fp8(x), rr))
         assert kernel.calls == want
+    kernel.calls.clear()
+    with use_runtime(norm_runtime(**fused)):
+        norm_fp8.add_rms_norm_fp8(x.float(), None, w.float(), EPS)  # float32: no e4m3 rows in the kernel
+    assert kernel.calls == ["rms_norm", "quantize"]
     for fused_result, unfused_result in zip(*results):  # the same bytes either way
         for a, b in zip(fused_result if isinstance(fused_result, tuple) else (fused_result,),
                         unfused_result if isinstance(unfused_result, tuple) else (unfused_result,)):

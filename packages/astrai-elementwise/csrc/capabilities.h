@@ -9,6 +9,7 @@
 #define ASTRAI_ROTARY_FP8_KV_SOURCE_DTYPES_TEXT "float16 or bfloat16"
 #define ASTRAI_ROTARY_FP8_KV_DTYPE_NAMES "float8_e4m3fn", "float8_e5m2"
 #define ASTRAI_ROTARY_FP8_ROW_DTYPES_TEXT "float8_e4m3fn"
+#define ASTRAI_ROTARY_FP8_ROW_SOURCE_DTYPES_TEXT "float16 or bfloat16"
 
 namespace astrai::rotary {
 
@@ -16,5 +17,6 @@ constexpr bool is_dtype(DType t) { return t == DType::Float16 || t == DType::BFl
 constexpr bool is_fp8_kv_dtype(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
 constexpr bool is_fp8_kv_source_dtype(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
 constexpr bool is_fp8_row_dtype(DType t) { return t == DType::Float8E4M3; }
+constexpr bool is_fp8_row_source_dtype(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
 
 }  // namespace astrai::rotary

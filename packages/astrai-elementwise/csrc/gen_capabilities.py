@@ -31,6 +31,7 @@ def render() -> str:
 #define ASTRAI_ROTARY_FP8_KV_SOURCE_DTYPES_TEXT "{either(caps.FP8_KV_SOURCE_DTYPES)}"
 #define ASTRAI_ROTARY_FP8_KV_DTYPE_NAMES {names(caps.FP8_KV_DTYPES)}
 #define ASTRAI_ROTARY_FP8_ROW_DTYPES_TEXT "{either(caps.FP8_ROW_DTYPES)}"
+#define ASTRAI_ROTARY_FP8_ROW_SOURCE_DTYPES_TEXT "{either(caps.FP8_ROW_SOURCE_DTYPES)}"
 
 namespace astrai::rotary {{
 
@@ -38,6 +39,7 @@ constexpr bool is_dtype(DType t) {{ return {dtype_predicate(caps.DTYPES)}; }}
 constexpr bool is_fp8_kv_dtype(DType t) {{ return {dtype_predicate(caps.FP8_KV_DTYPES)}; }}
 constexpr bool is_fp8_kv_source_dtype(DType t) {{ return {dtype_predicate(caps.FP8_KV_SOURCE_DTYPES)}; }}
 constexpr bool is_fp8_row_dtype(DType t) {{ return {dtype_predicate(caps.FP8_ROW_DTYPES)}; }}
+constexpr bool is_fp8_row_source_dtype(DType t) {{ return {dtype_predicate(caps.FP8_ROW_SOURCE_DTYPES)}; }}
 
 }}  // namespace astrai::rotary
 """

@@ -151,10 +151,15 @@ void launch_rows_dtype(const Params& p, int64_t rows, const NormShape& shape, cu
 
 template <bool kFp8 = false, bool kSilu = false, typename Params>
 void launch_rows_any(DType dtype, const Params& p, int64_t rows, const NormShape& shape, cudaStream_t stream) {
-    switch (dtype) {
-        case DType::Float32: return launch_rows_dtype<float, kFp8, kSilu>(p, rows, shape, stream);
-        case DType::Float16: return launch_rows_dtype<__half, kFp8, kSilu>(p, rows, shape, stream);
-        default: return launch_rows_dtype<__nv_bfloat16, kFp8, kSilu>(p, rows, shape, stream);
+    if constexpr (kFp8) {  // from 16-bit rows only (is_fp8_row_source_dtype, checked)
+        if (dtype == DType::Float16) return launch_rows_dtype<__half, true, kSilu>(p, rows, shape, stream);
+        return launch_rows_dtype<__nv_bfloat16, true, kSilu>(p, rows, shape, stream);
+    } else {
+        switch (dtype) {
+            case DType::Float32: return launch_rows_dtype<float>(p, rows, shape, stream);
+            case DType::Float16: return launch_rows_dtype<__half>(p, rows, shape, stream);
+            default: return launch_rows_dtype<__nv_bfloat16>(p, rows, shape, stream);
+        }
     }
 }
 
@@ -162,6 +167,8 @@ void launch_rows_any(DType dtype, const Params& p, int64_t rows, const NormShape
 // with contiguous rows, scale float32 contiguous, neither overlapping `like`.
 void expect_fp8_rows(const TensorArg& q, const TensorArg& scale, const TensorArg& like, int64_t channels) {
     const int64_t rows = like.size(0);
+    ASTRAI_CHECK(rotary::is_fp8_row_source_dtype(like.dtype), like.name,
+                 ": expected " ASTRAI_ROTARY_FP8_ROW_SOURCE_DTYPES_TEXT " for e4m3 rows, got ", dtype_name(like.dtype));
     ASTRAI_CHECK(rotary::is_fp8_row_dtype(q.dtype) && q.ndim() == 2 && q.size(0) == rows && q.size(1) == channels,
                  q.name, ": expected " ASTRAI_ROTARY_FP8_ROW_DTYPES_TEXT " [", rows, ", ", channels, "], got ",
                  dtype_name(q.dtype), " ", shape_str(q.shape));

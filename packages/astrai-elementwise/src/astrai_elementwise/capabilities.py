@@ -24,5 +24,7 @@ FP8_KV_SOURCE_DTYPES = ("float16", "bfloat16")
 # the dtype of the norm and SiLU-and-mul rows written with per-token scales (rms_norm_fp8,
 # silu_and_mul_fp8: a W8A8 linear's input; csrc/row_fp8.cuh)
 FP8_ROW_DTYPES = ("float8_e4m3fn",)
+# the dtypes such rows are made from (a W8A8 route's 16-bit activations)
+FP8_ROW_SOURCE_DTYPES = ("float16", "bfloat16")
 # the lowest arch the kernels are built for (the release arch lists start there)
 MIN_SM = 80

@@ -33,8 +33,13 @@ def _two_d(name: str, t: torch.Tensor) -> None:
                          f"{tuple(t.shape)} strides {t.stride()}")
 
 
+# what the kernels make e4m3 rows from (astrai-elementwise's FP8_ROW_SOURCE_DTYPES: the W8A8
+# route's 16-bit activations); a float32 call runs the two ops
+ROW_SOURCE_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _fused(op: str, x: torch.Tensor, *others: torch.Tensor) -> bool:
-    return kernel_takes(op, x, *others) and ops_norm_fp8.has_fp8_rows(op, x.device)
+    return x.dtype in ROW_SOURCE_DTYPES and kernel_takes(op, x, *others) and ops_norm_fp8.has_fp8_rows(op, x.device)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
