@@ -28,10 +28,26 @@ def test_waves_and_the_idle_share_of_the_last(prof, blocks, sms, per_sm, want_wa
     assert prof.waves(blocks, sms, per_sm) == pytest.approx((want_waves, want_idle))
 
 
-def _kernel(name, ts, dur, grid=(10, 8, 1), per_sm=1):
+H100 = {"threads": 2048, "registers": 65536, "shared_memory": 233472}
+
+
+@pytest.mark.parametrize("threads, registers, smem, want", [
+    (384, 168, 115824, 1),  # the Hopper prefill: 12 warps x 5376 registers fill the register file
+    (384, 168, 0, 1),
+    (256, 26, 0, 8),  # the page gather: the 2048-thread limit
+    (128, 32, 0, 16),
+    (32, 16, 0, 32),  # the block limit
+    (128, 64, 110000, 2),  # shared memory: two 111 KB blocks of 228 KB
+    (128, 255, 0, 2),  # 255 registers round to 8192 a warp: 4 warps x 8192 = 32768
+])
+def test_resident_blocks_per_sm(prof, threads, registers, smem, want):
+    assert prof.resident_blocks(threads, registers, smem, H100) == want
+
+
+def _kernel(name, ts, dur, grid=(10, 8, 1)):
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur,
             "args": {"grid": list(grid), "block": [384, 1, 1], "registers per thread": 168,
-                     "shared memory": 200000, "blocks per SM": per_sm}}
+                     "shared memory": 200000, "blocks per SM": 99.0}}  # the trace's: grid / SMs, unused
 
 
 def test_a_trace_is_summarised_per_call(prof):
@@ -40,10 +56,11 @@ def test_a_trace_is_summarised_per_call(prof):
               _kernel("gather", 200, 10, grid=(4, 1, 1)), _kernel("prefill", 212, 100),
               _kernel("prefill_tail", 300, 20, grid=(1, 1, 1)),
               {"cat": "cpu_op", "name": "aten::empty", "ts": 0, "dur": 5}]
-    out = prof.kernel_summary({"traceEvents": events}, calls=2, sms=40)
+    out = prof.kernel_summary({"traceEvents": events}, calls=2, sms=40, limits=H100)
     assert list(out["kernels"]) == ["prefill", "gather", "prefill_tail"]  # by GPU time
     prefill = out["kernels"]["prefill"]
     assert prefill["launches"] == 1 and prefill["us"] == 100 and prefill["grid"] == [10, 8, 1]
+    assert prefill["resident_per_sm"] == 1  # 168 registers x 384 threads
     assert prefill["waves"] == pytest.approx(2.0) and prefill["last_wave_idle"] == 0.0
     assert out["gpu_us"] == pytest.approx((20 + 200 + 20) / 2)
     assert out["span_us"] == pytest.approx(320 / 2)
@@ -52,7 +69,7 @@ def test_a_trace_is_summarised_per_call(prof):
 
 
 def test_an_empty_trace_and_bad_shapes(prof):
-    assert prof.kernel_summary({"traceEvents": []}, calls=3, sms=132) == \
+    assert prof.kernel_summary({"traceEvents": []}, calls=3, sms=132, limits=H100) == \
         {"kernels": {}, "gpu_us": 0.0, "span_us": 0.0, "gap_us": 0.0}
     assert prof.parse_shape("64x512") == [512] * 64
     for bad in ("64", "x512", "0x512", "ax2"):
