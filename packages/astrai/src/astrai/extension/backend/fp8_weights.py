@@ -147,7 +147,8 @@ def decided_routes(force: str | None = None):
     """Count the linears over FP8 weights run within, by route (a Counter, yielded: a CUDA
     graph's calls count once, at its capture); with ``force`` ("weight" or
     "w8a8"), that route wherever it can take a call the table sends to the other, so each
-    route's accuracy can be measured at any batch size (``astrai generate --accuracy``)."""
+    route's accuracy can be measured at any batch size (``astrai generate --accuracy``).
+    Process-wide while it lasts (the engine's step may run on another thread)."""
     if force not in (None, "weight", "w8a8"):
         raise ValueError(f"force must be None, 'weight' or 'w8a8', got {force!r}")
     counts: Counter = Counter()
