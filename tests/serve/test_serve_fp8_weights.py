@@ -148,9 +148,25 @@ def test_w8a8_layers_read_inputs_quantized_where_they_are_made(monkeypatch):
         real = getattr(model_module, name)
         monkeypatch.setattr(model_module, name, lambda *args, _real=real, _name=name: made.append(_name) or _real(*args))
     monkeypatch.setattr(model_module, "fp8_weight_route", lambda *args, **kwargs: "w8a8")
+    monkeypatch.setattr(model_module, "W8A8_MIN_ROWS", 1)  # a two-request decode step too
     tokens, got = fp8.generate(prompts, max_new_tokens=3, return_logits=True)
     assert tokens == want_tokens
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     steps = 3  # one prefill, two decode steps
     assert made == ["add_rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8"] * llm.config.num_layers * steps
+
+
+def test_steps_below_the_w8a8_crossover_do_not_ask_the_route_table_twice(monkeypatch):
+    """Below W8A8_MIN_ROWS a layer knows its linears take 16-bit rows: only the linears ask."""
+    from astrai.serve import model as model_module
+
+    asked = []
+    real = model_module.fp8_weight_route
+    monkeypatch.setattr(model_module, "fp8_weight_route", lambda *args, **kwargs: asked.append(1) or real(*args))
+    llm = LLM.from_preset("tiny", dtype=torch.bfloat16, device="cpu", seed=3)
+    fp8 = LLM(llm.model, fp8_weights=True)
+    fp8.generate(_prompts(6, [5, 7], llm.config.vocab_size), max_new_tokens=2)  # 12 and 2 rows
+    assert asked == []
+    fp8.generate(_prompts(6, [20, 30], llm.config.vocab_size), max_new_tokens=1)  # a 50-row prefill
+    assert len(asked) == 3 * llm.config.num_layers  # qkv, gate_up, down of each layer

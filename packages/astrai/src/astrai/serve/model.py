@@ -35,7 +35,7 @@ from torch import nn
 
 from ..extension import (DynamicScaling, PagedKVCache, apply_rotary_emb_qk, attention, fp8_autocast,
                          fp8_weight_linear, fused_add_rms_norm, quantize_weight, rms_norm, silu_and_mul)
-from ..extension.backend.fp8_weights import fp8_input_linear, fp8_weight_route
+from ..extension.backend.fp8_weights import W8A8_MIN_ROWS, fp8_input_linear, fp8_weight_route
 from ..extension.backend.norm_fp8 import add_rms_norm_fp8, silu_and_mul_fp8
 from .config import ModelConfig
 
@@ -115,8 +115,10 @@ class DecoderLayer(nn.Module):
 
     def takes_fp8_input(self, name: str, x2: torch.Tensor) -> bool:
         """Whether the FP8 copy of linear ``name`` runs W8A8 on rows like ``x2 [rows, K]``: then
-        its input is quantized by the launch that makes it."""
-        return fp8_weight_route(x2, *self.fp8_weights[name]) == "w8a8"
+        its input is quantized by the launch that makes it. Below the route table's crossover it
+        never does, and the table is not asked (a route forced there by ``decided_routes`` runs
+        inside the linear instead: the same bytes)."""
+        return x2.shape[0] >= W8A8_MIN_ROWS and fp8_weight_route(x2, *self.fp8_weights[name]) == "w8a8"
 
     def project_fp8_input(self, name: str, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The linear ``name`` of per-token e4m3 rows ``xq`` (scales ``x_scale``), in ``dtype``."""
