@@ -35,9 +35,6 @@ using elementwise::Cache;
 using elementwise::from_float;
 using elementwise::load;
 using elementwise::store;
-using elementwise::abs_max_bits;
-using elementwise::row_scale;
-using elementwise::store_fp8;
 using elementwise::to_float;
 
 // Threads of a block for rows of `accesses` accesses, `vecs` a thread: whole warps, at least one.
@@ -163,27 +160,14 @@ rms_norm_kernel(const NormParams p) {
             load_weight(p, at, w);
             scale_by(s, w, inv);
         };
-        float scale = 0.f;
         if constexpr (kFp8) {
-            uint32_t bits = 0u;
+            elementwise::store_row_fp8_twice<T, kElems>(q, p.accesses, partial_max, p.scale, row, normed);
+        } else {
             for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
                 alignas(16) T s[kElems];
                 normed(at, s);
-                bits = abs_max_bits(s, bits);
-            }
-            scale = row_scale(bits, partial_max);
-        }
-        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
-            alignas(16) T s[kElems];
-            normed(at, s);
-            if constexpr (kFp8) {
-                store_fp8(q + int64_t{at} * kElems, s, scale);
-            } else {
                 store<kBytes, false>(out + int64_t{at} * kElems, s);
             }
-        }
-        if constexpr (kFp8) {
-            if (threadIdx.x == 0) p.scale[row] = scale;
         }
     } else {  // the row in registers, every load issued before the first use
         alignas(16) T s[kVecs][kElems];
@@ -213,22 +197,8 @@ rms_norm_kernel(const NormParams p) {
         }
         const float inv = rsqrtf(block_sum(squares, partial) * p.inv_hidden + p.eps);
         if constexpr (kFp8) {
-            uint32_t bits = 0u;
-#pragma unroll
-            for (int i = 0; i < kVecs; ++i) {
-                const int at = i * blockDim.x + threadIdx.x;
-                if (at < p.accesses) {
-                    scale_by(s[i], w[i], inv);
-                    bits = abs_max_bits(s[i], bits);
-                }
-            }
-            const float scale = row_scale(bits, partial_max);
-#pragma unroll
-            for (int i = 0; i < kVecs; ++i) {
-                const int at = i * blockDim.x + threadIdx.x;
-                if (at < p.accesses) store_fp8(q + int64_t{at} * kElems, s[i], scale);
-            }
-            if (threadIdx.x == 0) p.scale[row] = scale;
+            elementwise::store_row_fp8(q, s, p.accesses, partial_max, p.scale, row,
+                                       [&](int i) { scale_by(s[i], w[i], inv); });
         } else {
 #pragma unroll
             for (int i = 0; i < kVecs; ++i) {

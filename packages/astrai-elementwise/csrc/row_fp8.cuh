@@ -74,4 +74,48 @@ __device__ __forceinline__ void store_fp8(uint8_t* q, const T (&y)[kElems], floa
     }
 }
 
+// A row a block holds in registers, kVecs accesses a thread (access i * blockDim.x + threadIdx.x,
+// those below `accesses`), leaves as e4m3 at q (the row's first byte): finish(i) makes access i's
+// values in y[i] in place, then the block's amax, then the bytes; thread 0 writes the scale to
+// scales[row]. Every thread must call it.
+template <typename T, int kElems, int kVecs, class Finish>
+__device__ __forceinline__ void store_row_fp8(uint8_t* q, T (&y)[kVecs][kElems], int accesses, uint32_t* partial,
+                                              float* scales, int64_t row, Finish&& finish) {
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+        if (i * int(blockDim.x) + int(threadIdx.x) < accesses) {
+            finish(i);
+            bits = abs_max_bits(y[i], bits);
+        }
+    }
+    const float scale = row_scale(bits, partial);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+        const int at = i * blockDim.x + threadIdx.x;
+        if (at < accesses) store_fp8(q + int64_t{at} * kElems, y[i], scale);
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
+}
+
+// The same for a row too wide for the registers: make(at, y) computes access `at` into y, once
+// for the amax and again for the bytes (the row's inputs come back from L1/L2).
+template <typename T, int kElems, class Make>
+__device__ __forceinline__ void store_row_fp8_twice(uint8_t* q, int accesses, uint32_t* partial, float* scales,
+                                                    int64_t row, Make&& make) {
+    uint32_t bits = 0u;
+    for (int at = threadIdx.x; at < accesses; at += blockDim.x) {
+        alignas(16) T y[kElems];
+        make(at, y);
+        bits = abs_max_bits(y, bits);
+    }
+    const float scale = row_scale(bits, partial);
+    for (int at = threadIdx.x; at < accesses; at += blockDim.x) {
+        alignas(16) T y[kElems];
+        make(at, y);
+        store_fp8(q + int64_t{at} * kElems, y, scale);
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
+}
+
 }  // namespace astrai::elementwise

@@ -112,20 +112,8 @@ silu_and_mul_fp8_kernel(const SiluMulParams p) {
         elementwise::load<kBytes, Cache::Plain>(in + p.inter + int64_t{at} * kElems, up);
         silu_times(gate, up);
     };
-    uint32_t bits = 0u;
     if constexpr (kVecs == 0) {
-        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
-            alignas(16) T y[kElems];
-            product(at, y);
-            bits = elementwise::abs_max_bits(y, bits);
-        }
-        const float scale = elementwise::row_scale(bits, partial_max);
-        for (int at = threadIdx.x; at < p.accesses; at += blockDim.x) {
-            alignas(16) T y[kElems];
-            product(at, y);
-            elementwise::store_fp8(q + int64_t{at} * kElems, y, scale);
-        }
-        if (threadIdx.x == 0) p.scale[row] = scale;
+        elementwise::store_row_fp8_twice<T, kElems>(q, p.accesses, partial_max, p.scale, row, product);
     } else {
         alignas(16) T gate[kVecs][kElems];
         alignas(16) T up[kVecs][kElems];
@@ -137,21 +125,8 @@ silu_and_mul_fp8_kernel(const SiluMulParams p) {
                 elementwise::load<kBytes, Cache::Stream>(in + p.inter + int64_t{at} * kElems, up[i]);
             }
         }
-#pragma unroll
-        for (int i = 0; i < kVecs; ++i) {
-            const int at = i * blockDim.x + threadIdx.x;
-            if (at < p.accesses) {
-                silu_times(gate[i], up[i]);
-                bits = elementwise::abs_max_bits(gate[i], bits);
-            }
-        }
-        const float scale = elementwise::row_scale(bits, partial_max);
-#pragma unroll
-        for (int i = 0; i < kVecs; ++i) {
-            const int at = i * blockDim.x + threadIdx.x;
-            if (at < p.accesses) elementwise::store_fp8(q + int64_t{at} * kElems, gate[i], scale);
-        }
-        if (threadIdx.x == 0) p.scale[row] = scale;
+        elementwise::store_row_fp8(q, gate, p.accesses, partial_max, p.scale, row,
+                                   [&](int i) { silu_times(gate[i], up[i]); });
     }
 }
 
