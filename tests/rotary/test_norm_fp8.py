@@ -178,7 +178,7 @@ def test_one_launch_where_the_plugin_has_the_fp8_rows_two_where_it_has_not(monke
     for entries, want in ((fused, ["rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"]),
                           ({}, ["rms_norm", "quantize", "rms_norm", "quantize", "silu_and_mul", "quantize"])):
         kernel.calls.clear()
-        ops.norm_fp8._KNOWN.clear()
+        ops._plugin._ENTRIES.clear()
         with use_runtime(norm_runtime(**entries)):
             rr = r.clone()
             results.append((norm_fp8.add_rms_norm_fp8(x, None, w, EPS)[:2], norm_fp8.add_rms_norm_fp8(x, rr, w, EPS)[:2],

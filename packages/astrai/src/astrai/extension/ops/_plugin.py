@@ -177,6 +177,23 @@ def op_spec(op: str, device: torch.device | str | None = None) -> OpSpec | None:
     return op_status(op, device).spec
 
 
+# (op, device, entry point) -> (the op's registry status when last asked, whether its module has
+# the entry): a status is a new object whenever the registry's answer changes, so each answer is
+# looked up once
+_ENTRIES: dict[tuple[str, torch.device, str], tuple[OpStatus, bool]] = {}
+
+
+def has_entry(op: str, device: torch.device, entry: str) -> bool:
+    """Whether a plugin serves ``op`` on ``device`` and its module has the entry point ``entry``
+    (one added after the op: a plugin built before it has not)."""
+    status = op_status(op, device)
+    known = _ENTRIES.get((op, device, entry))
+    if known is None or known[0] is not status:
+        has = status.usable and hasattr(require(op, device), entry)
+        known = _ENTRIES[(op, device, entry)] = (status, has)
+    return known[1]
+
+
 def require(op: str, device: torch.device | str | None = None) -> GuardedModule:
     """The compiled module serving ``op`` on ``device`` (wrapped in ``GuardedModule``);
     ``RuntimeError`` naming the plugin, the reason and the install command when there is none."""

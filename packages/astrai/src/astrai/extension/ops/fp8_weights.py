@@ -85,19 +85,9 @@ def _fp8_weight_gemm_fake(x, w, w_scale):
     return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
 
 
-# device -> (the weight GEMM's status when last asked, whether its module has quantize_rows): a
-# status is a new object whenever the registry's answer changes, so the answer is looked up once
-_QUANTIZE_ROWS: dict[torch.device, tuple[object, bool]] = {}
-
-
 def has_quantize_rows(device: torch.device) -> bool:
     """Whether a plugin serves the weight GEMM on ``device`` and has the per-token quantize."""
-    status = _plugin.op_status(FP8_WEIGHT_GEMM, device)
-    known = _QUANTIZE_ROWS.get(device)
-    if known is None or known[0] is not status:
-        has = status.usable and hasattr(_plugin.require(FP8_WEIGHT_GEMM, device), "quantize_rows")
-        known = _QUANTIZE_ROWS[device] = (status, has)
-    return known[1]
+    return _plugin.has_entry(FP8_WEIGHT_GEMM, device, "quantize_rows")
 
 
 @_plugin.plugin_op("astrai::fp8_quantize_rows")

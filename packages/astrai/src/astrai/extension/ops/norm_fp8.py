@@ -29,18 +29,12 @@ from . import _plugin
 __all__ = ["fused_add_rms_norm_fp8_unchecked", "has_fp8_rows", "rms_norm_fp8_unchecked", "silu_and_mul_fp8_unchecked"]
 
 _ENTRY = {RMS_NORM: "rms_norm_fp8", FUSED_ADD_RMS_NORM: "rms_norm_fp8", SILU_AND_MUL: "silu_and_mul_fp8"}
-_KNOWN: dict[tuple[str, torch.device], tuple[object, bool]] = {}  # (op, device) -> (registry status, has it)
 
 
 def has_fp8_rows(op: str, device: torch.device) -> bool:
     """Whether the plugin serving ``op`` (rms_norm, fused_add_rms_norm or silu_and_mul) on
     ``device`` has the op's e4m3-output form (a plugin built before it has not)."""
-    status = _plugin.op_status(op, device)
-    known = _KNOWN.get((op, device))
-    if known is None or known[0] is not status:
-        has = status.usable and hasattr(_plugin.require(op, device), _ENTRY[op])
-        known = _KNOWN[(op, device)] = (status, has)
-    return known[1]
+    return _plugin.has_entry(op, device, _ENTRY[op])
 
 
 def _outputs(rows: int, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
