@@ -80,11 +80,40 @@ def test_promoted_sums_keep_192_wide_tiles_where_they_need_fewer_rounds():
     assert not sp.TILE_CONFIGS[2].enabled  # the same tile as 14 without the pipelining
 
 
-def test_small_problems_use_one_cta_per_tile():
-    p = _plan(16, 8192, 8192, "promote")  # swap-AB: 64 tiles of 128 rows over N
-    assert p.grid == p.num_tiles == 64 and (p.tiles_m, p.tiles_n) == (64, 1)
+def test_small_problems_use_one_cta_per_tile_or_split_k_over_a_cluster():
+    p = _plan(16, 8192, 8192, "fast")  # swap-AB: 64 tiles of 128 rows over N
+    assert p.grid == p.num_tiles == 64 and (p.tiles_m, p.tiles_n, p.split) == (64, 1, 1)
+    p = _plan(16, 8192, 8192, "promote")  # the same tiles, K shared by two CTAs each
+    assert (p.config, p.num_tiles, p.split, p.k_per_split, p.grid) == (15, 64, 2, 32, 128)
     p = _plan(1, 1, 16, "fast")
     assert (p.grid, p.k_blocks) == (1, 1)
+
+
+# Llama-3-8B's decoder linears at a 64-request decode step: (N, K) -> (split, k-blocks each, CTAs)
+@pytest.mark.parametrize("N, K, split, k_per_split, grid", [
+    (4096, 4096, 4, 8, 128),     # o: 32 tiles, four CTAs each
+    (4096, 14336, 4, 28, 128),   # down
+    (6144, 4096, 2, 16, 96),     # qkv: 48 tiles, three CTAs each would need 144 SMs
+    (8192, 8192, 2, 32, 128),
+])
+def test_split_k_where_n_leaves_sms_idle(N, K, split, k_per_split, grid):
+    for M, config in ((1, 15), (17, 16), (64, 17)):
+        p = _plan(M, N, K, "promote")
+        assert (p.config, p.split, p.k_per_split, p.grid) == (config, split, k_per_split, grid), (M, N, K)
+        assert _cfg(p).split and _cfg(p).swap and p.grid == p.num_tiles * p.split
+        assert any(f"K split {split} ways" in line for line in p.trace)
+    assert _plan(64, N, K, "fast").split == 1  # promoted sums only
+
+
+def test_split_k_needs_idle_sms_and_two_k_blocks():
+    p = _plan(64, 28672, 4096, "promote")  # gate_up: 224 tiles already fill the SMs
+    assert (p.config, p.split, p.grid) == (12, 1, 132)
+    assert any("224 tiles leave no SMs for a second CTA per tile (needs <= 66)" in line for line in p.trace)
+    assert any("one k-block: nothing to split" in line for line in _plan(64, 4096, 128, "promote").trace)
+    p = _plan(64, 4096, 5 * 128, "promote")  # 5 k-blocks over 4 CTAs would leave one idle: 3 of 2
+    assert (p.split, p.k_per_split) == (3, 2)
+    p = _plan(64, 4096, 2 * 128, "promote")
+    assert (p.split, p.k_per_split, p.grid) == (2, 1, 64)
 
 
 @pytest.mark.parametrize("M, bn", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)])
@@ -144,7 +173,7 @@ def test_shared_memory_limit_falls_back_then_refuses():
 def test_every_config_fits_the_h200_and_forcing_picks_it():
     for c in sp.TILE_CONFIGS:
         assert sp.smem_bytes(c) <= H200.smem_optin
-        p = sp.plan(sp.ProblemShape(1000, 1000, 1024), H200, force_config=c.id)
+        p = sp.plan(sp.ProblemShape(16 if c.split else 1000, 1000, 1024), H200, force_config=c.id)
         assert p.ok and p.config == c.id
     with pytest.raises(ValueError, match="accum"):
         sp.plan(sp.ProblemShape(1, 1, 16), H200, accum="bf16")
@@ -173,6 +202,7 @@ void* probes[] = {
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<16, 12, true, 1, K4::E4M3, K4::E4M3, true>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, false, 1, K4::E4M3, K4::E5M2, true>>,
     (void*)&fp8_gemm_sm90_kernel<GemmConfig<128, 6, 2, 1, K4::E4M3, K4::E4M3>>,
+    (void*)&fp8_gemm_sm90_kernel<GemmConfig<64, 9, true, 1, K4::E4M3, K4::E4M3, true, true>>,
 };
 }
 """
@@ -205,7 +235,7 @@ def _kernels(sass: str) -> dict[str, str]:
 def test_sass_is_native_hopper_fp8(built):
     _, sass = built
     kernels = _kernels(sass)
-    assert len(kernels) == 10
+    assert len(kernels) == 11
     for name, body in kernels.items():
         assert re.search(r"QGMMA\.64x\d+x32\.F32\.E[45]M[23]\.E[45]M[23]", body), name
         assert "UTMALDG" in body, name
@@ -217,6 +247,10 @@ def test_sass_is_native_hopper_fp8(built):
         assert not re.search(r"F2FP\.[A-Z0-9]+\.E[45]M[23]\.UNPACK_B", body), name
         assert "HMMA" not in body, name
         assert not re.search(r"\b(STL|LDL)\b", body), name  # no local memory
+    split = [body for name, body in kernels.items() if name.endswith("Lb1ELb1EEEEEv14CUtensorMap_stS6_NS1_10GemmParamsE")]
+    assert len(split) == 1  # split-K: two cluster barriers, 16-byte stores into rank 0's shared memory
+    assert split[0].count("UCGABAR_WAIT") >= 2 and "ST.E.128" in split[0]
+    assert all("UCGABAR" not in body for name, body in kernels.items() if "Li1ELNS" in name and body not in split)
     widths = set(re.findall(r"QGMMA\.64x(\d+)x32", sass))
     assert widths == {"16", "64", "128", "192", "256"}  # 16 / 64: the swap-AB configs
     assert sum("MULTICAST" in body for body in kernels.values()) == 3
@@ -225,6 +259,6 @@ def test_sass_is_native_hopper_fp8(built):
 def test_ptxas_reports_no_spills_and_no_serialised_wgmma(built):
     log, _ = built
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 10 and all(f == ("0", "0", "0") for f in frames), log
+    assert len(frames) == 11 and all(f == ("0", "0", "0") for f in frames), log
     assert "C7514" not in log, log  # "wgmma serialized": the mainloop would lose its overlap
     assert "C7508" not in log, log  # setmaxnreg ignored

@@ -10,6 +10,10 @@
 //   kSwapAB (small M): the kernel's A operand is the weight [N, K] and its B operand the
 //   activations [M, K], so the 64-row wgmma side runs over N and the narrow wgmma N
 //   (16..64) covers the few tokens; the epilogue writes the tile transposed
+//   kSplitK (swap-AB only): a cluster of 2-4 CTAs (the count is the launch's) shares one
+//   tile, each summing its own range of K; the partial sums meet in rank 0's shared memory
+//   (distributed shared memory, written into its drained ring), which runs the epilogue.
+//   For N too short to give every SM a tile of weights to stream
 #pragma once
 
 #include "fp8_format.h"
@@ -17,7 +21,7 @@
 namespace astrai::fp8::sm90 {
 
 template <int BN, int Stages, int Promote, int ClusterM, Fp8Kind KindA, Fp8Kind KindB,
-          bool SwapAB = false>
+          bool SwapAB = false, bool SplitK = false>
 struct GemmConfig {
     static constexpr int kBM = 128;
     static constexpr int kBN = BN;
@@ -31,6 +35,8 @@ struct GemmConfig {
     static constexpr Fp8Kind kKindA = KindA;  // of the kernel's A operand (the weight if kSwapAB)
     static constexpr Fp8Kind kKindB = KindB;
     static constexpr bool kSwapAB = SwapAB;
+    static constexpr bool kSplitK = SplitK;
+    static constexpr int kMaxSplit = 4;  // CTAs of a split-K cluster
 
     static constexpr int kWgmmaK = 32;
     static constexpr int kKSteps = kBK / kWgmmaK;
@@ -48,12 +54,18 @@ struct GemmConfig {
     static constexpr int kSmemBytes = kRingBytes + kBarrierBytes + kAlignSlack;
 
     static constexpr int kAccRegs = kBN / 2;  // fp32 accumulators per consumer thread
+    // one CTA's fp32 partial tile, as its consumer threads hold it
+    static constexpr int kPartialBytes = kBM * kBN * 4;
     static constexpr int kProducerRegs = 40;
     static constexpr int kConsumerRegs = 232;
 
     static_assert(kRowsPerWG == 64, "a consumer warpgroup owns one m64 wgmma row block");
     static_assert(kBN % 16 == 0 && kBN >= 16 && kBN <= 256, "wgmma N: 16..256, 16-granular here");
     static_assert(!kSwapAB || (kClusterM == 1 && kBN <= 64), "swap-AB: narrow tiles, no cluster");
+    static_assert(!kSplitK || (kSwapAB && kPromote), "split-K: swap-AB tiles with promoted sums");
+    static_assert(!kSplitK || (kMaxSplit - 1) * kPartialBytes <= kRingBytes,
+                  "rank 0's ring holds the other ranks' partial tiles");
+    static_assert(kAccRegs % 4 == 0, "partial tiles move as float4");
     static_assert(kBN <= 256, "TMA box rows <= 256");
     static_assert(kBK == 128, "one 128-byte swizzle row of fp8 per k-block");
     static_assert(kClusterM == 1 || kClusterM == 2, "cluster of 1 or 2 CTAs along M");

@@ -29,6 +29,8 @@ struct GemmArgs {
     bool out_f32 = false;
     const void* bias = nullptr;    // bf16 [N] or nullptr
     const float* scale = nullptr;  // device scalar or nullptr
+    const float* a_scale = nullptr;  // float32 [M] (one per row of a) or nullptr
+    const float* b_scale = nullptr;  // float32 [N] (one per row of b) or nullptr
     Fp8Kind kind_a = Fp8Kind::E4M3, kind_b = Fp8Kind::E4M3;
     Accum accum = Accum::Promote;
     int force_config = -1;
@@ -83,6 +85,9 @@ std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     p.vec_store = (a.ldc % 2 == 0 && reinterpret_cast<uint64_t>(a.out) % align == 0) ? 1 : 0;
     p.bias = a.bias;
     p.scale = a.scale;
+    p.row_scale = S ? a.b_scale : a.a_scale;
+    p.col_scale = S ? a.a_scale : a.b_scale;
+    p.k_per_split = plan.k_per_split;
 
     auto kernel = fp8_gemm_sm90_kernel<Cfg>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -95,11 +100,12 @@ std::string launch(const GemmArgs& a, const Plan& plan, cudaStream_t stream) {
     lc.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kClusterM;
+    // split-K: one cluster of plan.split CTAs per tile, plan.grid = tiles x split (no CTA loops)
+    attr[0].val.clusterDim.x = Cfg::kSplitK ? plan.split : Cfg::kClusterM;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     lc.attrs = attr;
-    lc.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
+    lc.numAttrs = Cfg::kClusterM > 1 || Cfg::kSplitK ? 1 : 0;
     if constexpr (Cfg::kClusterM > 1) {
         // clusters live inside one GPC: how many fit at once is the device's answer, not
         // num_sms / 2; the persistent grid is that many (or the number of tile groups)
@@ -134,6 +140,9 @@ std::string launch_config(const GemmArgs& a, const Plan& plan, cudaStream_t stre
         case 12: return launch<GemmConfig<64, 9, true, 1, KB, KA, true>>(a, plan, stream);
         case 13: return launch<GemmConfig<64, 9, false, 1, KB, KA, true>>(a, plan, stream);
         case 14: return launch<GemmConfig<128, 6, 2, 1, KA, KB>>(a, plan, stream);
+        case 15: return launch<GemmConfig<16, 12, true, 1, KB, KA, true, true>>(a, plan, stream);
+        case 16: return launch<GemmConfig<32, 11, true, 1, KB, KA, true, true>>(a, plan, stream);
+        case 17: return launch<GemmConfig<64, 9, true, 1, KB, KA, true, true>>(a, plan, stream);
         default: return "unknown tile config " + std::to_string(plan.config);
     }
 }

@@ -1,9 +1,10 @@
-// Consumer-warpgroup epilogue: out = scale * acc + bias, rounded to bf16 (or fp32 for the
-// accuracy tests), written straight from the wgmma accumulator layout with row / column
-// guards for ragged M and N. A quad of lanes covers 8 contiguous columns of one row.
+// Consumer-warpgroup epilogue: out = scale * row_scale[row] * col_scale[col] * acc + bias
+// (a missing row / column scale is 1), rounded to bf16 (or fp32 for the accuracy tests),
+// written straight from the wgmma accumulator layout with row / column guards for ragged M
+// and N. A quad of lanes covers 8 contiguous columns of one row.
 // Swap (the swap-AB configs): the accumulator tile is out^T (rows over N, columns over M),
 // so element (r, c) goes to out[c, r] and the bias is indexed by the row; p.M / p.N are
-// the kernel's dimensions (N and M of the product).
+// the kernel's dimensions (N and M of the product), and so are its row / column scales.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +16,13 @@ namespace astrai::fp8::sm90 {
 template <int BN, bool Swap = false>
 struct Epilogue {
     static constexpr int kRegs = BN / 2;
+
+    __device__ __forceinline__ static float row_factor(const GemmParams& p, int row, float scale) {
+        return p.row_scale != nullptr ? scale * p.row_scale[row] : scale;
+    }
+    __device__ __forceinline__ static float col_factor(const GemmParams& p, int col) {
+        return p.col_scale != nullptr ? p.col_scale[col] : 1.f;
+    }
 
     __device__ __forceinline__ static void store_pair(const GemmParams& p, int row, int col,
                                                       float v0, float v1) {
@@ -64,12 +72,13 @@ struct Epilogue {
             const int row = row0 + 8 * h;  // an output column (N)
             if (row >= p.M) continue;
             const float b = bias != nullptr ? __bfloat162float(bias[row]) : 0.f;
+            const float f = row_factor(p, row, scale);
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int col = col0 + 8 * j + e;  // an output row (M)
-                    if (col < p.N) store_one(p, col, row, acc[4 * j + 2 * h + e] * scale + b);
+                    if (col < p.N) store_one(p, col, row, acc[4 * j + 2 * h + e] * f * col_factor(p, col) + b);
                 }
             }
         }
@@ -96,12 +105,15 @@ struct Epilogue {
                     b0 = __bfloat162float(bias[col]);
                     if (col + 1 < p.N) b1 = __bfloat162float(bias[col + 1]);
                 }
+                const float c0 = col_factor(p, col), c1 = col + 1 < p.N ? col_factor(p, col + 1) : 1.f;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = row0 + 8 * h;
-                    if (row < p.M)
-                        store_pair(p, row, col, acc[4 * j + 2 * h] * scale + b0,
-                                   acc[4 * j + 2 * h + 1] * scale + b1);
+                    if (row < p.M) {
+                        const float f = row_factor(p, row, scale);
+                        store_pair(p, row, col, acc[4 * j + 2 * h] * f * c0 + b0,
+                                   acc[4 * j + 2 * h + 1] * f * c1 + b1);
+                    }
                 }
             }
         }

@@ -63,11 +63,11 @@ struct Mainloop {
         mbar_init_fence();
     }
 
-    // Producer (one thread): all k-blocks of tile (tm, tn).
+    // Producer (one thread): k-blocks [kb0, kb0 + k_blocks) of tile (tm, tn).
     __device__ __forceinline__ void load_tile(const CUtensorMap* map_a, const CUtensorMap* map_b,
-                                              int tm, int tn, int k_blocks,
+                                              int tm, int tn, int kb0, int k_blocks,
                                               RingState& ring) const {
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        for (int kb = kb0; kb < kb0 + k_blocks; ++kb) {
             const int s = ring.stage;
             if constexpr (Cfg::kClusterM > 1) {
                 while (!mbar_try_wait_cluster(empty(s), ring.phase ^ 1u)) {

@@ -35,36 +35,44 @@ struct TileConfig {
     double rate;  // relative per-SM throughput of a full tile (measured on an H200)
     bool enabled; // considered by default; a disabled config runs only when forced
     bool swap;    // swap-AB: 128-row tiles over N, bn columns over M (small M only)
+    bool split;   // split-K over a cluster of 2..kMaxSplitK CTAs per tile (swap-AB only)
 };
 
 // Kept in step with the instantiations in dispatch.cuh.
 inline constexpr TileConfig kTileConfigs[] = {
-    {0, 256, 4, false, 1, 1.00, true, false},
-    {1, 192, 5, true, 1, 0.935, true, false},
+    {0, 256, 4, false, 1, 1.00, true, false, false},
+    {1, 192, 5, true, 1, 0.935, true, false, false},
     // dominated by config 14 (the same tile, pipelined promotion): forced only
-    {2, 128, 6, true, 1, 0.833, false, false},
-    {3, 128, 6, false, 1, 0.955, true, false},
+    {2, 128, 6, true, 1, 0.833, false, false, false},
+    {3, 128, 6, false, 1, 0.955, true, false, false},
     // 2-CTA clusters with B multicast, timed on the H200 (docs/kernels/fp8-hopper.md): fast
     // 128x256 0-5 % over config 0 at 10 of 12 shapes, promoted mixed; forced only for now
-    {4, 256, 4, false, 2, 1.05, false, false},
-    {5, 192, 5, true, 2, 0.98, false, false},
-    {6, 128, 6, false, 2, 1.00, false, false},
-    {7, 128, 6, true, 2, 0.87, false, false},
+    {4, 256, 4, false, 2, 1.05, false, false, false},
+    {5, 192, 5, true, 2, 0.98, false, false, false},
+    {6, 128, 6, false, 2, 1.00, false, false, false},
+    {7, 128, 6, true, 2, 0.87, false, false, false},
     // swap-AB for M <= bn (decode-sized M): memory-bound, so deep rings; the tile's MMA
     // work is bn / 128 of a square tile, hence the cost model's preference needs no rate
-    {8, 16, 12, true, 1, 1.00, true, true},
-    {9, 16, 12, false, 1, 1.00, true, true},
-    {10, 32, 11, true, 1, 1.00, true, true},
-    {11, 32, 11, false, 1, 1.00, true, true},
-    {12, 64, 9, true, 1, 1.00, true, true},
-    {13, 64, 9, false, 1, 1.00, true, true},
+    {8, 16, 12, true, 1, 1.00, true, true, false},
+    {9, 16, 12, false, 1, 1.00, true, true, false},
+    {10, 32, 11, true, 1, 1.00, true, true, false},
+    {11, 32, 11, false, 1, 1.00, true, true, false},
+    {12, 64, 9, true, 1, 1.00, true, true, false},
+    {13, 64, 9, false, 1, 1.00, true, true, false},
     // promoted sums with two wgmma chains in turn (GemmConfig Promote = 2): timed in turn
     // with configs 1 and 2 on the H200, 0.99-1.24x config 1 at the 13 shapes with M >= 1024
     // (docs/kernels/fp8-hopper.md); its rate makes it the promoted choice wherever the
     // rounds are not much fewer with 192-wide tiles
-    {14, 128, 6, true, 1, 0.97, true, false},
+    {14, 128, 6, true, 1, 0.97, true, false, false},
+    // swap-AB split-K for N too short to give each SM a tile: a tile's K shared by a cluster
+    // of 2..4 CTAs, whose partial sums meet in rank 0's shared memory; the rate charges
+    // that meeting (promoted sums only: the route they serve asks for them)
+    {15, 16, 12, true, 1, 0.9, true, true, true},
+    {16, 32, 11, true, 1, 0.9, true, true, true},
+    {17, 64, 9, true, 1, 0.9, true, true, true},
 };
-inline constexpr int kNumTileConfigs = 15;
+inline constexpr int kNumTileConfigs = 18;
+inline constexpr int kMaxSplitK = 4;  // GemmConfig::kMaxSplit
 inline constexpr int kTileM = 128;
 inline constexpr int kTileK = 128;
 inline constexpr int kGroupM = 8;
@@ -98,6 +106,8 @@ struct Plan {
     // such groups, one per cluster and round; grid = CTAs (cluster * clusters)
     int cluster = 1;
     int tiles_m = 0, tiles_n = 0, num_tiles = 0, grid = 0, k_blocks = 0, group_m = kGroupM;
+    // split-K: CTAs per tile (the cluster) and the k-blocks each sums (1 and k_blocks without)
+    int split = 1, k_per_split = 0;
     double cost = 0.0;   // estimated, in units of one 128x256 tile at rate 1.0
     std::string trace;   // one line per candidate: accepted (with its cost) or why not
 };
@@ -105,8 +115,8 @@ struct Plan {
 // "sm90 128x256x128 s4 fast cluster 1": how traces and benchmarks name a config.
 inline std::string config_name(const TileConfig& c) {
     return std::string(c.swap ? "sm90 swap-AB " : "sm90 ") + "128x" + std::to_string(c.bn) + "x128 s" +
-           std::to_string(c.stages) + (c.promote ? " promote" : " fast") + " cluster " +
-           std::to_string(c.cluster);
+           std::to_string(c.stages) + (c.promote ? " promote" : " fast") +
+           (c.split ? std::string(" split-K") : " cluster " + std::to_string(c.cluster));
 }
 
 // The plan for one tile config, or ok == false with the reason in `trace`.
@@ -126,7 +136,27 @@ inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const Tile
         p.trace += "too many tiles\n";
         return p;
     }
-    const int64_t slots = d.num_sms / c.cluster;  // clusters resident at once (an estimate)
+    const int64_t k_blocks = ceil_div(s.K, kTileK);
+    int64_t split = 1, k_per_split = k_blocks;
+    if (c.split) {
+        // as many CTAs per tile as fill the SMs once (no CTA loops: rank 0's ring takes the
+        // partial sums), each with at least one k-block
+        split = d.num_sms / tiles;
+        if (split > kMaxSplitK) split = kMaxSplitK;
+        if (split < 2) {
+            p.trace += std::to_string(tiles) + " tiles leave no SMs for a second CTA per tile (needs <= " +
+                       std::to_string(d.num_sms / 2) + ")\n";
+            return p;
+        }
+        if (k_blocks < 2) {
+            p.trace += "one k-block: nothing to split\n";
+            return p;
+        }
+        if (split > k_blocks) split = k_blocks;
+        k_per_split = ceil_div(k_blocks, split);
+        split = ceil_div(k_blocks, k_per_split);  // no rank without k-blocks
+    }
+    const int64_t slots = d.num_sms / (c.cluster * split);  // clusters resident at once (an estimate)
     const int64_t clusters = tiles < slots ? tiles : slots;
     const int64_t rounds = ceil_div(tiles, clusters);
     p.ok = true;
@@ -135,12 +165,16 @@ inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const Tile
     p.tiles_m = static_cast<int>(tm);
     p.tiles_n = static_cast<int>(tn);
     p.num_tiles = static_cast<int>(tiles);
-    p.grid = static_cast<int>(clusters * c.cluster);
-    p.k_blocks = static_cast<int>(ceil_div(s.K, kTileK));
-    p.cost = static_cast<double>(rounds) * c.bn / (256.0 * c.rate);
-    p.trace += std::to_string(tiles * c.cluster) + " tiles, " + std::to_string(rounds) +
-               " rounds on " + std::to_string(p.grid) + " CTAs, cost " + std::to_string(p.cost) +
-               "\n";
+    p.grid = static_cast<int>(c.split ? tiles * split : clusters * c.cluster);
+    p.k_blocks = static_cast<int>(k_blocks);
+    p.split = static_cast<int>(split);
+    p.k_per_split = static_cast<int>(k_per_split);
+    // a split CTA sums k_per_split of the k_blocks
+    p.cost = static_cast<double>(rounds) * c.bn / (256.0 * c.rate) * k_per_split / k_blocks;
+    p.trace += std::to_string(tiles * c.cluster) + " tiles, " +
+               (c.split ? "K split " + std::to_string(split) + " ways, " : std::string()) +
+               std::to_string(rounds) + " rounds on " + std::to_string(p.grid) + " CTAs, cost " +
+               std::to_string(p.cost) + "\n";
     return p;
 }
 

@@ -45,6 +45,7 @@ inline void bind_planning(pybind11::module_ m) {
         .def_readonly("rate", &TileConfig::rate)
         .def_readonly("enabled", &TileConfig::enabled)
         .def_readonly("swap", &TileConfig::swap)
+        .def_readonly("split", &TileConfig::split)
         .def_property_readonly("name", &config_name)
         .def("__repr__", [](const TileConfig& c) { return "<TileConfig " + std::to_string(c.id) + ": " + config_name(c) + ">"; });
     py::class_<DeviceLimits>(m, "DeviceLimits", py::module_local())
@@ -83,6 +84,8 @@ inline void bind_planning(pybind11::module_ m) {
         .def_readonly("grid", &Plan::grid)
         .def_readonly("k_blocks", &Plan::k_blocks)
         .def_readonly("group_m", &Plan::group_m)
+        .def_readonly("split", &Plan::split)
+        .def_readonly("k_per_split", &Plan::k_per_split)
         .def_readonly("cost", &Plan::cost)
         .def_property_readonly("trace", [](const Plan& p) { return trace_lines(p.trace); });
 

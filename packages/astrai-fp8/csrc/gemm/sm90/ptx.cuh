@@ -4,7 +4,7 @@
 //   mbarrier      arrive.expect_tx, cluster-scope try_wait
 //   TMA           cp.async.bulk.tensor.2d global -> shared, completing on an mbarrier
 //                 (and its cluster multicast form)
-//   clusters      rank, cluster barrier, mapa + remote mbarrier arrive
+//   clusters      rank, size, cluster barrier, mapa + remote mbarrier arrive, remote stores
 //   wgmma         accumulator register fences and the shared-memory descriptor
 // Everything here is device code; callers guard it with ASTRAI_SM90_ENABLED.
 #pragma once
@@ -64,6 +64,12 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
     return r;
 }
 
+__device__ __forceinline__ uint32_t cluster_size() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+
 // All threads of all CTAs of the cluster (warps converged).
 __device__ __forceinline__ void cluster_sync() {
     asm volatile(
@@ -81,6 +87,20 @@ __device__ __forceinline__ uint32_t map_to_cta(uint32_t saddr, uint32_t rank) {
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr)
                  : "memory");
+}
+
+// 16 bytes into a peer CTA's shared memory (cluster_addr from map_to_cta); a cluster barrier
+// (release / acquire) makes them visible to the peer.
+__device__ __forceinline__ void st_cluster_v4(uint32_t cluster_addr, float a, float b, float c, float d) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(cluster_addr), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
+                 : "memory");
+}
+
+// Orders this thread's earlier async-proxy shared-memory accesses (TMA writes, wgmma reads)
+// before its later generic ones, for a ring stage rewritten by plain stores.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // ---- TMA -----------------------------------------------------------------------------
