@@ -377,6 +377,31 @@ def test_cpp_quantize_rows_validation(compiled, case):
     _refused(compiled.quantize_rows, QR_OK, *QR_BAD[case])
 
 
+RM, RN, RK = 40, 4096, 512  # a W8A8 call of a decode step: per-token x, per-channel weights
+GR_OK = dict(a=_t((RM, RK), E4M3), b=_t((RN, RK), E4M3, 1 << 20), a_scale=_t((RM,), F32, 1 << 24),
+             b_scale=_t((RN,), F32, 1 << 25), out=_t((RM, RN), BF16, 1 << 26), stream=0)
+GR_BAD = {
+    "a dtype": (dict(a=_t((RM, RK), BF16)), r"a: expected float8_e4m3fn or float8_e5m2, got bfloat16"),
+    "b K": (dict(b=_t((RN, RK + 16), E4M3, 1 << 20)), r"b: expected \[N, 512\] \(K as a's\)"),
+    "b strided": (dict(b=_t((RN, RK), E4M3, 1 << 20, strides=(2 * RK, 2))), r"b: the last dim must be contiguous"),
+    "a_scale [M, 1]": (dict(a_scale=_t((RM, 1), F32, 1 << 24)), r"a_scale: expected shape \[M\] \(one scale per row of a\)"),
+    "b_scale shape": (dict(b_scale=_t((RN + 1,), F32, 1 << 25)), r"b_scale: expected shape \[N\]"),
+    "b_scale dtype": (dict(b_scale=_t((RN,), BF16, 1 << 25)), r"b_scale: expected dtype float32"),
+    "b_scale strided": (dict(b_scale=_t((RN,), F32, 1 << 25, strides=(2,))), r"b_scale: .*contiguous"),
+    "out dtype": (dict(out=_t((RM, RN), F32, 1 << 26)), r"out: expected dtype bfloat16"),
+    "out shape": (dict(out=_t((RM, RN - 1), BF16, 1 << 26)), r"out: expected shape \[M, N\]"),
+    "out over b": (dict(out=_t((RM, RN), BF16, (1 << 20) + 64)), r"out: overlaps b"),
+    "out over a_scale": (dict(out=_t((RM, RN), BF16, (1 << 24) - 64)), r"out: overlaps a_scale"),
+    "null b_scale": (dict(b_scale=_t((RN,), F32, 0)), r"b_scale: null data pointer"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(GR_BAD))
+def test_cpp_gemm_rowwise_validation(compiled, case):
+    _refused(compiled.gemm_rowwise, GR_OK, *GR_BAD[case])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90a", "sm_120"])
 def test_quantize_rows_divides_like_torch_whatever_the_fast_math(so, arch):
@@ -466,6 +491,8 @@ def test_valid_arguments_reach_cuda_only_after_validation(compiled):
         compiled.quantize(**Q_OK)
     with pytest.raises(RuntimeError, match=r"CUDA error cuda\w+"):
         compiled.quantize_rows(**QR_OK)
+    with pytest.raises(ValueError, match=r"gemm_rowwise: the sm_90a kernel cannot take it: device query failed"):
+        compiled.gemm_rowwise(**GR_OK)  # no device to run on: said, never launched
     # [S, R, L] histories as the core stacks them, prev_scale being scale itself
     batched = dict(SU_OK, hist=(4096, (2, 3, HIST), (3 * HIST, HIST, 1), F32),
                    pending=(8192, (2, 3), (3, 1), F32), prev_scale=SU_OK["scale"], most_recent=True)

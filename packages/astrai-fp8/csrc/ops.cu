@@ -3,6 +3,7 @@
 //   quantize(x, scale, q, q_t, amax, out_layout, stream)
 //   quantize_rows(x, q, scale, stream)   q = e4m3(x / scale), scale[r] = amax(|x[r]|) / 448
 //   gemm(a, b, scale, bias, out, trans_a, trans_b, stream, mainloop="auto")
+//   gemm_rowwise(a, b, a_scale, b_scale, out, stream)   row-wise scales, sm_90a only (gemm_rowwise.cu)
 //   scale_update(hist, pending, prev_scale, scale, scale_inv, factor, most_recent, stream)
 //   weight_gemm(x, w, w_scale, y, ws, k_per_split, stream)   y = x (w * w_scale)^T, <= 64 rows of x
 //   weight_gemm_plan(n, k, sms) -> k_per_split   (no GPU)
@@ -29,8 +30,10 @@
 #include "astrai/tensor_arg.h"
 #include "capabilities.h"
 #include "gemm.cuh"
+#include "gemm_rowwise.h"
 #include "gemm/sm90/entry.h"
 #include "gemm/sm90/planning_bind.h"
+#include "operands.h"
 #include "quantize.cuh"
 #include "quantize_rows.cuh"
 #include "scale_update.cuh"
@@ -42,29 +45,6 @@ namespace py = pybind11;
 namespace {
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-
-FP8Format format_of(DType t) { return t == DType::Float8E4M3 ? FP8Format::E4M3 : FP8Format::E5M2; }
-
-void expect_scalar_f32(const TensorArg& t) {
-  expect_dtype(t, DType::Float32);
-  ASTRAI_CHECK(t.numel() == 1, t.name, ": expected one element, got shape ", shape_str(t.shape));
-  expect_data(t, 4);
-}
-
-// A 2-D operand stored row-major with unit column stride: returns its row stride.
-int64_t expect_matrix(const TensorArg& t) {
-  expect_ndim(t, 2);
-  ASTRAI_CHECK(t.size(0) > 0 && t.size(1) > 0, t.name, ": zero-size dimension in shape ",
-               shape_str(t.shape));
-  ASTRAI_CHECK(t.size(0) <= kIntMax && t.size(1) <= kIntMax, t.name, ": dimensions must fit int32, got ",
-               shape_str(t.shape));
-  expect_last_dim_contiguous(t);
-  const int64_t ld = t.size(0) == 1 ? t.size(1) : t.stride(0);
-  ASTRAI_CHECK(ld >= t.size(1), t.name, ": rows overlap (row stride ", ld, " < ", t.size(1),
-               " columns); pass a contiguous tensor");
-  expect_data(t, 1);
-  return ld;
-}
 
 // What the launches read of a device, queried once per device: every quantize and scale
 // update checks the arch and the quantize sizes its grid by the SM count, and each
@@ -422,6 +402,11 @@ PYBIND11_MODULE(_fp8_ops, m) {
         "mainloop: 'auto' (the sm_90a wgmma kernel where it applies, else mma.sync) or\n"
         "'mma_sync' (always the mma.sync kernel: native on " ASTRAI_FP8_MMA_SYNC_NATIVE_SM_TEXT
         ", emulated elsewhere).");
+  m.def("gemm_rowwise", &astrai::fp8::gemm_rowwise, py::arg("a"), py::arg("b"), py::arg("a_scale"),
+        py::arg("b_scale"), py::arg("out"), py::arg("stream"),
+        "out[M, N] (bf16) = (a_scale[m] * b_scale[n]) * a @ b^T: a [M, K] and b [N, K] fp8 (e4m3/e5m2) with unit\n"
+        "last stride, a_scale float32 [M], b_scale float32 [N] contiguous. The sm_90a wgmma kernel only (promoted\n"
+        "sums; split-K over a cluster where N leaves SMs idle): elsewhere it raises with the reason.");
   m.def("scale_update", &astrai::fp8::scale_update, py::arg("hist"), py::arg("pending"),
         py::arg("prev_scale"), py::arg("scale"), py::arg("scale_inv"), py::arg("factor"),
         py::arg("most_recent"), py::arg("stream"),
