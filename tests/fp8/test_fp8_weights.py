@@ -208,6 +208,43 @@ def test_the_w8a8_route_quantizes_with_the_plugin_where_it_can(monkeypatch):
     torch.testing.assert_close(y.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
 
 
+def test_w8a8_multiplies_on_the_plugin_up_to_its_rows(monkeypatch):
+    """The W8A8 GEMM runs on the plugin's row-wise kernel where it takes the call (bfloat16 out,
+    at most ROWWISE_MAX_ROWS rows, sm_90, a plugin that has it), torch._scaled_mm elsewhere; the
+    result is the same product either way, and the call counts as W8A8."""
+    multiplied = []
+
+    def rowwise(xq, x_scale, w, w_scale):
+        multiplied.append(tuple(xq.shape))
+        assert x_scale.shape == (xq.shape[0], 1) and w_scale.shape == (w.shape[0],)
+        return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+
+    monkeypatch.setattr(rotary, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: H200)
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "fp8_rowwise_gemm_unchecked", rowwise)
+    w, w_scale = quantize_weight(rand(32, 512))
+    top = fp8_weights.ops_fp8_weights.ROWWISE_MAX_ROWS
+    xq, x_scale = fp8_weights.quantize_per_token(rand(top, 512, dtype=torch.bfloat16))
+    fp8_weights.fp8_input_linear(xq, x_scale, w, w_scale, None, torch.bfloat16)
+    assert multiplied == []  # the fake plugin has no gemm_rowwise
+    monkeypatch.setattr(fp8_weights.ops_fp8_weights, "has_rowwise_gemm", lambda device: True)
+    with fp8_weights.decided_routes() as counts:
+        y = fp8_weights.fp8_input_linear(xq, x_scale, w, w_scale, None, torch.bfloat16)
+        fp8_weights.fp8_input_linear(xq[:1], x_scale[:1], w, w_scale, None, torch.bfloat16)
+    assert multiplied == [(top, 512), (1, 512)] and counts == {"w8a8": 2}
+    want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
+    torch.testing.assert_close(y.double(), want, rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+    more, more_scale = fp8_weights.quantize_per_token(rand(top + 1, 512, dtype=torch.bfloat16))
+    fp8_weights.fp8_input_linear(more, more_scale, w, w_scale, None, torch.bfloat16)  # past its tiles
+    fp8_weights.fp8_input_linear(xq, x_scale, w, w_scale, None, torch.float16)  # its output is bfloat16
+    odd = torch.empty(top, 512 + 16, dtype=torch.float8_e4m3fn)[:, 8:520]  # rows 16 bytes apart, start not
+    odd.view(torch.uint8).copy_(xq.view(torch.uint8))
+    fp8_weights.fp8_input_linear(odd, x_scale, w, w_scale, None, torch.bfloat16)
+    monkeypatch.setattr(fp8_weights, "probe_device", lambda device: L20)
+    fp8_weights.fp8_input_linear(xq, x_scale, w, w_scale, None, torch.bfloat16)  # not sm_90
+    assert multiplied == [(top, 512), (1, 512)]
+
+
 def test_decided_routes_counts_and_forces_each_route(monkeypatch):
     """A route forced within decided_routes wherever it can take the call (the weight-only kernel
     at 64 rows, W8A8 at one), the calls counted by the route they ran; e5m2 weights have no

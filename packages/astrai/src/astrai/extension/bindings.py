@@ -69,5 +69,6 @@ BINDINGS: dict[str, Binding] = {
     "weight_gemm": Binding(("x", "w", "w_scale", "y", "ws", "k_per_split", "stream")),
     "weight_gemm_plan": Binding(("n", "k", "sms")),
     "quantize_rows": Binding(("x", "q", "scale", "stream")),
+    "gemm_rowwise": Binding(("a", "b", "a_scale", "b_scale", "out", "stream")),
     "plan": Binding(("m", "n", "k", "trans_a", "trans_b", "sms", "smem_per_sm", "smem_per_block")),
 }

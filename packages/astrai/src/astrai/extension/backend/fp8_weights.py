@@ -11,8 +11,8 @@ in their dtype: a decode step reads every weight once for a few tokens, so the w
 is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``) runs CUDA calls
 of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256,
 16-byte aligned rows, no gradient wanted) below ``W8A8_MIN_ROWS`` rows; from there, on Hopper,
-the activations are quantized per token and ``torch._scaled_mm`` multiplies in FP8 (the route
-table, :func:`fp8_weight_route`); otherwise the torch path: float32 products of the
+the activations are quantized per token and multiplied in FP8 (the plugin's row-wise GEMM up to
+64 rows, ``torch._scaled_mm`` above; the route table, :func:`fp8_weight_route`); otherwise the torch path: float32 products of the
 dequantized weights, summed in float32 and rounded once, as the kernel does (16-bit CUDA calls, a
 prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the resolver once per
 (device, dtype, K) (``explain("fp8_weight_gemm")``).
@@ -44,7 +44,8 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   rows <  W8A8_MIN_ROWS: the weight-only kernel (16-bit activations: nothing to quantize, and
 #                          the weights' one byte is the whole cost);
 #   rows >= W8A8_MIN_ROWS: W8A8 on Hopper: the activations quantized per token to e4m3, then
-#                          torch._scaled_mm with row-wise scales (cuBLASLt on the FP8 tensor cores).
+#                          an FP8 tensor-core GEMM with row-wise scales: the plugin's (gemm_rowwise)
+#                          up to 64 rows, torch._scaled_mm (cuBLASLt) above.
 # The weight-only kernel runs mma.sync in fp16, whose ~300 TFLOP/s bound a GEMM of 2*M*N*K flops
 # above the weights' N*K bytes at 3 TB/s past M ~ 50 rows (its byte conversions cost more: 3.2x
 # its bytes' time at 64 rows, measured). Measured on an H100 (bench/bench_fp8_weight_routes.py,
@@ -53,6 +54,7 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # quantize (quantize_rows, 2.5-4 us): torch's seven element-wise kernels cost 15-35 us a call.
 W8A8_MIN_ROWS = 33
 W8A8_MIN_SM = 90  # row-wise scaled FP8 GEMMs of torch._scaled_mm
+ROWWISE_SM = 90  # the plugin's row-wise GEMM: sm_90a code (wgmma, TMA, clusters)
 _E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -121,11 +123,25 @@ def fp8_input_linear(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
     """The W8A8 route's GEMM over activations already quantized per token (``xq [M, K]`` e4m3,
     ``x_scale [M, 1]``: :func:`quantize_per_token`'s pair, or a norm's that made them,
     ``backend.norm_fp8``): ``(xq * x_scale) @ (w * w_scale[:, None]).T (+ bias)`` in ``out_dtype``,
-    float32 accumulation (``torch._scaled_mm`` with row-wise scales). Only where
-    :func:`fp8_weight_route` gives "w8a8" for the 16-bit rows."""
+    float32 accumulation: the plugin's row-wise GEMM where it takes the call (:func:`_plugin_multiplies`),
+    else ``torch._scaled_mm`` with row-wise scales (cuBLASLt). Only where :func:`fp8_weight_route`
+    gives "w8a8" for the 16-bit rows."""
     _ran("w8a8")
-    y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+    if _plugin_multiplies(xq, x_scale, w, w_scale, out_dtype):
+        y = ops_fp8_weights.fp8_rowwise_gemm_unchecked(xq, x_scale, w, w_scale)
+    else:
+        y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def _plugin_multiplies(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       out_dtype: torch.dtype) -> bool:
+    """Whether the plugin's row-wise GEMM takes a W8A8 call: bfloat16 out, at most
+    ``ROWWISE_MAX_ROWS`` rows (its swap-AB tiles), an sm_90 device, K a multiple of 16, TMA-ready
+    operands, and a plugin that has it."""
+    return (out_dtype == torch.bfloat16 and xq.shape[0] <= ops_fp8_weights.ROWWISE_MAX_ROWS
+            and probe_device(xq.device).sm == ROWWISE_SM and xq.shape[1] % 16 == 0 and _aligned(xq) and _aligned(w)
+            and x_scale.is_contiguous() and w_scale.is_contiguous() and ops_fp8_weights.has_rowwise_gemm(xq.device))
 
 
 def _w8a8(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -161,7 +177,7 @@ def decided_routes(force: str | None = None):
 
 def fp8_weight_route(x2: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, needs_grad: bool = False) -> str:
     """Which route a linear over FP8 weights takes for ``x2 [M, K]`` (see the route table):
-    "weight" (the astrai-fp8 kernel), "w8a8" (per-token e4m3 activations, ``torch._scaled_mm``)
+    "weight" (the astrai-fp8 kernel), "w8a8" (per-token e4m3 activations, an FP8 GEMM)
     or "torch" (the dequantized weights' product)."""
     route = "torch"
     if _kernel_takes(x2, w, w_scale, needs_grad):

@@ -18,9 +18,15 @@ row whose amax is not > 0; ``q = x / scale``), the same bytes as
 ``backend.fp8_weights.quantize_per_token``; 16-bit ``x``, K a multiple of 8, rows 16-byte aligned. A plugin built before it has no
 ``quantize_rows``: :func:`has_quantize_rows` says so and the caller quantizes in torch.
 
+``fp8_rowwise_gemm_unchecked(xq [M, K], x_scale [M, 1], w [N, K], w_scale [N]) -> y [M, N]``
+bfloat16: the W8A8 product ``(xq * x_scale) (w * w_scale[:, None])^T`` on the plugin's Hopper
+kernel (sm_90a; swap-AB tiles for ``M <= ROWWISE_MAX_ROWS``, K split over a cluster of CTAs
+where N alone leaves SMs idle), e4m3 operands with 16-byte aligned rows, K a multiple of 16. A
+plugin built before it has no ``gemm_rowwise``: :func:`has_rowwise_gemm` says so.
+
 Call convention (ABI 1) of ``astrai_fp8._fp8_ops``: ``weight_gemm(x, w, w_scale, y, ws,
 k_per_split, stream)``, ``weight_gemm_plan(n, k, sms) -> k_per_split``, ``quantize_rows(x, q,
-scale, stream)``; tensors as tuples
+scale, stream)``, ``gemm_rowwise(a, b, a_scale, b_scale, out, stream)``; tensors as tuples
 ``(data_ptr, shape, strides_in_elements, dtype_code)``, ``ws`` None without splits.
 """
 
@@ -32,10 +38,12 @@ from ..abi import launch, stream_handle, tensor_arg
 from ..op_names import FP8_WEIGHT_GEMM
 from . import _plugin
 
-__all__ = ["K_MULTIPLE", "MAX_ROWS", "fp8_quantize_rows_unchecked", "fp8_weight_gemm_unchecked", "has_quantize_rows"]
+__all__ = ["K_MULTIPLE", "MAX_ROWS", "ROWWISE_MAX_ROWS", "fp8_quantize_rows_unchecked", "fp8_rowwise_gemm_unchecked",
+           "fp8_weight_gemm_unchecked", "has_quantize_rows", "has_rowwise_gemm"]
 
 MAX_ROWS = 64  # rows of x (decode tokens) the kernel takes
 K_MULTIPLE = 256  # K is staged in chunks of this many
+ROWWISE_MAX_ROWS = 64  # rows of xq gemm_rowwise's swap-AB tiles cover (the planner's widest)
 
 _SPLITS: dict[tuple[int, int, int], int] = {}  # (device index, n, k) -> k_per_split
 _WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> float32, all zero
@@ -103,3 +111,23 @@ def fp8_quantize_rows_unchecked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def _fp8_quantize_rows_fake(x):
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
+
+
+def has_rowwise_gemm(device: torch.device) -> bool:
+    """Whether a plugin serves the weight GEMM on ``device`` and has the row-wise scaled FP8 GEMM."""
+    return _plugin.has_entry(FP8_WEIGHT_GEMM, device, "gemm_rowwise")
+
+
+@_plugin.plugin_op("astrai::fp8_rowwise_gemm")
+def fp8_rowwise_gemm_unchecked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                               w_scale: torch.Tensor) -> torch.Tensor:
+    module = _plugin.require(FP8_WEIGHT_GEMM, xq.device)
+    y = torch.empty((xq.shape[0], w.shape[0]), dtype=torch.bfloat16, device=xq.device)
+    launch(xq.device, module.gemm_rowwise, tensor_arg(xq), tensor_arg(w), tensor_arg(x_scale.view(-1)),
+           tensor_arg(w_scale), tensor_arg(y))
+    return y
+
+
+@fp8_rowwise_gemm_unchecked.op.register_fake
+def _fp8_rowwise_gemm_fake(xq, x_scale, w, w_scale):
+    return torch.empty((xq.shape[0], w.shape[0]), dtype=torch.bfloat16, device=xq.device)
