@@ -33,7 +33,7 @@ from astrai.extension.backend import fp8_weights
 from astrai.extension.backend.fp8_weights import fp8_weight_linear, quantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import print_rows, quick_json_args  # noqa: E402
+from graph_timing import checked, largest_error, print_rows, quick_json_args  # noqa: E402
 
 SHAPES_NK = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = [1, 8, 16, 32, 64, 96, 128, 192, 256]
@@ -79,17 +79,15 @@ def candidates(m: int, n: int, k: int) -> dict:
 
     ref = F.linear(x.float(), w.float() * w_scale[:, None])
     fns = {"bf16": bf16, "weight": weight, "w8a8": w8a8, "w8a8_gemm": w8a8_gemm, "route": route}
-    usable, errors = {}, {}
-    for name, fn in fns.items():
-        try:
-            turn = itertools.count()  # the check runs on copy 0, the reference's
-            got = fn().float()
-            if name != "bf16":  # the FP8 routes against the dequantized weights' float32 product
-                errors[name] = float((got - ref).norm() / ref.norm())
-            usable[name] = fn
-        except Exception as exc:  # shown failed, never dropped
-            errors[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
-    return usable, errors
+
+    def first_copy():  # the check runs on copy 0, the reference's
+        nonlocal turn
+        turn = itertools.count()
+
+    def error_of(name, got):  # the FP8 routes against the dequantized weights' float32 product
+        return None if name == "bf16" else float((got.float() - ref).norm() / ref.norm())
+
+    return checked(fns, error_of, first_copy)
 
 
 def main() -> None:
@@ -128,8 +126,7 @@ def main() -> None:
                f"{'FP8 eager':>11} {'floor':>8}  fastest FP8 (us per call: CUDA graphs, interleaved; then eager)",
                rows, line, args.json)
     print(timing.legend(every))
-    worst = max((e for r in rows for e in r["errors"].values() if isinstance(e, float)), default=float("nan"))
-    print(f"largest relative error of an FP8 route against the dequantized weights' float32 product: {worst:.2e}")
+    print(f"largest relative error of an FP8 route against the dequantized weights' float32 product: {largest_error(rows):.2e}")
 
 
 if __name__ == "__main__":

@@ -59,3 +59,25 @@ def print_rows(header: str, rows: list[dict], line, json_path=None) -> None:
         print(timing.legend(timed))
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1, default=timing.jsonable))
+
+
+def checked(fns: dict, error_of, before=lambda: None) -> tuple[dict, dict]:
+    """The candidates of a side-by-side run that work, each called once after ``before()``:
+    ``error_of(name, output)`` (a relative error, or None where a candidate is not checked) is
+    kept by name; one that raises is shown failed (its message under its name), never dropped."""
+    usable, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            before()
+            err = error_of(name, fn())
+            if err is not None:
+                errors[name] = err
+            usable[name] = fn
+        except Exception as exc:  # shown failed, never dropped
+            errors[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
+    return usable, errors
+
+
+def largest_error(rows: list[dict]) -> float:
+    """The largest relative error any checked candidate of ``rows`` (``row["errors"]``) showed."""
+    return max((e for r in rows for e in r["errors"].values() if isinstance(e, float)), default=float("nan"))

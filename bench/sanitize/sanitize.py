@@ -33,7 +33,7 @@ from reference import attention_ref, rotary_ref, rotary_tables, tolerance  # noq
 from astrai.extension import ATTN_BACKEND, PagedKVCache, attention, attn_backend  # noqa: E402
 from astrai.extension.backend.attention import ordered_pages  # noqa: E402
 from astrai.extension.ops import attention as attn_ops  # noqa: E402
-from astrai.extension.backend.fp8_weights import quantize_per_token  # noqa: E402
+from astrai.extension.backend.fp8_weights import quantize_per_token, quantize_weight  # noqa: E402
 from astrai.extension.backend.norm_torch import rms_norm_torch, silu_and_mul_torch  # noqa: E402
 from astrai.extension.ops import fp8 as fp8_ops  # noqa: E402
 from astrai.extension.ops import fp8_weights as fp8_weights_ops  # noqa: E402
@@ -210,6 +210,19 @@ def fp8() -> None:
         torch.testing.assert_close(out.double().cpu(), ref.to(torch.bfloat16).double(), rtol=2**-7,
                                    atol=2**-7 * float(ref.abs().max()))
         print(f"ok fp8_gemm M={m} (small-M configs)", flush=True)
+    rowwise()
+
+
+def rowwise() -> None:
+    """The row-wise GEMM (W8A8's): K split 3 ways (5 k-blocks), 4 ways, and whole (70 tiles)."""
+    for m, n, k in ((5, 200, 640), (33, 300, 512), (64, 70 * 128, 256)):
+        xq, x_scale = quantize_per_token(rand(m, k))
+        w, w_scale = quantize_weight(rand(n, k, dtype=torch.float32))
+        out = fp8_weights_ops.fp8_rowwise_gemm_unchecked(xq, x_scale, w, w_scale)
+        ref = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
+        torch.testing.assert_close(out.double(), ref.to(torch.bfloat16).double(), rtol=2**-7,
+                                   atol=2**-7 * float(ref.abs().max()))
+        print(f"ok fp8_rowwise_gemm {m}x{n}x{k}", flush=True)
 
 
 def same_fp8(name, got, want):
