@@ -32,6 +32,7 @@
 
 #include "astrai/bind.h"
 #include "astrai/check.h"
+#include "astrai/device.cuh"
 #include "astrai/tensor_arg.h"
 #include "capabilities.h"
 #include "norm.h"
@@ -129,6 +130,8 @@ void launch_rows(const Params& p, int64_t rows, cudaStream_t stream) {
     using Config = NormConfig<T, kElems, kVecs>;
     const int threads = Config::threads(p.accesses);
     if constexpr (kSilu) {
+        if (p.row_accesses > 0) return launch_cluster_rows(silu_and_mul_fp8_kernel<T, kElems, kVecs, true>, p, rows,
+                                                           threads, stream);
         silu_and_mul_fp8_kernel<T, kElems, kVecs><<<static_cast<unsigned>(rows), threads, 0, stream>>>(p);
     } else {
         rms_norm_kernel<T, kElems, kVecs, kFp8><<<static_cast<unsigned>(rows), threads, 0, stream>>>(p);
@@ -330,8 +333,13 @@ void silu_and_mul_fp8(py::handle gate_up_arg, py::handle q_arg, py::handle scale
     expect_fp8_rows(q, scale, in, inter);
     const int64_t elems = 16 / dtype_size(in.dtype);
     const bool vector = inter % elems == 0 && aligned(in, elems) && aligned_q(q, elems);
-    const NormShape shape = norm_shape(inter, dtype_size(in.dtype), vector);
     if (rows == 0) return;
+    const int64_t per = vector ? elems : 1, accesses = inter / per;
+    const int device = current_device();
+    const int split = silu_fp8_split(rows, accesses, multiprocessor_count(device),
+                                     built_for_sm90() && device_sm(device) == 90);
+    const int64_t share = (accesses + split - 1) / split;  // a block's accesses of its row
+    const NormShape shape = norm_shape(share * per, dtype_size(in.dtype), vector);
     SiluMulParams p;
     p.in = in.data<const void>();
     p.in_stride = in.stride(0);
@@ -339,7 +347,8 @@ void silu_and_mul_fp8(py::handle gate_up_arg, py::handle q_arg, py::handle scale
     p.q = q.data<uint8_t>();
     p.scale = scale.data<float>();
     p.q_stride = q.stride(0);
-    p.accesses = static_cast<int32_t>(inter / shape.elems);
+    p.accesses = static_cast<int32_t>(share);
+    p.row_accesses = split > 1 ? static_cast<int32_t>(accesses) : 0;
     launch_rows_any<true, true>(in.dtype, p, rows, shape, stream);
 }
 

@@ -14,6 +14,7 @@
 // and a value past 464 saturates to 448 where torch's cast gives NaN.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -31,10 +32,9 @@ __device__ __forceinline__ uint32_t abs_max_bits(const T (&y)[kElems], uint32_t 
     return bits;
 }
 
-// The row's dequantization scale from the block's largest |y| bits; every thread must call it.
-// `partial` holds a word per warp (the caller's shared memory, not shared with another reduction
-// still being read).
-__device__ __forceinline__ float row_scale(uint32_t bits, uint32_t* partial) {
+// The block's largest |y| bits, in every thread; every thread must call it. `partial` holds a
+// word per warp (the caller's shared memory, not shared with another reduction still being read).
+__device__ __forceinline__ uint32_t block_max_bits(uint32_t bits, uint32_t* partial) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -43,9 +43,28 @@ __device__ __forceinline__ float row_scale(uint32_t bits, uint32_t* partial) {
     bits = lane < int(blockDim.x / 32) ? partial[lane] : 0u;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+    return bits;
+}
+
+// The dequantization scale of a row whose largest |y| has these bits.
+__device__ __forceinline__ float scale_of_bits(uint32_t bits) {
     const float amax = __uint_as_float(bits);
     return amax > 0.f ? __fmul_rn(amax, kInvE4M3Max) : 1.f;
 }
+
+// The row's dequantization scale from the block's largest |y| bits; every thread must call it.
+__device__ __forceinline__ float row_scale(uint32_t bits, uint32_t* partial) {
+    return scale_of_bits(block_max_bits(bits, partial));
+}
+
+// A row's scale as store_row_fp8 asks for it, from a thread's largest |y| bits and the block's
+// per-warp words: here the whole row is the block's.
+struct BlockRow {
+    uint32_t* unused;  // (ClusterRow's word)
+    __device__ __forceinline__ float operator()(uint32_t bits, uint32_t* partial) const {
+        return row_scale(bits, partial);
+    }
+};
 
 // q[0, kElems) = e4m3(y / scale), kElems bytes in one store.
 template <typename T, int kElems>
@@ -74,13 +93,56 @@ __device__ __forceinline__ void store_fp8(uint8_t* q, const T (&y)[kElems], floa
     }
 }
 
+// sm_90: a row shared by the blocks of a cluster (in order of rank). Each block's largest bits
+// go to its own shared `word`; after a cluster barrier every thread reads all of them through
+// distributed shared memory and arrives on a second barrier, whose wait (end_cluster_row, before
+// the block exits) keeps each word alive until every peer has read it.
+struct ClusterRow {
+    uint32_t* word;
+    __device__ __forceinline__ float operator()(uint32_t bits, uint32_t* partial) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        namespace cg = cooperative_groups;
+        bits = block_max_bits(bits, partial);
+        const cg::cluster_group cluster = cg::this_cluster();
+        if (threadIdx.x == 0) *word = bits;
+        cluster.sync();
+        for (unsigned r = 0; r < cluster.num_blocks(); ++r) bits = max(bits, *cluster.map_shared_rank(word, r));
+        cluster.barrier_arrive();
+        return scale_of_bits(bits);
+#else
+        __trap();  // launched only on sm_90 devices from sm_90 code (the host checks both)
+        return 0.f;
+#endif
+    }
+};
+
+// sm_90: this block's rank in its cluster and the cluster's blocks.
+__device__ __forceinline__ void cluster_place(unsigned& rank, unsigned& blocks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    rank = cluster.block_rank();
+    blocks = cluster.num_blocks();
+#else
+    __trap();
+    rank = 0, blocks = 1;
+#endif
+}
+
+__device__ __forceinline__ void end_cluster_row() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cooperative_groups::this_cluster().barrier_wait();
+#endif
+}
+
 // A row a block holds in registers, kVecs accesses a thread (access i * blockDim.x + threadIdx.x,
 // those below `accesses`), leaves as e4m3 at q (the row's first byte): finish(i) makes access i's
-// values in y[i] in place, then the block's amax, then the bytes; thread 0 writes the scale to
-// scales[row]. Every thread must call it.
-template <typename T, int kElems, int kVecs, class Finish>
+// values in y[i] in place, then the row's amax (`scale_of`: the block's, BlockRow, or a cluster's
+// whose blocks share the row), then the bytes; thread 0 writes the scale to scales[row]. Every
+// thread must call it.
+template <typename T, int kElems, int kVecs, class Finish, class ScaleOf = BlockRow>
 __device__ __forceinline__ void store_row_fp8(uint8_t* q, T (&y)[kVecs][kElems], int accesses, uint32_t* partial,
-                                              float* scales, int64_t row, Finish&& finish) {
+                                              float* scales, int64_t row, Finish&& finish,
+                                              ScaleOf&& scale_of = BlockRow{nullptr}) {
     uint32_t bits = 0u;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -89,7 +151,7 @@ __device__ __forceinline__ void store_row_fp8(uint8_t* q, T (&y)[kVecs][kElems],
             bits = abs_max_bits(y[i], bits);
         }
     }
-    const float scale = row_scale(bits, partial);
+    const float scale = scale_of(bits, partial);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
         const int at = i * blockDim.x + threadIdx.x;
@@ -100,16 +162,16 @@ __device__ __forceinline__ void store_row_fp8(uint8_t* q, T (&y)[kVecs][kElems],
 
 // The same for a row too wide for the registers: make(at, y) computes access `at` into y, once
 // for the amax and again for the bytes (the row's inputs come back from L1/L2).
-template <typename T, int kElems, class Make>
+template <typename T, int kElems, class Make, class ScaleOf = BlockRow>
 __device__ __forceinline__ void store_row_fp8_twice(uint8_t* q, int accesses, uint32_t* partial, float* scales,
-                                                    int64_t row, Make&& make) {
+                                                    int64_t row, Make&& make, ScaleOf&& scale_of = BlockRow{nullptr}) {
     uint32_t bits = 0u;
     for (int at = threadIdx.x; at < accesses; at += blockDim.x) {
         alignas(16) T y[kElems];
         make(at, y);
         bits = abs_max_bits(y, bits);
     }
-    const float scale = row_scale(bits, partial);
+    const float scale = scale_of(bits, partial);
     for (int at = threadIdx.x; at < accesses; at += blockDim.x) {
         alignas(16) T y[kElems];
         make(at, y);

@@ -1,7 +1,8 @@
 """The norm and SiLU-and-mul kernels with per-token e4m3 rows (rms_norm_fp8, silu_and_mul_fp8) on
 the GPU: the bytes and scales of the 16-bit kernel followed by the per-token quantize, exactly, in
 both 16-bit dtypes, on one-warp rows, register-resident rows, two-pass rows and the scalar path,
-into NaN-poisoned outputs framed by guards; the residual updated in place; zero and NaN rows; the
+into NaN-poisoned outputs framed by guards (the e4m3 SiLU-and-mul's rows also split over clusters of
+blocks on sm_90); the residual updated in place; zero and NaN rows; the
 public functions taking the kernel and recording into a CUDA graph; and an FP8-weights engine at
 W8A8 batch sizes giving the logits of the engine whose linears quantize their own input, to the bit.
 """
@@ -85,11 +86,13 @@ def test_rms_norm_fp8_is_the_norm_kernel_then_the_quantize(require_plugin, hidde
     assert_bytes(q, scale, *quantize_per_token(sixteen), f"rms_norm_fp8 {dtype} x {hidden}")
 
 
+# rows: 5 and 64 share each row of >= 256 accesses over a cluster of 4 and 2 blocks on sm_90 (every
+# row of 5 x 65536 takes 2048 accesses a block, two passes); 200 rows take a block each
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("inter", INTER)
-def test_silu_and_mul_fp8_is_the_kernel_then_the_quantize(require_plugin, inter, dtype):
+@pytest.mark.parametrize("inter, rows", [(inter, 5) for inter in INTER] + [(4096, 64), (14336, 64), (14336, 200),
+                                                                         (1000, 64), (65536, 33)])
+def test_silu_and_mul_fp8_is_the_kernel_then_the_quantize(require_plugin, inter, rows, dtype):
     require_plugin("silu_and_mul")
-    rows = 5
     gate_up = rand((rows, 2 * inter), dtype, inter, scale=2.0)
     special_rows(gate_up)
     frame, q = framed_q(rows, inter)
