@@ -114,6 +114,14 @@ def test_split_k_needs_idle_sms_and_two_k_blocks():
     assert (p.split, p.k_per_split) == (3, 2)
     p = _plan(64, 4096, 2 * 128, "promote")
     assert (p.split, p.k_per_split, p.grid) == (2, 1, 64)
+    # forced, a split config takes any shape: a cluster owns one tile whatever the grid (here
+    # 224 tiles of one CTA, or 64 x 4 tiles over M > bn two ways)
+    p = sp.plan(sp.ProblemShape(64, 28672, 4096), H200, force_config=17)
+    assert (p.ok, p.split, p.grid) == (True, 1, 224)
+    p = sp.plan(sp.ProblemShape(64, 8192, 4096), H200, force_config=15)
+    assert (p.ok, p.num_tiles, p.split, p.k_per_split, p.grid) == (True, 256, 1, 32, 256)
+    p = sp.plan(sp.ProblemShape(40, 1024, 4096), H200, force_config=15)  # 8 x 3 tiles: 4 ways
+    assert (p.num_tiles, p.split, p.grid) == (24, 4, 96)
 
 
 @pytest.mark.parametrize("M, bn", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)])
@@ -173,7 +181,7 @@ def test_shared_memory_limit_falls_back_then_refuses():
 def test_every_config_fits_the_h200_and_forcing_picks_it():
     for c in sp.TILE_CONFIGS:
         assert sp.smem_bytes(c) <= H200.smem_optin
-        p = sp.plan(sp.ProblemShape(16 if c.split else 1000, 1000, 1024), H200, force_config=c.id)
+        p = sp.plan(sp.ProblemShape(1000, 1000, 1024), H200, force_config=c.id)
         assert p.ok and p.config == c.id
     with pytest.raises(ValueError, match="accum"):
         sp.plan(sp.ProblemShape(1, 1, 16), H200, accum="bf16")

@@ -139,20 +139,12 @@ inline Plan plan_config(const ProblemShape& s, const DeviceLimits& d, const Tile
     const int64_t k_blocks = ceil_div(s.K, kTileK);
     int64_t split = 1, k_per_split = k_blocks;
     if (c.split) {
-        // as many CTAs per tile as fill the SMs once (no CTA loops: rank 0's ring takes the
-        // partial sums), each with at least one k-block
+        // as many CTAs per tile as fill the SMs once, each with at least one k-block (a cluster
+        // owns one tile whatever the grid, so any split is correct; plan() skips a split of 1)
         split = d.num_sms / tiles;
         if (split > kMaxSplitK) split = kMaxSplitK;
-        if (split < 2) {
-            p.trace += std::to_string(tiles) + " tiles leave no SMs for a second CTA per tile (needs <= " +
-                       std::to_string(d.num_sms / 2) + ")\n";
-            return p;
-        }
-        if (k_blocks < 2) {
-            p.trace += "one k-block: nothing to split\n";
-            return p;
-        }
         if (split > k_blocks) split = k_blocks;
+        if (split < 1) split = 1;
         k_per_split = ceil_div(k_blocks, split);
         split = ceil_div(k_blocks, k_per_split);  // no rank without k-blocks
     }
@@ -198,6 +190,14 @@ inline Plan plan(const ProblemShape& s, const DeviceLimits& d, Accum accum,
             continue;
         }
         Plan p = plan_config(s, d, c);
+        if (force_config < 0 && c.split && p.ok && p.split < 2) {
+            trace += config_name(c) + ": " +
+                     (p.k_blocks < 2 ? std::string("one k-block: nothing to split")
+                                     : std::to_string(p.num_tiles) + " tiles leave no SMs for a second CTA per tile" +
+                                           " (needs <= " + std::to_string(d.num_sms / 2) + ")") +
+                     "\n";
+            continue;
+        }
         trace += p.trace;
         if (p.ok && (!best.ok || p.cost < best.cost)) best = p;
     }
