@@ -105,6 +105,23 @@ def test_split_k_where_n_leaves_sms_idle(N, K, split, k_per_split, grid):
     assert _plan(64, N, K, "fast").split == 1  # promoted sums only
 
 
+def test_split_k_ranks_cover_k_once_with_no_idle_rank():
+    """What the kernel trusts of a split plan: rank r sums k-blocks [r * k_per_split, (r + 1) *
+    k_per_split) clipped to k_blocks; every rank gets some, together all of them once, and the
+    grid is one cluster of `split` CTAs a tile (split-K configs only, promoted sums)."""
+    import itertools
+    for m, n, k, sms in itertools.product((1, 9, 16, 17, 40, 64), (16, 200, 1000, 4096, 6144, 8192, 17000),
+                                          (16, 128, 144, 640, 4096, 14336, 28688), (132, 114, 78)):
+        p = sp.plan(sp.ProblemShape(m, n, k), sp.DeviceLimits(9, 0, sms, 232448), "promote")
+        if not _cfg(p).split:
+            assert p.split == 1
+            continue
+        ranges = [range(r * p.k_per_split, min(p.k_blocks, (r + 1) * p.k_per_split)) for r in range(p.split)]
+        assert all(len(r) > 0 for r in ranges), (m, n, k, sms)
+        assert [b for r in ranges for b in r] == list(range(p.k_blocks)), (m, n, k, sms)
+        assert 2 <= p.split <= 4 and p.grid == p.num_tiles * p.split <= sms, (m, n, k, sms)
+
+
 def test_split_k_needs_idle_sms_and_two_k_blocks():
     p = _plan(64, 28672, 4096, "promote")  # gate_up: 224 tiles already fill the SMs
     assert (p.config, p.split, p.grid) == (12, 1, 132)
