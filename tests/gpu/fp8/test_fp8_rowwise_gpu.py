@@ -52,8 +52,10 @@ def reference(xq, x_scale, w, w_scale):
 def check(y, want, xq, x_scale, w, w_scale):
     mag = (xq.double().abs() * x_scale.double()) @ (w.double().abs() * w_scale.double()[:, None]).t()
     err = (y.double() - want).abs()
-    # bfloat16's rounding of the output, plus float32 sums over K
-    assert torch.all(err <= 2**-8 * want.abs() + 1e-5 * mag), float((err - 2**-8 * want.abs()).max())
+    # bfloat16's rounding of the output, plus the sums over K: the tensor cores' own accumulation
+    # within each 128 of K (about 14 bits), promoted into float32 between them
+    assert torch.all(err <= 2**-8 * want.abs() + 2**-12 * mag), float((err - 2**-8 * want.abs()).max())
+    assert float((y.double() - want).norm() / want.norm()) < 4e-3
 
 
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -61,9 +63,8 @@ def check(y, want, xq, x_scale, w, w_scale):
 def test_the_product_of_the_scaled_operands(m, n, k, fmt):
     _module()
     xq, x_scale, w, w_scale = operands(m, n, k, fmt)
-    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y.copy_(ops_fp8_weights.fp8_rowwise_gemm_unchecked(xq, x_scale, w, w_scale))
-    assert not y.isnan().any()
+    y = ops_fp8_weights.fp8_rowwise_gemm_unchecked(xq, x_scale, w, w_scale)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     check(y, reference(xq, x_scale, w, w_scale), xq, x_scale, w, w_scale)
 
 
