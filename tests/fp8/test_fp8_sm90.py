@@ -122,6 +122,22 @@ def test_split_k_ranks_cover_k_once_with_no_idle_rank():
         assert 2 <= p.split <= 4 and p.grid == p.num_tiles * p.split <= sms, (m, n, k, sms)
 
 
+def test_the_launcher_remembers_plans_by_everything_plan_reads():
+    """cached_plan (what run_gemm asks) gives plan()'s answer, trace included, whatever was asked
+    before it: another M, alignment, SM count or accumulation is another plan, never the last one."""
+    shapes = [sp.ProblemShape(m, 4096, 14336, a_addr=addr) for m in (1, 17, 64, 65) for addr in (0, 8)]
+    devices = [sp.DeviceLimits(9, 0, sms, 232448) for sms in (132, 78)] + [sp.DeviceLimits(9, 0, 132, 101376)]
+    for _ in range(2):  # the second pass answers from the cache
+        for s in shapes:
+            for d in devices:
+                for accum in ("promote", "fast"):
+                    want, got = sp.plan(s, d, accum), sp.cached_plan(s, d, accum)
+                    fields = ("ok", "config", "split", "k_per_split", "grid", "num_tiles", "trace")
+                    assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+    forced = sp.cached_plan(sp.ProblemShape(64, 4096, 4096), H200, "promote", force_config=12)
+    assert forced.config == 12 and sp.cached_plan(sp.ProblemShape(64, 4096, 4096), H200, "promote").config == 17
+
+
 def test_split_k_needs_idle_sms_and_two_k_blocks():
     p = _plan(64, 28672, 4096, "promote")  # gate_up: 224 tiles already fill the SMs
     assert (p.config, p.split, p.grid) == (12, 1, 132)

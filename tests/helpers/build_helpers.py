@@ -145,4 +145,4 @@ def sm90_planner() -> ModuleType:
     """The Hopper GEMM planner (csrc/gemm/sm90/planning.h) bound for Python, host-only."""
     sm90 = Path(__file__).resolve().parents[2] / "packages" / "astrai-fp8" / "csrc" / "gemm" / "sm90"
     return host_module("_sm90_planning", sm90 / "tests" / "planning_module.cpp",
-                       [sm90 / "planning.h", sm90 / "planning_bind.h"])
+                       [sm90 / "planning.h", sm90 / "planning_bind.h", sm90 / "plan_cache.h"])

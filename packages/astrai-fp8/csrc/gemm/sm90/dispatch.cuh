@@ -13,6 +13,7 @@
 #include "astrai/device.cuh"
 #include "config.h"
 #include "kernel.cuh"
+#include "plan_cache.h"
 #include "planning.h"
 #include "tensor_map.h"
 
@@ -160,7 +161,7 @@ inline Result run_gemm(const GemmArgs& a, cudaStream_t stream) {
     s.ldb = a.ldb;
     s.a_addr = reinterpret_cast<uint64_t>(a.a);
     s.b_addr = reinterpret_cast<uint64_t>(a.b);
-    r.plan = plan(s, d, a.accum, a.force_config);
+    r.plan = cached_plan(s, d, a.accum, a.force_config);
     if (!r.plan.ok) {
         r.error = r.plan.trace;
         r.unavailable = true;

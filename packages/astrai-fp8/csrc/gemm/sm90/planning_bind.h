@@ -6,6 +6,7 @@
 //   ProblemShape(M, N, K, lda=K, ldb=K, a_addr=0, b_addr=0), DeviceLimits(cc_major, cc_minor,
 //   num_sms, smem_optin)                             the inputs
 //   plan(s, d=H200, accum="promote", force_config=-1) -> Plan (trace: a list of lines)
+//   cached_plan(...) -> the same, as the launcher asks it (plan_cache.h)
 //   plan_config(s, d, config), can_implement(s, d) -> "" or why, smem_bytes(config)
 #pragma once
 
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "plan_cache.h"
 #include "planning.h"
 
 namespace astrai::fp8::sm90 {
@@ -104,15 +106,25 @@ inline void bind_planning(pybind11::module_ m) {
           "'' when the Hopper path can take the problem, else the reason it cannot.");
     m.def("plan_config", &plan_config, py::arg("s"), py::arg("d"), py::arg("config"),
           "The plan for one tile config, or ok False with the reason in the trace.");
+    const auto accum_of = [](const std::string& accum) {
+        if (accum != "promote" && accum != "fast")
+            throw py::value_error("accum must be 'promote' or 'fast', got '" + accum + "'");
+        return accum == "fast" ? Accum::Fast : Accum::Promote;
+    };
     m.def(
         "plan",
-        [](const ProblemShape& s, const DeviceLimits& d, const std::string& accum, int force_config) {
-            if (accum != "promote" && accum != "fast")
-                throw py::value_error("accum must be 'promote' or 'fast', got '" + accum + "'");
-            return plan(s, d, accum == "fast" ? Accum::Fast : Accum::Promote, force_config);
+        [accum_of](const ProblemShape& s, const DeviceLimits& d, const std::string& accum, int force_config) {
+            return plan(s, d, accum_of(accum), force_config);
         },
         py::arg("s"), py::arg("d") = h200, py::arg("accum") = "promote", py::arg("force_config") = -1,
         "The cheapest fitting tile config for the accumulation mode ('promote' or 'fast').");
+    m.def(
+        "cached_plan",
+        [accum_of](const ProblemShape& s, const DeviceLimits& d, const std::string& accum, int force_config) {
+            return cached_plan(s, d, accum_of(accum), force_config);
+        },
+        py::arg("s"), py::arg("d") = h200, py::arg("accum") = "promote", py::arg("force_config") = -1,
+        "plan() as the launcher asks it: remembered per thread by everything plan() reads.");
 }
 
 }  // namespace astrai::fp8::sm90
