@@ -12,10 +12,10 @@ is what halves its time. The astrai-fp8 plugin's kernel (op ``fp8_weight_gemm``)
 of at most 256 rows it can take (in launches of 64 rows; 16-bit ``x``, K a multiple of 256,
 16-byte aligned rows, no gradient wanted) below ``W8A8_MIN_ROWS`` rows; from there, on Hopper,
 the activations are quantized per token and multiplied in FP8 (the plugin's row-wise GEMM up to
-64 rows, ``torch._scaled_mm`` above; the route table, :func:`fp8_weight_route`); otherwise the torch path: float32 products of the
-dequantized weights, summed in float32 and rounded once, as the kernel does (16-bit CUDA calls, a
-prefill's, multiply in their dtype: ``_torch_path``). Decisions go through the resolver once per
-(device, dtype, K) (``explain("fp8_weight_gemm")``).
+64 rows, ``torch._scaled_mm`` above; the route table, :func:`fp8_weight_route`); otherwise the
+torch path: float32 products of the dequantized weights, summed in float32 and rounded once, as
+the kernel does (16-bit CUDA calls, a prefill's, multiply in their dtype: ``_torch_path``).
+Decisions go through the resolver once per (device, dtype, K) (``explain("fp8_weight_gemm")``).
 """
 
 from __future__ import annotations
