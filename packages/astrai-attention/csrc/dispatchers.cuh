@@ -31,29 +31,8 @@ void set_smem_limit(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
     done.fetch_or(bit, std::memory_order_release);
 }
 
-// An attribute of the current device, asked of the driver once per device (launchers ask
-// on every call).
-template <cudaDeviceAttr kAttr>
-int cached_device_attribute() {
-    constexpr int kMaxDevices = 64;
-    static std::atomic<int> cache[kMaxDevices];  // value + 1; 0: not asked yet (static: zero-initialized)
-    const int dev = current_device();
-    std::atomic<int>& slot = cache[dev % kMaxDevices];
-    const int cached = slot.load(std::memory_order_relaxed);
-    if (cached != 0) return cached - 1;
-    const int value = device_attribute(kAttr, dev);
-    slot.store(value + 1, std::memory_order_relaxed);
-    return value;
-}
-
-// The current device's compute capability as 10 * major + minor.
-inline int device_arch() {
-    return 10 * cached_device_attribute<cudaDevAttrComputeCapabilityMajor>() +
-           cached_device_attribute<cudaDevAttrComputeCapabilityMinor>();
-}
-
 // Programmatic dependent launch needs sm_90+.
-inline bool device_supports_pdl() { return device_arch() >= 90; }
+inline bool device_supports_pdl() { return current_device_sm() >= 90; }
 
 // Launches kernel<<<grid, block, smem, stream>>>(p), programmatically (PDL) when `pdl`:
 // its blocks may be scheduled while the stream's previous kernel drains, and wait for it in
@@ -135,7 +114,7 @@ void launch_prefill_w(AttentionParams p, unsigned num_q_tiles, unsigned batch, c
 }
 
 // Whether the current device is an sm_90 (Hopper) GPU.
-inline bool device_is_sm90() { return device_arch() == 90; }
+inline bool device_is_sm90() { return current_device_sm() == 90; }
 
 // launch_prefill_d's layout value that forces the Hopper kernel where it applies.
 constexpr int kPrefillWgmma = 90;

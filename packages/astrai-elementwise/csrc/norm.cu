@@ -67,21 +67,10 @@ void expect_like(const TensorArg& t, const TensorArg& like) {
     expect_rows(t);
 }
 
-// The bytes a tensor spans, [first, last].
-std::pair<std::uintptr_t, std::uintptr_t> span(const TensorArg& t) {
-    int64_t last = 0;
-    for (int d = 0; d < t.ndim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto size = static_cast<std::uintptr_t>(dtype_size(t.dtype));
-    return {t.ptr, t.ptr + static_cast<std::uintptr_t>(last) * size + size - 1};
-}
-
 // `out` is `in` itself (in place) or shares none of its memory.
 void expect_apart(const TensorArg& out, const TensorArg& in, bool may_alias) {
-    if (out.numel() == 0 || in.numel() == 0) return;
-    const bool same = out.ptr == in.ptr && out.strides == in.strides;
-    if (may_alias && same) return;
-    const auto a = span(out), b = span(in);
-    ASTRAI_CHECK(a.second < b.first || b.second < a.first, out.name, ": overlaps ", in.name,
+    if (may_alias && out.ptr == in.ptr && out.strides == in.strides) return;
+    ASTRAI_CHECK(!spans_overlap(out, in), out.name, ": overlaps ", in.name,
                  may_alias ? " (it may only be the same tensor, in place)" : "");
 }
 
@@ -335,9 +324,8 @@ void silu_and_mul_fp8(py::handle gate_up_arg, py::handle q_arg, py::handle scale
     const bool vector = inter % elems == 0 && aligned(in, elems) && aligned_q(q, elems);
     if (rows == 0) return;
     const int64_t per = vector ? elems : 1, accesses = inter / per;
-    const int device = current_device();
-    const int split = silu_fp8_split(rows, accesses, multiprocessor_count(device),
-                                     built_for_sm90() && device_sm(device) == 90);
+    const int split = silu_fp8_split(rows, accesses, cached_device_attribute<cudaDevAttrMultiProcessorCount>(),
+                                     built_for_sm90() && current_device_sm() == 90);
     const int64_t share = (accesses + split - 1) / split;  // a block's accesses of its row
     const NormShape shape = norm_shape(share * per, dtype_size(in.dtype), vector);
     SiluMulParams p;

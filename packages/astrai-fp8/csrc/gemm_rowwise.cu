@@ -20,10 +20,6 @@ void expect_scales(const TensorArg& t, int64_t n, const char* what) {
   expect_data(t, 4);
 }
 
-bool intersect(const TensorArg& a, int64_t a_bytes, const TensorArg& b, int64_t b_bytes) {
-  return a.ptr < b.ptr + static_cast<std::uintptr_t>(b_bytes) && b.ptr < a.ptr + static_cast<std::uintptr_t>(a_bytes);
-}
-
 }  // namespace
 
 void gemm_rowwise(pybind11::handle a_arg, pybind11::handle b_arg, pybind11::handle a_scale_arg,
@@ -42,11 +38,8 @@ void gemm_rowwise(pybind11::handle a_arg, pybind11::handle b_arg, pybind11::hand
   const int64_t ldc = expect_matrix(out);
   expect_shape(out, {m, n}, "[M, N]");
   expect_data(out, 2);
-  const int64_t out_bytes = 2 * ((m - 1) * ldc + n);
-  ASTRAI_CHECK(!intersect(out, out_bytes, a, (m - 1) * lda + k), "out: overlaps a");
-  ASTRAI_CHECK(!intersect(out, out_bytes, b, (n - 1) * ldb + k), "out: overlaps b");
-  ASTRAI_CHECK(!intersect(out, out_bytes, a_scale, 4 * m), "out: overlaps a_scale");
-  ASTRAI_CHECK(!intersect(out, out_bytes, b_scale, 4 * n), "out: overlaps b_scale");
+  for (const TensorArg* read : {&a, &b, &a_scale, &b_scale})
+    ASTRAI_CHECK(!spans_overlap(out, *read), "out: overlaps ", read->name);
 
   const sm90::EntryResult r = sm90::gemm_entry(
       a.data<const uint8_t>(), lda, false, static_cast<int>(format_of(a.dtype)), b.data<const uint8_t>(), ldb, true,

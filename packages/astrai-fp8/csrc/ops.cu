@@ -203,12 +203,6 @@ void expect_f32_vector(const TensorArg& t, int64_t numel) {
   expect_data(t, 4);
 }
 
-// The byte ranges of two contiguous float32 tensors intersect.
-bool overlaps(const TensorArg& a, const TensorArg& b) {
-  return a.ptr < b.ptr + 4 * static_cast<std::uintptr_t>(b.numel()) &&
-         b.ptr < a.ptr + 4 * static_cast<std::uintptr_t>(a.numel());
-}
-
 void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_arg, py::handle scale_arg,
                   py::handle inv_arg, double factor, bool most_recent, py::handle stream_arg) {
   const auto [hist, pending, prev, scale, inv] =
@@ -234,9 +228,9 @@ void scale_update(py::handle hist_arg, py::handle pending_arg, py::handle prev_a
   const TensorArg* written[] = {&hist, &pending, &scale, &inv};
   for (int i = 0; i < 4; ++i)
     for (int j = i + 1; j < 4; ++j)
-      ASTRAI_CHECK(!overlaps(*written[i], *written[j]), written[j]->name, ": overlaps ", written[i]->name);
+      ASTRAI_CHECK(!spans_overlap(*written[i], *written[j]), written[j]->name, ": overlaps ", written[i]->name);
   for (const TensorArg* w : written)
-    ASTRAI_CHECK(!overlaps(prev, *w) || (w == &scale && prev.ptr == scale.ptr), "prev_scale: overlaps ",
+    ASTRAI_CHECK(!spans_overlap(prev, *w) || (w == &scale && prev.ptr == scale.ptr), "prev_scale: overlaps ",
                  w->name, " (it may only be scale itself)");
 
   checked_device();

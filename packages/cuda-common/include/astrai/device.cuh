@@ -4,6 +4,8 @@
 //   device_sm(dev)     host: the compute capability of a device, as major*10+minor
 //   device_attribute(attr, dev), current_device(), multiprocessor_count(dev)
 //                      host queries that throw CudaError without a device
+//   cached_device_attribute<attr>(), current_device_sm()
+//                      the current device's, asked of the driver once per device
 //   query_current_device({{attr, &value}, ...})
 //                      the same queries without throwing, for paths that fall back instead
 //   kMinSmFor*         the lowest arch each feature needs
@@ -13,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <initializer_list>
 
 #include "astrai/check.h"
@@ -75,6 +78,27 @@ inline int current_device() {
 }
 
 inline int multiprocessor_count(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+// An attribute of the current device, asked of the driver once per device (launchers ask on
+// every call); throws CudaError without a device.
+template <cudaDeviceAttr kAttr>
+int cached_device_attribute() {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> cache[kMaxDevices];  // value + 1; 0: not asked yet (static: zero-initialized)
+    const int dev = current_device();
+    std::atomic<int>& slot = cache[dev % kMaxDevices];
+    const int cached = slot.load(std::memory_order_relaxed);
+    if (cached != 0) return cached - 1;
+    const int value = device_attribute(kAttr, dev);
+    slot.store(value + 1, std::memory_order_relaxed);
+    return value;
+}
+
+// The current device's compute capability as 10 * major + minor, asked once per device.
+inline int current_device_sm() {
+    return 10 * cached_device_attribute<cudaDevAttrComputeCapabilityMajor>() +
+           cached_device_attribute<cudaDevAttrComputeCapabilityMinor>();
+}
 
 struct AttributeQuery {
     cudaDeviceAttr attr;

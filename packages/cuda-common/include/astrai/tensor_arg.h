@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "astrai/check.h"
@@ -88,6 +89,21 @@ inline void expect_contiguous(const TensorArg& t) {
                      shape_str(t.shape), " with strides ", shape_str(t.strides));
         want *= t.size(d);
     }
+}
+
+// The bytes a non-empty tensor spans, [first, last] (its strides may leave gaps inside).
+inline std::pair<std::uintptr_t, std::uintptr_t> byte_span(const TensorArg& t) {
+    int64_t last = 0;
+    for (int d = 0; d < t.ndim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto size = static_cast<std::uintptr_t>(dtype_size(t.dtype));
+    return {t.ptr, t.ptr + static_cast<std::uintptr_t>(last) * size + size - 1};
+}
+
+// Whether two tensors' spans share a byte (an empty tensor shares none).
+inline bool spans_overlap(const TensorArg& a, const TensorArg& b) {
+    if (a.numel() == 0 || b.numel() == 0) return false;
+    const auto x = byte_span(a), y = byte_span(b);
+    return !(x.second < y.first || y.second < x.first);
 }
 
 // A non-empty tensor needs a non-null pointer aligned to `bytes`.
