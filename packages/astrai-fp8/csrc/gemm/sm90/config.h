@@ -17,6 +17,7 @@
 #pragma once
 
 #include "fp8_format.h"
+#include "planning.h"
 
 namespace astrai::fp8::sm90 {
 
@@ -36,7 +37,7 @@ struct GemmConfig {
     static constexpr Fp8Kind kKindB = KindB;
     static constexpr bool kSwapAB = SwapAB;
     static constexpr bool kSplitK = SplitK;
-    static constexpr int kMaxSplit = 4;  // CTAs of a split-K cluster
+    static constexpr int kMaxSplit = kMaxSplitK;  // CTAs of a split-K cluster (the planner's bound)
 
     static constexpr int kWgmmaK = 32;
     static constexpr int kKSteps = kBK / kWgmmaK;

@@ -72,7 +72,7 @@ inline constexpr TileConfig kTileConfigs[] = {
     {17, 64, 9, true, 1, 0.9, true, true, true},
 };
 inline constexpr int kNumTileConfigs = 18;
-inline constexpr int kMaxSplitK = 4;  // GemmConfig::kMaxSplit
+inline constexpr int kMaxSplitK = 4;  // CTAs of a split-K cluster, at most
 inline constexpr int kTileM = 128;
 inline constexpr int kTileK = 128;
 inline constexpr int kGroupM = 8;
