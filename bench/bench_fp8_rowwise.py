@@ -13,9 +13,10 @@ round after round: an interleaved A/B) of
   weight      the weight-only kernel on bfloat16 activations (the route below W8A8_MIN_ROWS)
   bf16        F.linear over the bfloat16 weight (cuBLAS)
 each against its bytes at 3.35 TB/s (FP8 weights, the activations and bf16 output), with the
-planner's split. Each call reads another copy of the weights, cycling through enough copies to
-overflow the L2 cache twice over, as a decode step's layers do. A candidate that fails is shown
-failed.
+planner's split; then what a user's eager call sees, per call with its host work: the W8A8 linear
+on pre-quantized rows (``fp8_input_linear``, which runs gemm_rowwise here) and torch._scaled_mm.
+Each call reads another copy of the weights, cycling through enough copies to overflow the L2 cache
+twice over, as a decode step's layers do. A candidate that fails is shown failed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def candidates(lib, planner, m: int, n: int, k: int) -> tuple[dict, dict]:
                                                          out_dtype=torch.bfloat16))(nxt()),
         "weight": lambda: fp8_weights._kernel(x, *nxt()[1:]),
         "bf16": lambda: F.linear(x, nxt()[0]),
+        # eager only: the route as users run it
+        "linear": lambda: fp8_weights.fp8_input_linear(xq, x_scale, *nxt()[1:], None, torch.bfloat16),
     }
     _, w, w_scale = copies[0]
     want = (xq.double() * x_scale.double()) @ (w.double() * w_scale.double()[:, None]).t()
@@ -80,7 +83,7 @@ def candidates(lib, planner, m: int, n: int, k: int) -> tuple[dict, dict]:
         turn = itertools.count()
 
     def error_of(name, got):  # the W8A8 GEMMs against the float64 product of the quantized operands
-        if name not in ("rowwise", "whole_k", "scaled_mm"):
+        if name not in ("rowwise", "whole_k", "scaled_mm", "linear"):
             return None
         got = got.double()
         if name == "whole_k":  # a scalar scale of 1: the row-wise scales applied here
@@ -103,17 +106,24 @@ def main() -> None:
     for name, (n, k) in SHAPES_NK.items():
         for m in ([1, 16, 64] if args.quick else ROWS):
             fns, errors = candidates(lib, planner, m, n, k)
+            linear = fns.pop("linear", None)
             measured = timing.graphs(fns, calls=10, rounds=15)
-            every += measured.values()
+            eager = {c: timing.eager(fn, calls=10, rounds=7) for c, fn in (("linear", linear),
+                                                                         ("scaled_mm", fns.get("scaled_mm")))
+                     if fn is not None}
+            every += [*measured.values(), *eager.values()]
             plan = planner.plan(planner.ProblemShape(m, n, k), limits, "promote")
             row = {"linear": name, "m": m, "n": n, "k": k, "split": plan.split, "grid": plan.grid,
                    "floor_us": (n * k + m * k + 2 * m * n) / 3.35e12 * 1e6,
                    **{f"{c}_us": measured[c].median_us if c in measured else float("nan") for c in NAMES},
+                   **{f"{c}_eager_us": eager[c].median_us if c in eager else float("nan")
+                      for c in ("linear", "scaled_mm")},
                    "iqr_us": {c: t.iqr_us for c, t in measured.items()}, "errors": errors}
             rows.append(row)
 
     def line(r: dict) -> str:
         cells = " ".join(f"{r[c + '_us']:9.1f}" for c in NAMES)
+        cells += " " + " ".join(f"{r[c + '_eager_us']:12.1f}" for c in ("linear", "scaled_mm"))
         ratio = r["whole_k_us"] / r["rowwise_us"], r["scaled_mm_us"] / r["rowwise_us"]
         failed = [c for c, e in r["errors"].items() if isinstance(e, str)]
         return (f"{r['linear']:>8} {r['m']:4d} {r['split']:5d} {cells} {r['floor_us']:8.1f} "
@@ -121,8 +131,8 @@ def main() -> None:
                 f"{'  failed: ' + ','.join(failed) if failed else ''}")
 
     print_rows(f"{'linear':>8} {'rows':>4} {'split':>5} " + " ".join(f"{c:>9}" for c in NAMES)
-               + f" {'floor':>8} {'/floor':>7} {'whole_k/':>8} {'cublas/':>8}  (us per call, CUDA graphs, interleaved)",
-               rows, line, args.json)
+               + f" {'W8A8 eager':>12} {'cuBLAS eager':>12} {'floor':>8} {'/floor':>7} {'whole_k/':>8} {'cublas/':>8}"
+               "  (us per call: CUDA graphs, interleaved; then eager)", rows, line, args.json)
     print(timing.legend(every))
     print(f"largest relative error against the float64 product of the quantized operands: {largest_error(rows):.2e}")
 

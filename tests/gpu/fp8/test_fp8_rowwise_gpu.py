@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.extension.abi import launch, tensor_arg
 from astrai.extension.backend import fp8_weights
 from astrai.extension.ops import _plugin
 from astrai.extension.ops import fp8_weights as ops_fp8_weights
@@ -72,8 +73,6 @@ def test_the_product_of_the_scaled_operands(m, n, k, fmt):
 def test_it_writes_every_element_and_is_deterministic(m, n, k):
     module = _module()
     xq, x_scale, w, w_scale = operands(m, n, k, seed=7)
-    from astrai.extension.abi import launch, tensor_arg
-
     outs = []
     for poison in (float("nan"), 1e30, float("nan")):
         out = torch.full((m, n), poison, dtype=torch.bfloat16, device="cuda")
