@@ -210,6 +210,7 @@ def _plugin_with(variants):
     (["window_left", "scale"], ("window_left", "sinks"),
      "attn_paged_decode lacks sinks in this build (it takes window_left, scale)"),
     (["window_left", "logits_soft_cap", "sinks", "scale"], ("window_left", "logits_soft_cap", "sinks", "scale"), None),
+    (["window_left", "logits_soft_cap", "sinks", "alibi_slopes", "scale"], ("alibi_slopes", "logits_soft_cap"), None),
 ])
 def test_cuda_backend_takes_only_the_variants_its_manifest_states(monkeypatch, stated, features, reason):
     monkeypatch.setattr(cuda_backend, "probe_device", lambda device=None: H200)
@@ -352,13 +353,22 @@ def test_backends_without_alibi_pass_the_call_over(monkeypatch):
     assert "alibi_slopes" in "\n".join(str(decision) for decision in explain("attention"))
 
 
-def test_the_cuda_ops_refuse_alibi_rather_than_drop_it():
+def test_the_cuda_ops_pass_alibi_as_the_variants_fifth_item():
+    """The slopes reach the binding as the variant tuple's fifth item; every other variant keeps the
+    four items a plugin built before ALiBi takes."""
     from astrai.extension.backend.attention.variant import check_variant
-    from astrai.extension.ops.attention_args import variant_kwargs
+    from astrai.extension.ops.attention_args import variant_arg, variant_binding, variant_kwargs
 
     q = torch.zeros(1, 1, 4, 64)
-    with pytest.raises(ValueError, match="alibi_slopes"):
-        variant_kwargs(check_variant(q, alibi_slopes=torch.ones(4)))
+    slopes = torch.ones(4)
+    variant = check_variant(q, alibi_slopes=slopes, logits_soft_cap=30.0)
+    (scale, cap, window, sinks, alibi), = variant_binding(variant).values()
+    assert (scale, cap, window, sinks) == (0.0, 30.0, -1, None)
+    assert alibi[0] == slopes.data_ptr() and tuple(alibi[1]) == (4,)
+    assert variant_kwargs(variant)["alibi_slopes"] is slopes
+    assert variant_arg(**variant_kwargs(variant)) == variant_binding(variant)
+    assert len(variant_binding(check_variant(q, window_left=3))["variant"]) == 4
+    assert variant_arg(alibi_slopes=slopes)["variant"][:4] == (0.0, 0.0, -1, None)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 12, 40])

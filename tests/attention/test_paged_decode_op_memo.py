@@ -72,7 +72,8 @@ def op_launch(module, args, **kwargs):
     """What the checked op itself (no memo) passes the entry point."""
     out = attn_ops._attn_paged_decode_op(*args.values(), kwargs.get("num_splits", 0), kwargs.get("scale"),
                                          kwargs.get("logits_soft_cap"), kwargs.get("window_left", -1),
-                                         kwargs.get("sinks"), kwargs.get("k_scale"), kwargs.get("v_scale"))
+                                         kwargs.get("sinks"), kwargs.get("alibi_slopes"), kwargs.get("k_scale"),
+                                         kwargs.get("v_scale"))
     return out, module.launches[-1]
 
 
@@ -114,6 +115,11 @@ def test_variants_and_fp8_scales_reach_the_launch_as_the_op_passes_them(module):
                              "kv_scales": (tensor_arg(scales["k_scale"]), tensor_arg(scales["v_scale"]))}
         _, by_op = op_launch(module, args, scale=0.5, logits_soft_cap=30.0, window_left=7, sinks=sinks, **scales)
         assert without_new_buffers(launch) == without_new_buffers(by_op)
+    slopes = torch.rand(HQ, generator=g)  # the fifth item, and a key of its own
+    attn_ops.attn_paged_decode(*decode_args().values(), alibi_slopes=slopes, **scales)
+    assert module.launches[-1][1]["variant"] == (0.0, 0.0, -1, None, tensor_arg(slopes))
+    attn_ops.attn_paged_decode(*decode_args().values(), **scales)
+    assert module.launches[-1][1] == {"kv_scales": (tensor_arg(scales["k_scale"]), tensor_arg(scales["v_scale"]))}
     with pytest.raises(ValueError, match="^k_scale: an FP8 cache needs both"):
         attn_ops.attn_paged_decode(*decode_args().values(), k_scale=scales["k_scale"])
 

@@ -64,7 +64,8 @@ SCHEMAS = {
     "rotary_qk": ("astrai::rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? positions, "
                   "bool interleaved, bool inverse) -> (Tensor, Tensor)"),
     "attn_decode": ("astrai::attn_decode(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale=None, "
-                    "float? logits_soft_cap=None, SymInt window_left=-1, Tensor? sinks=None) -> Tensor"),
+                    "float? logits_soft_cap=None, SymInt window_left=-1, Tensor? sinks=None, "
+                    "Tensor? alibi_slopes=None) -> Tensor"),
 }
 
 

@@ -18,7 +18,7 @@
 #define ASTRAI_ATTN_HEAD_DIMS_TEXT "64, 128 or 256"
 #define ASTRAI_ATTN_DTYPES_TEXT "bfloat16 or float16"
 #define ASTRAI_ATTN_FP8_KV_DTYPE_NAMES "float8_e4m3fn", "float8_e5m2"
-#define ASTRAI_ATTN_VARIANT_NAMES "window_left", "logits_soft_cap", "sinks", "scale"
+#define ASTRAI_ATTN_VARIANT_NAMES "window_left", "logits_soft_cap", "sinks", "alibi_slopes", "scale"
 
 namespace astrai::attn {
 

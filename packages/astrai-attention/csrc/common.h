@@ -47,10 +47,13 @@ struct AttentionParams {
                               // blocks of one query head)
     int head_groups = 1;  // ceil(group / rows-per-block heads): grid.y = kv_heads * head_groups
     bool causal = false;  // bottom-right aligned: row i sees kv j <= i + kv_len - q_len
-    // 20 bytes nothing reads (a deleted persistent prefill's work grid and counter), kept so that
+    // 12 bytes nothing reads (of a deleted persistent prefill's work grid and counter), kept so that
     // the fields below stay where the kernels were measured: without them the fp8 paged mma.sync
     // prefill at d128 takes 1-2 more registers.
-    int reserved_[5] = {};
+    int reserved_a_ = 0;
+    // ALiBi (variant.cuh): float32 [q_heads] slopes, natural units of the scaled score; null: none.
+    const float* alibi_slopes = nullptr;
+    int reserved_b_[2] = {};
     float scale_log2 = 0.f;  // what a raw score q.k is multiplied by before exp2 (variant.cuh)
 
     // The variant (variant.cuh; set by set_variant_params): soft-cap factors (cap_log2 = 0:

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(128) decode_scalar_kernel(const AttentionParam
     for (int r = warp; r < nh; r += C::kWarps) {
         const int h = head0 + r;
         const T* q_row = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
-        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, b, kvh, begin, end, keep);
+        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, h, kv_len - 1, b, kvh, begin, end, keep);
         // one split: the sink joins the denominator here; several: in decode_combine_kernel
         const float inv = p.num_splits == 1 ? V::finish(p, [&] { return h; }, st.m, st.l) : st.l > 0.f ? 1.f / st.l : 0.f;
         if (p.num_splits == 1) {

@@ -486,6 +486,23 @@ __device__ __forceinline__ void decode_fp8_score_scales(const AttentionParams& p
     }
 }
 
+// ALiBi (an AlibiVariant decode): a key step's bias of rows g and g + 8 (query heads head0 + g,
+// head0 + g + 8; 0 for rows past nh), in the raw units of their scores: row_scale_log2 where
+// uncapped (over fp8 pages it carries the score factors), the soft-cap's slope where capped
+// (the scores were multiplied by the factors first). Asked per tile: held across the loop, the
+// two steps spilled the paged 16-bit d256 body.
+template <class M>
+__device__ __forceinline__ void decode_alibi_steps(const AttentionParams& p, const DecodeMmaBlock<M>& k,
+                                                   const float (&row_scale_log2)[2], float (&step)[2]) {
+    static_assert(!M::kSwapAB, "ALiBi runs the 16-row form");
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = (k.lane >> 2) + 8 * r;
+        const float unit = M::V::capped(p) ? p.cap_in * p.cap_log2 : row_scale_log2[r];
+        step[r] = row < k.nh ? alibi_step(p, k.head0 + row, unit) : 0.f;
+    }
+}
+
 // Score and mask of tile i in the swapped form (decode_swap_ab.cuh): S^T of the warp's 16 keys,
 // through the variant's logits, keys outside [first_key, kv_len) or masked out -inf.
 template <class M>
@@ -536,8 +553,9 @@ __device__ __forceinline__ void b16_scores(float (&s)[2][4], uint32_t k_tile, in
 }
 
 // Score: S = Q K^T of the warp's 16 keys of ring stage `stage` (16-bit K at k_st, or fp8),
-// through the variant's logits. qa, kb: the 16-bit loop's fragments, declared
-// by the caller (the kernel body): declared here, they changed the kernel's SASS.
+// through the variant's logits (ALiBi's variant: in decode_mask_scores, after the bias). qa, kb:
+// the 16-bit loop's fragments, declared by the caller (the kernel body): declared here, they
+// changed the kernel's SASS.
 template <class M>
 __device__ __forceinline__ void decode_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
                                               const DecodeQRegs<M>& q, const float (&score_factor)[2],
@@ -564,15 +582,26 @@ __device__ __forceinline__ void decode_scores(const AttentionParams& p, const De
     } else {
         b16_scores<typename M::T, M::D>(s, k_st, k.warp, k.lane, q_frag, qa, kb);
     }
-    M::V::logits(s, p);
+    if constexpr (!M::V::kAlibi) M::V::logits(s, p);
 }
 
-// The scores of keys outside [first_key, kv_len) or masked out, -inf.
+// The scores of keys outside [first_key, kv_len) or masked out, -inf. ALiBi's variant first adds
+// the bias (the query sits at the context's last position) and applies the logits: here, after
+// the scores' MMAs, the bias's registers did not spill the paged 16-bit d256 body.
 template <class M>
 __device__ __forceinline__ void decode_mask_scores(const AttentionParams& p, const DecodeMmaBlock<M>& k,
-                                                   const uint8_t* mask, float (&s)[2][4], int i) {
+                                                   const uint8_t* mask, const float (&row_scale_log2)[2],
+                                                   float (&s)[2][4], int i) {
     const int lane = k.lane;
     const int col0 = (k.t_begin + i) * M::C::kBN + k.warp * 16;
+    if constexpr (M::V::kAlibi) {
+        if (M::V::alibi(p)) {
+            float step[2];
+            decode_alibi_steps<M>(p, k, row_scale_log2, step);
+            M::V::bias(s, step, col0 + 2 * (lane & 3), {k.kv_len - 1, k.kv_len - 1});
+        }
+        M::V::logits(s, p);
+    }
     // the warp's 16 keys need masking only at the ends of the window and the context (or with a
     // mask); the 16-bit d256 body spilled with the test, so it always masks
     if (!M::kFp8 || mask || col0 < k.first_key || col0 + 16 > k.kv_len) {
@@ -731,7 +760,8 @@ __device__ __forceinline__ bool decode_arrive_last(const AttentionParams& p, con
 }
 
 // V: the variant type (variant.cuh): UncappedVariant, or CappedVariant, whose soft-cap is compiled
-// in: as a runtime branch the transform's registers spilled the d256 body at its 255.
+// in: as a runtime branch the transform's registers spilled the d256 body at its 255; with ALiBi
+// AlibiVariant (every variant from p, the 16-row form only).
 // KvFmt: the pages' storage (kv_fp8.cuh): Kv16 (the compute dtype) or KvE4M3 / KvE5M2, whose
 // bytes are converted into the fragments with the layer's scales p.k_scale / p.v_scale (no
 // in-kernel append: the caller quantizes the step's token into the cache first).
@@ -809,7 +839,7 @@ __global__ void __launch_bounds__(DecodeMmaConfig<D, KvFmt::kBytes>::kThreads)
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
             uint32_t qa[4], kb[4];
             decode_scores<M>(p, k, q, score_factor, s, stage, k_st, qa, kb);
-            decode_mask_scores<M>(p, k, mask, s, i);
+            decode_mask_scores<M>(p, k, mask, row_scale_log2, s, i);
             float alpha[2];
             // over fp8 pages O keeps its base until a row's max grows by more than the slack (mma_utils.cuh):
             // their conversions leave fewer issue slots (on 16-bit pages the lazy form spilled registers)

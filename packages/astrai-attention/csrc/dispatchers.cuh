@@ -81,17 +81,18 @@ void launch_decode_d(const AttentionParams& p, cudaStream_t stream, bool pdl) {
         set_smem_limit(kernel, smem, done);
         launch_pdl(kernel, grid, dim3(C::kThreads), smem, stream, pdl && has_pdl, p);
     };
-    static std::atomic<uint64_t> done[2][2] = {};  // [swapped][capped]
-    const bool capped = p.cap_log2 != 0.f;
+    static std::atomic<uint64_t> done[2][2] = {}, done_alibi{0};  // [swapped][capped]
+    const bool capped = p.cap_log2 != 0.f, alibi = p.alibi_slopes != nullptr;
     bool swapped = false;
     // fp8 pages, GQA groups <= 8: the swapped-operand form (decode_swap_ab.cuh), 1.5-3 % faster
     // than the 16-row form on an H100 in three interleaved rounds at B = 1 and B = 16
     if constexpr (KvFmt::kBytes == 1) {
-        swapped = p.group <= kSwapHeads;
+        swapped = p.group <= kSwapHeads && !alibi;
         if (swapped && capped) launch(decode_mma_kernel<T, D, KV, CappedVariant, KvFmt, true>, done[1][1]);
         else if (swapped) launch(decode_mma_kernel<T, D, KV, UncappedVariant, KvFmt, true>, done[1][0]);
     }
-    if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, CappedVariant, KvFmt>, done[0][1]);
+    if (alibi) launch(decode_mma_kernel<T, D, KV, AlibiVariant, KvFmt>, done_alibi);
+    else if (!swapped && capped) launch(decode_mma_kernel<T, D, KV, CappedVariant, KvFmt>, done[0][1]);
     else if (!swapped) launch(decode_mma_kernel<T, D, KV, UncappedVariant, KvFmt>, done[0][0]);
     if (p.ws_count != nullptr) return;  // the kernel merged its own splits
 #endif

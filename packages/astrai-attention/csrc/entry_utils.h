@@ -281,13 +281,27 @@ inline void set_page_table(AttentionParams& p, const TensorArg& indptr, const Te
     p.page_shift = page_shift_of(page);
 }
 
+// A variant's per-head vector (sinks, alibi_slopes): None, or float32 [q_heads], contiguous.
+inline const float* head_vector_arg(const char* name, pybind11::handle t, int64_t q_heads) {
+    if (t.is_none()) return nullptr;
+    const TensorArg s = bind::tensor_arg(name, t);
+    expect_dtype(s, DType::Float32);
+    ASTRAI_CHECK(s.ndim() == 1 && s.size(0) == q_heads, name, ": expected shape [q_heads] = [", q_heads, "], got ",
+                 shape_str(s.shape));
+    ASTRAI_CHECK(s.size(0) <= 1 || s.stride(0) == 1, name, ": must be contiguous");
+    expect_data(s, 4);
+    return s.data<const float>();
+}
+
 // The `variant` argument of the four modules (variant.cuh): None (plain attention) or the
-// tuple (scale, logits_soft_cap, window_left, sinks): scale 0 means 1 / sqrt(head_dim), a
-// soft-cap of 0 none, window_left -1 none, sinks None or float32 [q_heads] on q's device.
+// tuple (scale, logits_soft_cap, window_left, sinks[, alibi_slopes]): scale 0 means
+// 1 / sqrt(head_dim), a soft-cap of 0 none, window_left -1 none, sinks and alibi_slopes None or
+// float32 [q_heads] on q's device (four items: no ALiBi, as plugins built before it took).
 inline void set_variant(AttentionParams& p, pybind11::handle variant_a, int64_t q_heads, int64_t head_dim) {
     if (variant_a.is_none()) return;
     const auto v = pybind11::reinterpret_borrow<pybind11::tuple>(variant_a);
-    ASTRAI_CHECK(v.size() == 4, "variant: expected (scale, logits_soft_cap, window_left, sinks), got ", v.size(),
+    ASTRAI_CHECK(v.size() == 4 || v.size() == 5,
+                 "variant: expected (scale, logits_soft_cap, window_left, sinks[, alibi_slopes]), got ", v.size(),
                  " items");
     const double scale = v[0].cast<double>(), cap = v[1].cast<double>();
     const int64_t window = v[2].cast<int64_t>();
@@ -296,17 +310,9 @@ inline void set_variant(AttentionParams& p, pybind11::handle variant_a, int64_t 
     ASTRAI_CHECK(std::isfinite(cap) && cap >= 0, "logits_soft_cap: must be a positive finite float (0: none), got ",
                  cap);
     ASTRAI_CHECK(window >= -1 && window < (int64_t(1) << 31), "window_left: must be -1 (none) or >= 0, got ", window);
-    const float* sinks = nullptr;
-    if (!v[3].is_none()) {
-        const TensorArg s = bind::tensor_arg("sinks", v[3]);
-        expect_dtype(s, DType::Float32);
-        ASTRAI_CHECK(s.ndim() == 1 && s.size(0) == q_heads, "sinks: expected shape [q_heads] = [", q_heads, "], got ",
-                     shape_str(s.shape));
-        ASTRAI_CHECK(s.size(0) <= 1 || s.stride(0) == 1, "sinks: must be contiguous");
-        expect_data(s, 4);
-        sinks = s.data<const float>();
-    }
-    set_variant_params(p, int(head_dim), scale, cap, int(window), sinks);
+    const float* sinks = head_vector_arg("sinks", v[3], q_heads);
+    const float* alibi_slopes = v.size() == 5 ? head_vector_arg("alibi_slopes", v[4], q_heads) : nullptr;
+    set_variant_params(p, int(head_dim), scale, cap, int(window), sinks, alibi_slopes);
 }
 
 // kVariantFeatures as a Python tuple (every module's VARIANTS).

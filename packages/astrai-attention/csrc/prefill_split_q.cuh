@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(128) prefill_scalar_kernel(const AttentionPara
         const T* q_row = static_cast<const T*>(p.q) + qw.q_off + int64_t(row) * p.q_stride_l +
                          int64_t(h) * p.q_stride_h;
         const int begin = V::first_key(p, row + diag);
-        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, qw.b, kvh, begin, end, keep);
+        const auto st = scalar_row_attention<T, D, KV, V>(p, q_row, h, row + diag, qw.b, kvh, begin, end, keep);
         const float inv = V::finish(p, [&] { return h; }, st.m, st.l);
         T* dst = static_cast<T*>(p.o) + qw.o_off + int64_t(row) * p.o_stride_l + int64_t(h) * p.o_stride_h;
 #pragma unroll

@@ -111,6 +111,11 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
     const bool warp_active = slot < sp.nslots;
     const int row0 = qw.row_base + (warp % wph) * 16 + (lane >> 2);  // rows row0, row0 + 8
     const uint8_t* mask = p.mask ? p.mask + int64_t(qw.b) * p.mask_stride_b : nullptr;
+    // ALiBi: a key step's bias of the warp's query head, in the raw units of its scores (they
+    // carry the fp8 K scale in softmax_scale, or in cap_in where capped)
+    float alibi[2] = {0.f, 0.f};
+    if (V::alibi(p) && warp_active)
+        alibi[0] = alibi[1] = alibi_step(p, sp.head0 + slot, V::capped(p) ? cap_in * p.cap_log2 : softmax_scale);
 
     float o[D / 8][4];
 #pragma unroll
@@ -155,8 +160,9 @@ __global__ void __launch_bounds__(PrefillMmaConfig<D, WARPS, KvFmt::kBytes>::kTh
             }
         }
 
-        V::logits(s, p, cap_in);
         const int col0 = (sp.t_begin + t) * C::kBN;
+        if (V::alibi(p)) V::bias(s, alibi, col0 + 2 * (lane & 3), {row0 + sp.diag, row0 + 8 + sp.diag});
+        V::logits(s, p, cap_in);
         if (tile_needs_mask<C::kBN, V>(p, qw, sp, col0, mask)) mask_scores<V>(s, p, qw, sp, col0, row0, mask);
 
         float alpha[2];

@@ -519,6 +519,9 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
     const int slot = cw / wph;
     const int row0 = qw.row_base + (cw % wph) * 16 + (lane >> 2);  // rows row0, row0 + 8
     const uint8_t* mask = p.mask ? p.mask + int64_t(qw.b) * p.mask_stride_b : nullptr;
+    // ALiBi: a key step's bias of the warp's query head, in raw units
+    float alibi[2] = {0.f, 0.f};
+    if (C::V::alibi(p) && slot < sp.nslots) alibi[0] = alibi[1] = alibi_step(p, sp.head0 + slot, C::V::raw_unit(p));
     const uint32_t q_wg = sm.q + wg * 64 * 128;
     // Ping-pong: warpgroup g issues after barrier 1 + g, then lets the other one go.
     auto my_turn = [&] {
@@ -548,8 +551,9 @@ __device__ __forceinline__ void prefill_ws_consume(const AttentionParams& p, con
             return true;
         };
         auto softmax_tile = [&](int t, float (&alpha)[2]) {
-            C::V::logits(s, p);
             const int col0 = (sp.t_begin + t) * C::kBN;
+            if (C::V::alibi(p)) C::V::bias(s, alibi, col0 + 2 * (lane & 3), {row0 + sp.diag, row0 + 8 + sp.diag});
+            C::V::logits(s, p);
             if (tile_needs_mask<C::kBN, typename C::V>(p, qw, sp, col0, mask))
                 mask_scores<typename C::V>(s, p, qw, sp, col0, row0, mask);
             return softmax_rows(alpha);

@@ -1,10 +1,12 @@
-// Attention variants: the one place where a window, a logit soft-cap, attention sinks and a
-// custom scale enter the kernels (FlashInfer's semantics; the torch reference is
+// Attention variants: the one place where a window, a logit soft-cap, attention sinks, an ALiBi
+// bias and a custom scale enter the kernels (FlashInfer's semantics; the torch reference is
 // backend/attention/torch_native.py's _explicit_attention). Every kernel is templated on a
 // Variant type (below) and calls its hooks instead of spelling a variant out:
 //   logits / logit_log2   raw q.k -> the soft-capped score (log2 domain), or untouched;
 //   first_key             the first key a query position sees (tiles and pages left of it are
 //                         skipped, the rest masked per score);
+//   bias / alibi_step     ALiBi's slope[h] * (key - query position) added to a tile of raw scores,
+//                         before logits;
 //   finish / finish_rows  a finished row's output factor, the sink's exp folded into its
 //                         denominator (finish_split: a decode split's; sink: the merge's term);
 //   scale                 folded into scale_log2 (or cap_in) once, on the host.
@@ -30,7 +32,7 @@ constexpr const char* kVariantFeatures[] = {ASTRAI_ATTN_VARIANT_NAMES};
 // soft_cap <= 0 none, window_left -1 none, sinks null none. With a soft-cap the transform
 // c * log2(e) * tanh(x * scale / c) already lands in the log2 domain, so scale_log2 is 1.
 inline void set_variant_params(AttentionParams& p, int head_dim, double scale, double soft_cap, int window_left,
-                               const float* sinks) {
+                               const float* sinks, const float* alibi_slopes = nullptr) {
     const double s = scale > 0 ? scale : 1.0 / std::sqrt(double(head_dim));
     if (soft_cap > 0) {
         p.scale_log2 = 1.f;
@@ -42,6 +44,7 @@ inline void set_variant_params(AttentionParams& p, int head_dim, double scale, d
     }
     p.window_left = window_left;
     p.sinks = sinks;
+    p.alibi_slopes = alibi_slopes;
 }
 
 // Whether p runs anything beyond plain attention with a scale (the kernels that take only a
@@ -50,7 +53,7 @@ inline void set_variant_params(AttentionParams& p, int head_dim, double scale, d
 __host__ __device__
 #endif
 inline bool has_score_variant(const AttentionParams& p) {
-    return p.cap_log2 != 0.f || p.window_left >= 0 || p.sinks != nullptr;
+    return p.cap_log2 != 0.f || p.window_left >= 0 || p.sinks != nullptr || p.alibi_slopes != nullptr;
 }
 
 #ifdef __CUDACC__
@@ -95,6 +98,15 @@ __device__ __forceinline__ float fold_sink(float m, float l, float sink) {
     return total > 0.f ? f / total : 0.f;
 }
 
+// ALiBi's bias of query head h per key step, in raw-score units: `unit` is what one raw unit is
+// worth in the log2 domain the softmax works in (the softmax scale, or with a soft-cap
+// cap_in * cap_log2, the transform's slope at 0; both scale * log2(e) times any factor the raw
+// scores still lack, an fp8 K scale), so raw + step * (j - pos) is the raw score whose scaled
+// value gained slope[h] * (j - pos): before a soft-cap, as the torch path.
+__device__ __forceinline__ float alibi_step(const AttentionParams& p, int h, float unit) {
+    return __ldg(p.alibi_slopes + h) * float(kLog2e) / unit;
+}
+
 // How an instantiation applies the soft-cap: never; where p has one (a uniform branch per
 // tile); or always (an instantiation of its own: in the decode kernels the transform's
 // registers spilled the d256 body beside the plain path's).
@@ -102,12 +114,14 @@ enum class CapMode { kNone, kRuntime, kAlways };
 
 // A variant type, the kernels' template argument: the hooks every kernel calls for what a
 // variant changes, over the values in p. kWindowSinks: the instantiation serves windows and
-// sinks (read from p where set); without, the hooks are plain attention's and cost nothing.
-template <CapMode kCap_, bool kWindowSinks_>
+// sinks (read from p where set); kAlibi: ALiBi (p.alibi_slopes, where set); without, the hooks
+// are plain attention's and cost nothing.
+template <CapMode kCap_, bool kWindowSinks_, bool kAlibi_ = false>
 struct Variant {
     static constexpr CapMode kCap = kCap_;
     static constexpr bool kWindow = kWindowSinks_;
     static constexpr bool kSinks = kWindowSinks_;
+    static constexpr bool kAlibi = kAlibi_;
 
     // Whether the scores are soft-capped: the cap must see true scores, so factors a kernel
     // would fold into the softmax scale (fp8 K scales) are applied to the scores first.
@@ -127,6 +141,32 @@ struct Variant {
     template <int NT>
     __device__ __forceinline__ static void logits(float (&s)[NT][4], const AttentionParams& p) {
         logits(s, p, p.cap_in);
+    }
+
+    // Whether p's scores take an ALiBi bias (a uniform branch: the kernels skip the bias pass).
+    __device__ __forceinline__ static bool alibi(const AttentionParams& p) {
+        return kAlibi && p.alibi_slopes != nullptr;
+    }
+
+    // The log2-domain worth of one raw unit where the raw scores carry no other factor
+    // (alibi_step's unit): the softmax scale, or the soft-cap's slope at 0.
+    __device__ __forceinline__ static float raw_unit(const AttentionParams& p) {
+        return capped(p) ? p.cap_in * p.cap_log2 : p.scale_log2;
+    }
+
+    // ALiBi's bias added to a tile of raw scores (mma C layout: this thread's rows r = 0, 1 at
+    // query positions pos[r], columns key0 + 8 j + {0, 1}), step[r] a key step's bias of row r's
+    // head (alibi_step); before logits. Masked keys get it too and are masked after.
+    template <int NT>
+    __device__ __forceinline__ static void bias(float (&s)[NT][4], const float (&step)[2], int key0,
+                                                const int (&pos)[2]) {
+        if constexpr (kAlibi) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[j][e] = fmaf(step[e >> 1], float(key0 + 8 * j + (e & 1) - pos[e >> 1]), s[j][e]);
+        }
     }
 
     // One raw score into the log2 domain online softmax works in (the scalar kernels).
@@ -179,11 +219,14 @@ struct Variant {
 
 // The instantiations: plain attention (the Hopper prefill's fast path); every variant from p
 // (the other prefill kernels, the scalar ones, the Hopper prefill's variant path); the decode
-// kernels' two, windows and sinks with the soft-cap compiled out or in.
+// kernels' three: windows and sinks with the soft-cap compiled out or in, and ALiBi's (every
+// variant from p: a decode with ALiBi runs an instantiation of its own, so the others carry none
+// of it).
 using PlainAttention = Variant<CapMode::kNone, false>;
-using RuntimeVariant = Variant<CapMode::kRuntime, true>;
+using RuntimeVariant = Variant<CapMode::kRuntime, true, true>;
 using UncappedVariant = Variant<CapMode::kNone, true>;
 using CappedVariant = Variant<CapMode::kAlways, true>;
+using AlibiVariant = RuntimeVariant;
 
 #endif  // __CUDACC__
 

@@ -18,6 +18,6 @@ HEAD_DIMS = (64, 128, 256)
 # builds without the mma kernels (ASTRAI_NO_MMA) read none
 FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # the variant features every kernel applies (csrc/variant.cuh; the modules' `variant` argument)
-VARIANTS = ("window_left", "logits_soft_cap", "sinks", "scale")
+VARIANTS = ("window_left", "logits_soft_cap", "sinks", "alibi_slopes", "scale")
 # the lowest arch the kernels are built for (cp.async, bf16 mma.sync)
 MIN_SM = 80

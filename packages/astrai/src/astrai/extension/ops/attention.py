@@ -13,8 +13,8 @@
 
 bf16 or fp16, head_dim 64/128/256, ``Hq`` a multiple of ``Hkv``; index tensors int32 on the
 same device (the :class:`~astrai.extension.kv_cache.BatchPlan` fields). Every op also takes the
-variant keywords of ``attention()``: ``scale``, ``logits_soft_cap``, ``window_left`` and
-``sinks`` (float32 ``[Hq]``), validated by the compiled module. Any strides with a
+variant keywords of ``attention()``: ``scale``, ``logits_soft_cap``, ``window_left``, ``sinks``
+and ``alibi_slopes`` (both float32 ``[Hq]``), validated by the compiled module. Any strides with a
 contiguous last dim are accepted (BHLD is a permuted view); rows that are not 16-byte
 aligned are copied first. Masks are bool, True = keep; causal is bottom-right aligned;
 scale is ``1/sqrt(head_dim)``; a row that sees no key returns zeros. The paged ops also
@@ -101,16 +101,16 @@ def q_tile_rows(device: torch.device | str | None = None) -> int:
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
                 scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over contiguous K/V (split-KV). See the module docstring."""
-    _check_tensors(ATTN_DECODE, q, q=q, k=k, v=v, mask=mask, sinks=sinks)
-    return _attn_decode_op(q, k, v, mask, scale, logits_soft_cap, window_left, sinks)
+    _check_tensors(ATTN_DECODE, q, q=q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes)
+    return _attn_decode_op(q, k, v, mask, scale, logits_soft_cap, window_left, sinks, alibi_slopes)
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_DECODE}")
 def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require(ATTN_DECODE, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
@@ -118,12 +118,12 @@ def _attn_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kv_len = k.shape[1] if k.dim() == 4 else 1
     splits, ws_o, ws_lse = _decode_workspace(module, q, kv_heads, kv_len) if q.dim() == 4 else (1, None, None)
     launch(q.device, module.attn_decode, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), splits, tensor_arg(ws_o),
-         tensor_arg(ws_lse), **variant_arg(scale, logits_soft_cap, window_left, sinks))
+         tensor_arg(ws_lse), **variant_arg(scale, logits_soft_cap, window_left, sinks, alibi_slopes))
     return out
 
 
 @_attn_decode_op.op.register_fake
-def _(q, k, v, mask, scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
+def _(q, k, v, mask, scale=None, logits_soft_cap=None, window_left=-1, sinks=None, alibi_slopes=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -131,26 +131,29 @@ def _(q, k, v, mask, scale=None, logits_soft_cap=None, window_left=-1, sinks=Non
 
 def attn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                  is_causal: bool = False, *, scale: float | None = None, logits_soft_cap: float | None = None,
-                 window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 window_left: int = -1, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention over contiguous K/V (split-Q). See the module docstring."""
-    _check_tensors(ATTN_PREFILL, q, q=q, k=k, v=v, mask=mask, sinks=sinks)
-    return _attn_prefill_op(q, k, v, mask, bool(is_causal), scale, logits_soft_cap, window_left, sinks)
+    _check_tensors(ATTN_PREFILL, q, q=q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes)
+    return _attn_prefill_op(q, k, v, mask, bool(is_causal), scale, logits_soft_cap, window_left, sinks,
+                            alibi_slopes)
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_PREFILL}")
 def _attn_prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
-                     window_left: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window_left: int = -1, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require(ATTN_PREFILL, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v = _rows_aligned(q), _rows_aligned(k), _rows_aligned(v)
     launch(q.device, module.attn_prefill, tensor_arg(q), tensor_arg(k), tensor_arg(v), tensor_arg(out), tensor_arg(mask), is_causal,
-           **variant_arg(scale, logits_soft_cap, window_left, sinks))
+           **variant_arg(scale, logits_soft_cap, window_left, sinks, alibi_slopes))
     return out
 
 
 @_attn_prefill_op.op.register_fake
-def _(q, k, v, mask, is_causal, scale=None, logits_soft_cap=None, window_left=-1, sinks=None):
+def _(q, k, v, mask, is_causal, scale=None, logits_soft_cap=None, window_left=-1, sinks=None, alibi_slopes=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -172,8 +175,8 @@ def _cache_geometry(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[in
 def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, kv_lens: torch.Tensor, *, num_splits: int = 0,
                       scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                      sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (split-KV). See the module docstring.
 
     ``num_splits``: the split-KV count (a :func:`~.attention_plan.plan_paged_decode` plan's);
@@ -184,34 +187,37 @@ def attn_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     only launches.
     """
     key = _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale,
-                            logits_soft_cap, window_left, sinks, k_scale, v_scale)
+                            logits_soft_cap, window_left, sinks, alibi_slopes, k_scale, v_scale)
     if key is not None:
         found = _EAGER_DECODES.get(key)
         if found is not None and found[0] is _plugin.op_status(ATTN_PAGED_DECODE, q.device):
-            return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)
+            return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, alibi_slopes, k_scale,
+                            v_scale)
     batch, page_size, num_pages = _cache_geometry(ATTN_PAGED_DECODE, q, k_cache)
     check_decode_table(ATTN_PAGED_DECODE, batch, kv_indptr, kv_indices, kv_lens, page_size=page_size,
                        num_pages=num_pages)
     _check_tensors(ATTN_PAGED_DECODE, q, q=q, k_cache=k_cache, v_cache=v_cache, kv_indptr=kv_indptr,
-                   kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                   kv_indices=kv_indices, kv_lens=kv_lens, sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
+                   v_scale=v_scale)
     if key is not None:  # checked: remember the kind of call with its launch
         if len(_EAGER_DECODES) >= 512:  # many shapes: start over rather than grow
             _EAGER_DECODES.clear()
         found = _EAGER_DECODES[key] = (_plugin.op_status(ATTN_PAGED_DECODE, q.device),
                                        _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens,
                                                      num_splits, scale, logits_soft_cap, window_left, sinks,
-                                                     k_scale, v_scale))
-        return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)
+                                                     alibi_slopes, k_scale, v_scale))
+        return found[1](q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, alibi_slopes, k_scale,
+                        v_scale)
     return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, int(num_splits), scale,
-                                 logits_soft_cap, window_left, sinks, k_scale, v_scale)
+                                 logits_soft_cap, window_left, sinks, alibi_slopes, k_scale, v_scale)
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_PAGED_DECODE}")
 def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_indices: torch.Tensor, kv_lens: torch.Tensor, num_splits: int = 0,
                           scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                          sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require(ATTN_PAGED_DECODE, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
@@ -220,7 +226,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         (None, None)
     launch(q.device, module.attn_paged_decode, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(kv_indptr),
          tensor_arg(kv_indices), tensor_arg(kv_lens), splits, tensor_arg(ws_o), tensor_arg(ws_lse),
-           **variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale))
+           **variant_arg(scale, logits_soft_cap, window_left, sinks, alibi_slopes), **kv_scales_arg(k_scale, v_scale))
     return out
 
 
@@ -236,7 +242,7 @@ def _tensor_facts(t: torch.Tensor | None) -> tuple | None:
 
 
 def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale, logits_soft_cap,
-                      window_left, sinks, k_scale, v_scale) -> tuple | None:
+                      window_left, sinks, alibi_slopes, k_scale, v_scale) -> tuple | None:
     """Every fact of an ``attn_paged_decode`` call that its checks read: each tensor's shape,
     strides, dtype and device (``kv_indices``' length aside: it grows with the requests, it is
     checked by nothing and read by the launch), the split count and the variant's values. None
@@ -247,7 +253,7 @@ def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_s
             is torch.Tensor and type(num_splits) is int and type(window_left) is int
             and type(scale) in _SCALARS and type(logits_soft_cap) in _SCALARS):
         return None
-    for t in (sinks, k_scale, v_scale):
+    for t in (sinks, alibi_slopes, k_scale, v_scale):
         if t is not None and type(t) is not torch.Tensor:
             return None
     if torch.compiler.is_compiling() or debug_checks_enabled():
@@ -256,15 +262,16 @@ def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_s
             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, kv_indptr.shape, kv_indptr.stride(),
             kv_indptr.dtype, kv_indptr.device, kv_indices.stride(), kv_indices.dtype, kv_indices.device,
             kv_lens.shape, kv_lens.stride(), kv_lens.dtype, kv_lens.device, num_splits, scale, logits_soft_cap,
-            window_left, _tensor_facts(sinks), _tensor_facts(k_scale), _tensor_facts(v_scale))
+            window_left, _tensor_facts(sinks), _tensor_facts(alibi_slopes), _tensor_facts(k_scale),
+            _tensor_facts(v_scale))
 
 
 def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale, logits_soft_cap,
-                  window_left, sinks, k_scale, v_scale):
+                  window_left, sinks, alibi_slopes, k_scale, v_scale):
     """``_attn_paged_decode_op`` reduced to its launch for the checked calls of one key: ``run(q,
-    k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale)`` reads the data
-    pointers and ``kv_indices``' length only (rows to copy, or another device current: the op
-    itself runs)."""
+    k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, alibi_slopes, k_scale, v_scale)`` reads
+    the data pointers and ``kv_indices``' length only (rows to copy, or another device current: the
+    op itself runs)."""
     module = _plugin.require(ATTN_PAGED_DECODE, q.device)
     entry, failed = _plugin.unguarded(module, ATTN_PAGED_DECODE)
     rows_ok, index = _rows_layout_ok(q), q.device.index
@@ -276,14 +283,15 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_split
     by_length: dict[torch.Size, tuple] = {}  # kv_indices' shape -> (split count, workspace shapes)
     # the variant / FP8-scale keywords: fixed without tensors among them, else built per call
     fixed_extra = variant_arg(scale, logits_soft_cap, window_left) \
-        if sinks is None and k_scale is None and v_scale is None else None
+        if sinks is None and alibi_slopes is None and k_scale is None and v_scale is None else None
 
-    def run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, k_scale, v_scale) -> torch.Tensor:
+    def run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, sinks, alibi_slopes, k_scale,
+            v_scale) -> torch.Tensor:
         ptr = q.data_ptr()
         current = current_device()
         if ptr % 16 or not rows_ok or (index is not None and current != index):
             return _attn_paged_decode_op(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale,
-                                         logits_soft_cap, window_left, sinks, k_scale, v_scale)
+                                         logits_soft_cap, window_left, sinks, alibi_slopes, k_scale, v_scale)
         indices_shape = kv_indices.shape
         split = by_length.get(indices_shape)
         if split is None:
@@ -293,7 +301,8 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_split
             split = by_length[indices_shape] = (splits, _split_workspace_shapes(splits, shape))
         splits, ws = split
         extra = fixed_extra if fixed_extra is not None else \
-            {**variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale)}
+            {**variant_arg(scale, logits_soft_cap, window_left, sinks, alibi_slopes),
+             **kv_scales_arg(k_scale, v_scale)}
         out = empty(shape, out_strides, dtype)
         ws_o = ws_lse = None
         if ws is not None:
@@ -321,7 +330,7 @@ def _arg_meta(t: torch.Tensor) -> tuple:
 
 @_attn_paged_decode_op.op.register_fake
 def _(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits=0, scale=None, logits_soft_cap=None,
-      window_left=-1, sinks=None, k_scale=None, v_scale=None):
+      window_left=-1, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -331,7 +340,8 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                        q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                        is_causal: bool = True, *, scale: float | None = None, logits_soft_cap: float | None = None,
-                       window_left: int = -1, sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                       window_left: int = -1, sinks: torch.Tensor | None = None,
+                       alibi_slopes: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged (packed-Q) prefill over a paged KV cache. See the module docstring; ``k_scale`` /
     ``v_scale`` as :func:`attn_paged_decode`'s."""
@@ -340,12 +350,13 @@ def attn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                         q_tile_to_index, page_size=page_size, num_pages=num_pages)
     _check_tensors(ATTN_PAGED_PREFILL, q, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_lens=kv_lens, q_tile_to_batch=q_tile_to_batch,
-                   q_tile_to_index=q_tile_to_index, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                   q_tile_to_index=q_tile_to_index, sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
+                   v_scale=v_scale)
     if debug_checks_enabled():
         check_q_tiles(ATTN_PAGED_PREFILL, qo_indptr, q_tile_to_batch, q_tile_to_index, tile_rows=q_tile_rows(q.device))
     return _attn_paged_prefill_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens,
                                   q_tile_to_batch, q_tile_to_index, bool(is_causal), scale, logits_soft_cap,
-                                  window_left, sinks, k_scale, v_scale)
+                                  window_left, sinks, alibi_slopes, k_scale, v_scale)
 
 
 @_plugin.plugin_op(f"astrai::{ATTN_PAGED_PREFILL}")
@@ -354,17 +365,19 @@ def _attn_paged_prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            q_tile_to_batch: torch.Tensor, q_tile_to_index: torch.Tensor,
                            is_causal: bool, scale: float | None = None, logits_soft_cap: float | None = None,
                            window_left: int = -1, sinks: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           alibi_slopes: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     module = _plugin.require(ATTN_PAGED_PREFILL, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q = _rows_aligned(q)
     launch(q.device, module.attn_paged_prefill, tensor_arg(q), tensor_arg(k_cache), tensor_arg(v_cache), tensor_arg(out), tensor_arg(qo_indptr),
          tensor_arg(kv_indptr), tensor_arg(kv_indices), tensor_arg(kv_lens), tensor_arg(q_tile_to_batch), tensor_arg(q_tile_to_index),
-         is_causal, **variant_arg(scale, logits_soft_cap, window_left, sinks), **kv_scales_arg(k_scale, v_scale))
+         is_causal, **variant_arg(scale, logits_soft_cap, window_left, sinks, alibi_slopes),
+         **kv_scales_arg(k_scale, v_scale))
     return out
 
 
 @_attn_paged_prefill_op.op.register_fake
 def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_lens, q_tile_to_batch, q_tile_to_index, is_causal,
-      scale=None, logits_soft_cap=None, window_left=-1, sinks=None, k_scale=None, v_scale=None):
+      scale=None, logits_soft_cap=None, window_left=-1, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

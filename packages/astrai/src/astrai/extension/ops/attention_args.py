@@ -11,12 +11,12 @@ __all__ = ["kv_scales_arg", "variant_arg", "variant_binding", "variant_kwargs"]
 
 
 def variant_arg(scale: float | None = None, logits_soft_cap: float | None = None, window_left: int = -1,
-                sinks: torch.Tensor | None = None) -> dict:
+                sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> dict:
     """The modules' ``variant`` keyword of the ops' variant keywords: none for plain attention (so a
     plugin built before variants still runs it), else :func:`_binding_variant`'s tuple."""
-    if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None:
+    if scale is None and logits_soft_cap is None and window_left == -1 and sinks is None and alibi_slopes is None:
         return {}
-    return _binding_variant(scale, logits_soft_cap, window_left, sinks)
+    return _binding_variant(scale, logits_soft_cap, window_left, sinks, alibi_slopes)
 
 
 def variant_binding(variant) -> dict:
@@ -24,14 +24,17 @@ def variant_binding(variant) -> dict:
     layer, or None), straight from its fields: what the launch plans pass."""
     if variant is None or not variant.features:
         return {}
-    _refuse_alibi(variant)
-    return _binding_variant(variant.scale, variant.logits_soft_cap, variant.window_left, variant.sinks)
+    return _binding_variant(variant.scale, variant.logits_soft_cap, variant.window_left, variant.sinks,
+                            variant.alibi_slopes)
 
 
-def _binding_variant(scale, logits_soft_cap, window_left, sinks) -> dict:
+def _binding_variant(scale, logits_soft_cap, window_left, sinks, alibi_slopes) -> dict:
     """The one conversion to the binding's variant: ``(scale, soft-cap, window_left, sinks)`` with
-    0 for an unset scale or soft-cap (csrc/entry_utils.h: set_variant)."""
-    return {"variant": (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))}
+    0 for an unset scale or soft-cap, and ``alibi_slopes`` as a fifth item where set (so a plugin
+    built before ALiBi, whose manifest lacks it, still takes every other variant: csrc/entry_utils.h:
+    set_variant)."""
+    items = (float(scale or 0.0), float(logits_soft_cap or 0.0), int(window_left), tensor_arg(sinks))
+    return {"variant": items if alibi_slopes is None else (*items, tensor_arg(alibi_slopes))}
 
 
 def variant_kwargs(variant) -> dict:
@@ -40,14 +43,8 @@ def variant_kwargs(variant) -> dict:
     fields one by one."""
     if variant is None or not variant.features:
         return {}
-    _refuse_alibi(variant)
     return dict(scale=variant.scale, logits_soft_cap=variant.logits_soft_cap, window_left=variant.window_left,
-                sinks=variant.sinks)
-
-
-def _refuse_alibi(variant) -> None:
-    if variant.alibi_slopes is not None:  # the CUDA backend passes such calls over (its manifest lacks it)
-        raise ValueError("alibi_slopes: the CUDA attention ops take no ALiBi bias (the torch path runs it)")
+                sinks=variant.sinks, alibi_slopes=variant.alibi_slopes)
 
 
 def kv_scales_arg(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
