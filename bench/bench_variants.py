@@ -1,10 +1,10 @@
 """What the attention variants cost, beside cuDNN in the same run: paged decode (pages
 shuffled, page 16) and dense prefill, bf16 GQA 32/8 d128 (--dims: others), plain against a soft-cap of 50,
-sinks, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the
+sinks, ALiBi slopes, and a 4096-token window at kv 32768 (batch 1, and 16 without --quick). Each row has the
 CUDA-graph time (median of graph replays, ``astrai.timing.graph``) and the eager per-call time
 of the public op;
 cuDNN runs on contiguous [B, H, L, D] and on the transposed view of [B, L, H, D] (the
-faster is reported), plain causal (it has no soft-cap or sinks; for the window rows it runs
+faster is reported), plain causal (it has no soft-cap, sinks or ALiBi; for the window rows it runs
 the full context, the work the window saves). Decode rows also time the binding alone, eager
 ("binding us": the host path below the op wrapper).
 
@@ -29,6 +29,7 @@ from graph_timing import print_rows  # noqa: E402
 
 from astrai import timing  # noqa: E402
 from astrai.extension.abi import stream_handle  # noqa: E402
+from astrai.extension.backend.attention.variant import alibi_slopes  # noqa: E402
 from astrai.extension.ops import attention as ops  # noqa: E402
 
 HQ, HKV = 32, 8
@@ -42,6 +43,7 @@ def variants(kv_len: int) -> dict:
     if PLAIN_ONLY:
         return {"plain": {}}
     return {"plain": {}, "softcap 50": dict(logits_soft_cap=50.0), "sinks": dict(sinks=sinks),
+            "alibi": dict(alibi_slopes=alibi_slopes(HQ, "cuda")),
             "window 4096": dict(window_left=4095) if kv_len >= 8192 else None}
 
 

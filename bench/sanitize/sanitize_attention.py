@@ -5,6 +5,8 @@ both dtypes, every head dim, ragged + paged shapes with tails; checks results to
     compute-sanitizer --tool racecheck python bench/sanitize/sanitize_attention.py --small
     compute-sanitizer --tool memcheck  python bench/sanitize/sanitize_attention.py --variant   (every call
         with a window, a soft-cap, sinks and a scale: the kernels' variant paths)
+    compute-sanitizer --tool memcheck  python bench/sanitize/sanitize_attention.py --alibi     (the same with
+        ALiBi slopes: the decode kernels' ALiBi instantiation)
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main() -> None:
     small = "--small" in sys.argv
     torch.manual_seed(0)
     kw = dict(window_left=37, logits_soft_cap=20.0, sinks=torch.randn(16, device="cuda"), scale=0.1) \
-        if "--variant" in sys.argv else {}
+        if "--variant" in sys.argv or "--alibi" in sys.argv else {}
+    if "--alibi" in sys.argv:
+        kw["alibi_slopes"] = torch.rand(16, device="cuda")
     var = variant_arg(**kw)
 
     def reference(*args, **more):
@@ -76,7 +80,8 @@ def main() -> None:
                         s += nq
             n += 1
     torch.cuda.synchronize()
-    print(f"sanitize sweep ok ({n} dtype x head_dim combinations{', variant' if kw else ''})")
+    mode = ", alibi" if "alibi_slopes" in kw else ", variant" if kw else ""
+    print(f"sanitize sweep ok ({n} dtype x head_dim combinations{mode})")
 
 
 if __name__ == "__main__":

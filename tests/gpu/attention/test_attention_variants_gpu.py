@@ -1,4 +1,4 @@
-"""Every attention kernel with every variant feature (window, soft-cap, sinks, scale) against
+"""Every attention kernel with every variant feature (window, soft-cap, sinks, ALiBi, scale) against
 the float64 reference: dense and paged decode (one split, several, the fused append with the
 in-kernel merge), dense and paged prefill (ragged, chunked: a prefix already cached), pages
 1 / 16 / 64 shuffled, GQA groups 1-32, d 64 / 128 / 256, bf16 and fp16. Outputs NaN-poisoned;
@@ -24,7 +24,15 @@ def sinks(hq, seed):
     return torch.randn(hq, generator=g, device="cuda") * 2 + 1
 
 
-# name -> keywords of attention() (sinks drawn per case: True)
+def slopes(hq, seed):
+    """ALiBi's slopes (the paper's) each times a factor in [0.5, 1.5): a head given another head's
+    slope shows."""
+    from astrai.extension.backend.attention.variant import alibi_slopes
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    return alibi_slopes(hq, "cuda") * (0.5 + torch.rand(hq, generator=g, device="cuda"))
+
+
+# name -> keywords of attention() (sinks and slopes drawn per case: True)
 VARIANTS = {
     "window0": dict(window_left=0),
     "window37": dict(window_left=37),
@@ -34,6 +42,9 @@ VARIANTS = {
     "sinks": dict(sinks=True),
     "scale": dict(scale=0.3),
     "all": dict(window_left=61, logits_soft_cap=20.0, sinks=True, scale=0.1),
+    "alibi": dict(alibi_slopes=True),
+    "alibi_softcap": dict(alibi_slopes=True, logits_soft_cap=5.0, scale=0.2),
+    "alibi_all": dict(alibi_slopes=True, window_left=61, logits_soft_cap=20.0, sinks=True, scale=0.1),
 }
 
 
@@ -41,6 +52,8 @@ def keywords(name, hq, seed):
     kw = dict(VARIANTS[name])
     if kw.get("sinks"):
         kw["sinks"] = sinks(hq, seed)
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = slopes(hq, seed)
     return kw
 
 
@@ -89,7 +102,7 @@ def test_paged_decode_variants(lens, page, Hq, Hkv, D, dtype, variant):
                      f"paged decode {variant} b={b} len={lens[b]} page={page} splits={splits}")
 
 
-@pytest.mark.parametrize("variant", ["window37", "sinks", "all"])
+@pytest.mark.parametrize("variant", ["window37", "sinks", "all", "alibi_all"])
 @pytest.mark.parametrize("splits,in_kernel_merge", [(1, False), (4, False), (4, True)])
 def test_paged_decode_appending_variants(splits, in_kernel_merge, variant):
     """The fused append with the variants, the splits merged by the combine kernel or in the
@@ -202,10 +215,9 @@ def test_attention_runs_the_variants_on_the_cuda_backend(mode):
 
 
 @pytest.mark.parametrize("mode", ["dense", "prefill", "decode"])
-def test_alibi_runs_on_the_torch_path_of_a_cuda_device(mode):
-    """ALiBi has no kernel yet: on a CUDA device the CUDA backend passes the call over with the
-    reason (explain), and the torch path runs it on the device, dense and over a cache, equal
-    to the float64 reference."""
+def test_alibi_runs_on_the_cuda_backend(mode):
+    """ALiBi through the public path: dense, a chunk over a cached prefix and a decode step, on
+    the CUDA backend (explain says so), equal to the float64 reference."""
     from astrai.extension import attention, explain
     from astrai.extension.backend.attention.variant import alibi_slopes
     from astrai.extension.kv_cache import PagedKVCache
@@ -229,5 +241,5 @@ def test_alibi_runs_on_the_torch_path_of_a_cuda_device(mode):
         got = attention(*(t[:, done:700] for t in seq), kv_cache=cache, layer_id=0, **kw)
         want, magnitude = reference(seq[0][:, done:700], seq[1], seq[2], None, True, **kw)
     assert_close(got, (want, magnitude), BF16, f"alibi {mode}")
-    text = "\n".join(str(decision) for decision in explain("attention"))
-    assert "alibi_slopes" in text and "-> torch_native" in text
+    decisions = [d for d in explain("attention") if "alibi_slopes" in str(d.key)]
+    assert decisions and all(d.chosen == "cuda" for d in decisions), [str(d) for d in decisions]

@@ -16,6 +16,7 @@ if torch.cuda.is_available():
                                  seed_of, take_new_tokens, variant_arg)
 
     from astrai.extension.abi import stream_handle
+    from astrai.extension.backend.attention.variant import alibi_slopes
     from astrai.extension.kv_quant import calibrated_scale, dequantize, quantize
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -138,7 +139,7 @@ def test_paged_prefill_over_fp8_pages(q_lens, prefix, page, Hq, Hkv, D, dtype, c
         start += n
 
 
-@pytest.mark.parametrize("variant", ["window37", "all"])
+@pytest.mark.parametrize("variant", ["window37", "all", "alibi", "alibi_all"])
 def test_paged_prefill_over_fp8_pages_with_variants(variant):
     q_lens, prefix, page, Hq, Hkv, D, dtype = [70, 300], [200, 0], 16, 32, 8, 128, BF16
     seed = seed_of("fp8 prefill variant", variant)
@@ -147,8 +148,11 @@ def test_paged_prefill_over_fp8_pages_with_variants(variant):
     _, scales = fp8_copy(cache, torch.float8_e4m3fn, True, seed)
     g = torch.Generator(device="cuda").manual_seed(seed)
     sinks = torch.randn(Hq, generator=g, device="cuda") * 2 + 1
+    slopes = alibi_slopes(Hq, "cuda")
     kw = {"window37": dict(window_left=37),
-          "all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1)}[variant]
+          "all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1),
+          "alibi": dict(alibi_slopes=slopes),
+          "alibi_all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1, alibi_slopes=slopes)}[variant]
     out = direct_fp8_prefill(q, cache, scales, q_lens, True, variant_arg(**kw))
     start = 0
     for b, n in enumerate(q_lens):
@@ -170,14 +174,14 @@ def test_bfloat16_queries_of_any_magnitude(Hq, Hkv, D):
     q = (q.float() * 10.0 ** exponents).to(BF16)
     q[:, :, 0, 0] = 3e4  # row 0: one element near the scaled row's top, the rest ~1
     _, scales = fp8_copy(cache, torch.float8_e4m3fn, True, seed)
-    for scale in (None, 1e-6):
-        kw = {} if scale is None else {"scale": scale}
+    # ALiBi's bias enters each row in the units of its scaled scores (alibi: the row's factor divided out)
+    for kw in ({}, {"scale": 1e-6}, {"alibi_slopes": alibi_slopes(Hq, "cuda")}):
         out, _ = direct_fp8_decode(q, cache, scales, variant_arg(**kw), splits=1)
-        check_against_reference(out, q, cache, scales, BF16, f"bf16 q magnitudes scale={scale}", **kw)
+        check_against_reference(out, q, cache, scales, BF16, f"bf16 q magnitudes {sorted(kw)}", **kw)
 
 
 @pytest.mark.parametrize("splits", [1, 5])
-@pytest.mark.parametrize("variant", ["window37", "softcap30", "sinks", "all"])
+@pytest.mark.parametrize("variant", ["window37", "softcap30", "sinks", "all", "alibi", "alibi_all"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_paged_decode_over_fp8_pages_with_variants(fmt, variant, splits):
     lens, page, Hq, Hkv, D, dtype = [300, 1025, 64], 16, 32, 8, 128, BF16
@@ -186,8 +190,11 @@ def test_paged_decode_over_fp8_pages_with_variants(fmt, variant, splits):
     _, scales = fp8_copy(cache, FORMATS[fmt], True, seed)
     g = torch.Generator(device="cuda").manual_seed(seed)
     sinks = torch.randn(Hq, generator=g, device="cuda") * 2 + 1
+    slopes = alibi_slopes(Hq, "cuda")
     kw = {"window37": dict(window_left=37), "softcap30": dict(logits_soft_cap=30.0), "sinks": dict(sinks=sinks),
-          "all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1)}[variant]
+          "all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1),
+          "alibi": dict(alibi_slopes=slopes),
+          "alibi_all": dict(window_left=61, logits_soft_cap=20.0, sinks=sinks, scale=0.1, alibi_slopes=slopes)}[variant]
     out, _ = direct_fp8_decode(q, cache, scales, variant_arg(**kw), splits=splits)
     check_against_reference(out, q, cache, scales, dtype, f"fp8 {fmt} {variant} splits={splits}", **kw)
 
