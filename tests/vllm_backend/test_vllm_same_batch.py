@@ -70,7 +70,8 @@ def _run(backend, vllm_config, spec, cache, layer, kv_cache_dtype, impl_kwargs, 
     """Write the requests' history, then the step's keys/values, then attend."""
     builder = backend.get_builder_cls()(spec, [], vllm_config, torch.device("cpu"))
     kwargs = {"sliding_window": None, "kv_cache_dtype": kv_cache_dtype, **impl_kwargs}
-    impl = backend.get_impl_cls()(HEADS, HEAD, HEAD ** -0.5, KV_HEADS, None, **kwargs)
+    alibi = kwargs.pop("alibi_slopes", None)  # vLLM passes it in place (the fifth argument)
+    impl = backend.get_impl_cls()(HEADS, HEAD, HEAD ** -0.5, KV_HEADS, alibi, **kwargs)
     for k, v, slots in (history, new):
         impl.do_kv_cache_update(layer, k, v, cache, slots)
     meta = builder.build(0, common)
@@ -109,6 +110,8 @@ CASES = {
     "window": (torch.float32, "auto", {"sliding_window": 24}),
     "softcap": (torch.float32, "auto", {"logits_soft_cap": 3.0}),
     "sinks": (torch.float32, "auto", {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}),
+    "alibi": (torch.float32, "auto", {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}),
+    "alibi_bf16": (torch.bfloat16, "auto", {"alibi_slopes": [0.3, 0.2, 0.1, 0.05]}),
     "fp8_e4m3": (torch.bfloat16, "fp8_e4m3", {}),
     "fp8_e5m2": (torch.bfloat16, "fp8_e5m2", {}),
 }
@@ -153,3 +156,8 @@ def test_same_batch_as_cpu_attn(model_dir, case):
     assert not ref[:total].isnan().any()
     torch.testing.assert_close(out[:total].float(), ref[:total].float(), atol=TOLERANCE[dtype], rtol=0)
     assert out[total:].isnan().all()  # rows past the batch untouched
+
+
+def test_alibi_needs_a_slope_per_head():
+    with pytest.raises(ValueError, match=r"alibi_slopes has 3 slopes: expected one per head \(4\)"):
+        AstraiAttentionBackend.get_impl_cls()(HEADS, HEAD, HEAD ** -0.5, KV_HEADS, [0.5, 0.25, 0.1])

@@ -4,11 +4,11 @@ vLLM asks the backend class at selection time (``validate_configuration``, the `
 methods); a configuration AstrAI lacks is refused there with the reason, never run wrong.
 Taken: decoder self-attention, fp16 / bf16 (and fp32 off CUDA: the torch path), GQA, any
 block size, FP8 KV (``fp8``, ``fp8_e4m3``, ``fp8_e5m2`` with the layer's per-tensor
-``k_scale`` / ``v_scale``), sliding window, logit soft-cap, sinks, chunked prefill and
+``k_scale`` / ``v_scale``), sliding window, logit soft-cap, sinks, ALiBi, chunked prefill and
 mixed prefill/decode batches. On CUDA the astrai-attention plugin's paged kernels must run
 the layer (head dims 64 / 128 / 256, the dtypes and FP8 pages its manifest states, sm_80+):
 a GPU it cannot serve is refused rather than served by the torch path's gathers. Refused
-everywhere: MLA, sparse and encoder / cross attention, non-causal attention, ALiBi,
+everywhere: MLA, sparse and encoder / cross attention, non-causal attention,
 per-head quantization scales, context parallelism (DCP / PCP), batch invariance, R-SWA and
 multimodal prefix attention, and query lengths the device changes behind the host's back
 (adaptive verification): the plan reads the host's.

@@ -4,7 +4,7 @@ vLLM calls :meth:`AstraiAttentionImpl.do_kv_cache_update` with the step's keys/v
 ``slot_mapping``, then :meth:`AstraiAttentionImpl.forward` with the queries and the batch's
 :class:`~.metadata.AstraiMetadata`; both read and write the layer's cache through AstrAI page
 views of it (:func:`~.pages.page_views`), never a copy. The layer's variant (scale, window,
-soft-cap, sinks) is fixed at construction; the plugin's kernels run it on CUDA where they can
+soft-cap, sinks, ALiBi slopes) is fixed at construction; the plugin's kernels run it on CUDA where they can
 (decided at the first forward, said once in the log where they cannot), AstrAI's torch path
 everywhere else.
 """
@@ -34,9 +34,8 @@ class AstraiAttentionImpl(AttentionImpl[AstraiMetadata]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
-        if alibi_slopes is not None:
-            raise ValueError("alibi_slopes: AstrAI's CUDA attention kernels have no ALiBi bias yet "
-                             "(attention() runs it on its torch path only)")
+        if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+            raise ValueError(f"alibi_slopes has {len(alibi_slopes)} slopes: expected one per head ({num_heads})")
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"attn_type={attn_type!r}: AstrAI's vLLM backend runs decoder self-attention only")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -54,6 +53,7 @@ class AstraiAttentionImpl(AttentionImpl[AstraiMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self.sinks = sinks  # a parameter the model loads later: read (as float32) at forward
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         self._runs: dict[tuple, tuple] = {}  # (device, dtype) -> (variant, kernels?), fixed once weights load
 
     # -- the variant and where it runs
@@ -63,10 +63,11 @@ class AstraiAttentionImpl(AttentionImpl[AstraiMetadata]):
         found = self._runs.get(key)
         if found is None:
             sinks = None if self.sinks is None else self.sinks.detach().to(device=q.device, dtype=torch.float32)
+            slopes = None if self.alibi_slopes is None else self.alibi_slopes.to(q.device)
             default = abs(self.scale - 1.0 / math.sqrt(self.head_size)) <= 1e-7 * self.scale
             variant = check_variant(q, window_left=-1 if self.sliding_window is None else self.sliding_window - 1,
                                     logits_soft_cap=self.logits_soft_cap, sinks=sinks,
-                                    scale=None if default else self.scale)
+                                    scale=None if default else self.scale, alibi_slopes=slopes)
             storage = cache_storage_dtype(self.kv_cache_dtype, q.dtype)
             reason = kernel_unsupported(q.device, q.dtype, self.head_size, variant.features, storage)
             if reason is not None and q.device.type == "cuda":
