@@ -344,7 +344,8 @@ def attention(
         scale: ``None`` (``1/sqrt(head_dim)``) or a positive float multiplying ``q @ k^T``.
         alibi_slopes: ``None`` or float32 ``[q_heads]``: ALiBi (BLOOM, MPT): head ``h``'s scaled
             score of key ``j`` for a query at position ``p`` gains ``alibi_slopes[h] * (j - p)``,
-            before a soft-cap. The torch path runs it; the CUDA kernels do not yet (``explain()``).
+            before a soft-cap. The CUDA kernels run it where the plugin states it (built with it);
+            flash-attn's backend passes it over (``explain()``).
 
     A backend that lacks a feature the call uses is passed over with the reason
     (``explain()``); the torch path runs every feature.
