@@ -235,6 +235,7 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # marked unusable, another runtime) checks the call again.
 _EAGER_DECODES: dict[tuple, tuple] = {}
 _SCALARS = (type(None), int, float)
+_NO_TENSORS = (None, None, None, None)  # no sinks, slopes or FP8 scales: the common call
 
 
 def _tensor_facts(t: torch.Tensor | None) -> tuple | None:
@@ -253,17 +254,17 @@ def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_s
             is torch.Tensor and type(num_splits) is int and type(window_left) is int
             and type(scale) in _SCALARS and type(logits_soft_cap) in _SCALARS):
         return None
-    for t in (sinks, alibi_slopes, k_scale, v_scale):
-        if t is not None and type(t) is not torch.Tensor:
-            return None
+    optional = (sinks, alibi_slopes, k_scale, v_scale)
+    plain = optional == _NO_TENSORS
+    if not plain and any(t is not None and type(t) is not torch.Tensor for t in optional):
+        return None
     if torch.compiler.is_compiling() or debug_checks_enabled():
         return None
     return (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, kv_indptr.shape, kv_indptr.stride(),
             kv_indptr.dtype, kv_indptr.device, kv_indices.stride(), kv_indices.dtype, kv_indices.device,
             kv_lens.shape, kv_lens.stride(), kv_lens.dtype, kv_lens.device, num_splits, scale, logits_soft_cap,
-            window_left, _tensor_facts(sinks), _tensor_facts(alibi_slopes), _tensor_facts(k_scale),
-            _tensor_facts(v_scale))
+            window_left, None if plain else tuple(map(_tensor_facts, optional)))
 
 
 def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_splits, scale, logits_soft_cap,
