@@ -71,7 +71,7 @@ class CudaBackend(AttentionBackend):
 
     def slower_than_peer(self, call: AttentionCall) -> str | None:
         """Dense prefill: why torch runs instead, unless the measured table says we are faster.
-        The table measured plain attention against SDPA; a window, soft-cap or sinks send torch
+        The table measured plain attention against SDPA; a window, soft-cap, sinks or ALiBi send torch
         to its masked or explicit path, which it did not measure: the kernel runs those."""
         if call.paged or _beyond_scale(call):
             return None
