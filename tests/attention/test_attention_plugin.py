@@ -157,7 +157,20 @@ def test_no_spills_at_head_dim_up_to_128(build):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
 
 
-# prefill + paged prefill, bf16 + fp16, d 64 / 128 / 256, plain + variant (window, soft-cap, sinks);
+def test_alibi_decode_kernels_do_not_spill(build):
+    """The decode kernel's ALiBi instantiation (AlibiVariant = RuntimeVariant: Variant<kRuntime, true,
+    true>), one per dtype, head dim and page format of the decode ops, adds its bias in the masking
+    pass: added before the logits, or with the steps held across the loop, the paged 16-bit d256
+    body spilled."""
+    _, log = build
+    alibi = {k: v for k, v in _ptxas_report(log).items()
+             if "decode_mma_kernel" in k and "VariantILNS0_7CapModeE1ELb1ELb1EE" in k}
+    assert len(alibi) == 2 * 3 * 4, sorted(alibi)  # dtypes x head dims x (contiguous, paged 16-bit, e4m3, e5m2)
+    for name, r in alibi.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+
+
+# prefill + paged prefill, bf16 + fp16, d 64 / 128 / 256, plain + variant (window, soft-cap, sinks, ALiBi);
 # and the wide K/V tiles of dense prefill at d128 (176 rows) and d256 (80), bf16 + fp16, plain + variant
 HOPPER_PREFILL_KERNELS = 2 * 2 * 3 * 2 + 2 * 2 * 2
 
