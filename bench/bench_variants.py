@@ -42,8 +42,10 @@ def variants(kv_len: int) -> dict:
     sinks = torch.randn(HQ, device="cuda")
     if PLAIN_ONLY:
         return {"plain": {}}
+    # a build before ALiBi (an A/B's older side) has no alibi rows: its binding refuses the slopes
+    alibi = "alibi_slopes" in getattr(module("attn_paged_decode"), "VARIANTS", ())
     return {"plain": {}, "softcap 50": dict(logits_soft_cap=50.0), "sinks": dict(sinks=sinks),
-            "alibi": dict(alibi_slopes=alibi_slopes(HQ, "cuda")),
+            "alibi": dict(alibi_slopes=alibi_slopes(HQ, "cuda")) if alibi else None,
             "window 4096": dict(window_left=4095) if kv_len >= 8192 else None}
 
 
