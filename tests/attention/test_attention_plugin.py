@@ -326,6 +326,8 @@ def test_the_variant_argument_is_checked_before_any_launch(build):
                            ((0.0, 0.0, -1, None, _t(P, [31], dtype=0)),
                             r"alibi_slopes: expected shape \[q_heads\] = \[32\]"),
                            ((0.0, 0.0, -1, None, _t(P, [32], dtype=1)), "alibi_slopes: expected dtype float32"),
+                           ((0.0, 0.0, -1, None, _t(P, [32], dtype=0, strides=[2])), "alibi_slopes: must be contiguous"),
+                           ((0.0, 0.0, -1, _t(P, [32], dtype=0, strides=[2])), "sinks: must be contiguous"),
                            ((0.0, 0.0, -1, None, None, None), "variant: expected"),
                            ((0.0, 0.0, -1), "variant: expected")):
         with pytest.raises(ValueError, match=match):

@@ -288,7 +288,7 @@ inline const float* head_vector_arg(const char* name, pybind11::handle t, int64_
     expect_dtype(s, DType::Float32);
     ASTRAI_CHECK(s.ndim() == 1 && s.size(0) == q_heads, name, ": expected shape [q_heads] = [", q_heads, "], got ",
                  shape_str(s.shape));
-    ASTRAI_CHECK(s.size(0) <= 1 || s.stride(0) == 1, name, ": must be contiguous");
+    expect_contiguous(s);
     expect_data(s, 4);
     return s.data<const float>();
 }
