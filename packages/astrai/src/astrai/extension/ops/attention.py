@@ -235,7 +235,6 @@ def _attn_paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # marked unusable, another runtime) checks the call again.
 _EAGER_DECODES: dict[tuple, tuple] = {}
 _SCALARS = (type(None), int, float)
-_NO_TENSORS = (None, None, None, None)  # no sinks, slopes or FP8 scales: the common call
 
 
 def _tensor_facts(t: torch.Tensor | None) -> tuple | None:
@@ -255,7 +254,7 @@ def _eager_decode_key(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, num_s
             and type(scale) in _SCALARS and type(logits_soft_cap) in _SCALARS):
         return None
     optional = (sinks, alibi_slopes, k_scale, v_scale)
-    plain = optional == _NO_TENSORS
+    plain = sinks is None and alibi_slopes is None and k_scale is None and v_scale is None
     if not plain and any(t is not None and type(t) is not torch.Tensor for t in optional):
         return None
     if torch.compiler.is_compiling() or debug_checks_enabled():
